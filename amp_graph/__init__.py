@@ -1,0 +1,30 @@
+"""amp_graph: automatic mixed precision as a torch.fx graph pass.
+
+>>> import torch, amp_graph
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+>>> compiled = amp_graph.compile(model, policy="O1", dtype=torch.bfloat16)
+>>> compiled(torch.randn(2, 4)).dtype
+torch.float32
+"""
+
+from amp_graph import passes
+from amp_graph.compiler import CaptureError, compile
+from amp_graph.passes.insert_casts import cast_if_castable
+from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
+from amp_graph.report import Report, explain, report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KEEP_FP32",
+    "PRESETS",
+    "CaptureError",
+    "Policy",
+    "Report",
+    "Rule",
+    "cast_if_castable",
+    "compile",
+    "explain",
+    "passes",
+    "report",
+]

@@ -1,0 +1,199 @@
+"""``report`` and ``explain``: what the passes decided, per node, and why."""
+
+from __future__ import annotations
+
+import html
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from amp_graph.compiler import CompileRecord, compile_record
+from amp_graph.passes.meta import AMP, UNKNOWN, VAL, AmpInfo, Role, short
+from amp_graph.policy import Rule, nearest
+
+RULE_MEANING = {
+    Rule.ALLOW: "low precision",
+    Rule.DENY: "float32",
+    Rule.PROMOTE: "the widest floating input type",
+    Rule.FOLLOW: "its inputs' dtypes (no casts)",
+}
+DTYPE_COLORS = {"fp32": "#4e79a7", "fp16": "#f28e2b", "bf16": "#e15759", "?": "#bab0ac"}
+
+
+@dataclass
+class NodeRow:
+    """One node of the compiled graph, as the report shows it."""
+
+    name: str
+    op: str
+    module: str
+    role: str
+    rule: str
+    decided_by: str
+    detail: str
+    compute: str  # dtype inputs are cast to, "-" when none
+    out: str  # output dtype ("?" when unproven without example inputs)
+    casts_in: list[str] = field(default_factory=list)
+    casts_out: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """Per-node decisions plus totals. ``print(report)`` for a table, or view it in Jupyter."""
+
+    policy: str
+    dtype: str
+    exact: bool
+    rows: list[NodeRow]
+    casts_inserted: int
+    casts_removed: int
+    casts_kept: int
+    cast_bytes: int | None  # bytes read + written by the kept casts per call; None: unknown
+    ops_by_dtype: dict[str, int]
+
+    def row(self, name: str) -> NodeRow:
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(f"no node {name!r} in the report.{nearest(name, [r.name for r in self.rows])}")
+
+    def totals(self) -> str:
+        bytes_text = "unknown (compile with example_inputs)" if self.cast_bytes is None else f"{self.cast_bytes:,}"
+        per_dtype = ", ".join(f"{k}: {v}" for k, v in sorted(self.ops_by_dtype.items()))
+        return (
+            f"policy {self.policy}, low dtype {self.dtype}; ops by output dtype: {per_dtype}\n"
+            f"casts inserted {self.casts_inserted}, removed by simplification "
+            f"{self.casts_removed}, kept {self.casts_kept}; bytes cast per call: {bytes_text}"
+        )
+
+    def __str__(self) -> str:
+        headers = ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in")
+        table = [headers] + [
+            (r.name, r.op, r.module or "-", r.rule, r.decided_by, r.compute, r.out,
+             ", ".join(r.casts_in) or "-")
+            for r in self.rows
+        ]
+        widths = [max(len(str(line[i])) for line in table) for i in range(len(headers))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join([*lines, "", self.totals()])
+
+    def _repr_html_(self) -> str:
+        def cell(value: str, dtype: str | None = None) -> str:
+            color = DTYPE_COLORS.get(dtype or "", "")
+            style = f' style="color:{color};font-weight:600"' if color else ""
+            return f"<td{style}>{html.escape(value)}</td>"
+
+        head = "".join(f"<th>{h}</th>" for h in
+                       ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in"))
+        body = "".join(
+            "<tr>" + cell(r.name) + cell(r.op) + cell(r.module or "-") + cell(r.rule)
+            + cell(r.decided_by) + cell(r.compute, r.compute) + cell(r.out, r.out)
+            + cell(", ".join(r.casts_in) or "-") + "</tr>"
+            for r in self.rows
+        )
+        totals = html.escape(self.totals()).replace("\n", "<br>")
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><p>{totals}</p>"
+
+
+def _numel_bytes(val: Any, dtype: Any) -> int | None:
+    if not isinstance(val, torch.Tensor) or not isinstance(dtype, torch.dtype):
+        return None
+    return val.numel() * dtype.itemsize
+
+
+def cast_bytes(gm: fx.GraphModule) -> int | None:
+    """Bytes read plus bytes written by the graph's casts per call, when shapes are known."""
+    total = 0
+    for node in gm.graph.nodes:
+        amp: AmpInfo = node.meta[AMP]
+        if amp.role is not Role.CAST:
+            continue
+        source = node.args[0]
+        read = _numel_bytes(source.meta.get(VAL), source.meta[AMP].out_dtype)
+        written = _numel_bytes(source.meta.get(VAL), amp.out_dtype)
+        if read is None or written is None:
+            return None
+        total += read + written
+    return total
+
+
+def _row(node: fx.Node) -> NodeRow:
+    amp: AmpInfo = node.meta[AMP]
+    casts_in = [a.name for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
+    casts_out = [u.name for u in node.users if u.meta[AMP].role is Role.CAST]
+    return NodeRow(
+        name=node.name, op=amp.op or node.op, module=amp.module_path, role=str(amp.role),
+        rule=str(amp.rule) if amp.role is Role.OP else str(amp.role), decided_by=amp.source,
+        detail=amp.detail, compute=short(amp.compute_dtype) if amp.compute_dtype else "-",
+        out=short(amp.out_dtype), casts_in=casts_in, casts_out=casts_out,
+    )
+
+
+def report(compiled: fx.GraphModule) -> Report:
+    """Per node: dtype, the rule and what decided it, casts in and out; plus totals.
+
+    >>> import torch, amp_graph
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    >>> r = amp_graph.report(amp_graph.compile(m, example_inputs=(torch.randn(2, 4),)))
+    >>> r.row("_0").out, r.casts_kept
+    ('bf16', 3)
+    """
+    record: CompileRecord = compile_record(compiled)
+    rows = [_row(n) for n in compiled.graph.nodes]
+    ops = Counter(r.out for r in rows if r.role in (str(Role.OP), str(Role.USER_CAST), str(Role.INPLACE)))
+    return Report(
+        policy=record.policy.name, dtype=short(record.dtype), exact=record.exact, rows=rows,
+        casts_inserted=record.stats.get("casts_inserted", 0),
+        casts_removed=record.stats.get("casts_removed", 0),
+        casts_kept=sum(r.role == str(Role.CAST) for r in rows),
+        cast_bytes=cast_bytes(compiled), ops_by_dtype=dict(ops),
+    )
+
+
+def _find(compiled: fx.GraphModule, name: str) -> fx.Node:
+    for node in compiled.graph.nodes:
+        if node.name == name:
+            return node
+    names = [n.name for n in compiled.graph.nodes]
+    raise KeyError(f"no node named {name!r} in the compiled graph.{nearest(name, names)}")
+
+
+def explain(compiled: fx.GraphModule, node_name: str) -> str:
+    """Why ``node_name`` has its dtype, in one paragraph."""
+    compile_record(compiled)
+    node = _find(compiled, node_name)
+    amp: AmpInfo = node.meta[AMP]
+    where = f" in module '{amp.module_path}'" if amp.module_path else ""
+    out = "an unproven dtype (compile with example_inputs to prove it)" if amp.out_dtype is UNKNOWN \
+        else short(amp.out_dtype)
+    if amp.role is Role.CAST:
+        source = node.args[0]
+        kind = "a run-time-checked cast (its input's dtype was unknown)" if amp.conditional else "a cast"
+        return (f"'{node.name}' is {kind} amp_graph inserted: it converts '{source.name}' "
+                f"({short(source.meta[AMP].out_dtype)}) to {short(node.args[1])} for "
+                f"{', '.join(repr(c) for c in amp.cast_for)}. {amp.detail}.")
+    text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
+    if amp.role is Role.OP and amp.rule is not None:
+        text.append(f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
+                    f"by the {amp.source} level: {amp.detail}.")
+        if amp.compute_dtype is not None:
+            text.append(f"Its floating inputs are cast to {short(amp.compute_dtype)}.")
+    else:
+        text.append(f"It is not reclassified: {amp.detail}.")
+    casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
+    if casts_in:
+        text.append("Casts feeding it: " + ", ".join(
+            f"'{c.name}' ({short(c.args[0].meta[AMP].out_dtype)} -> {short(c.args[1])})" for c in casts_in) + ".")
+    casts_out = [u for u in node.users if u.meta[AMP].role is Role.CAST]
+    if casts_out:
+        text.append("Its output is cast by " + ", ".join(
+            f"'{c.name}' (to {short(c.args[1])})" for c in casts_out) + ".")
+    if amp.role is Role.OP:
+        text.append(f"To change it: Policy.override(nodes={{'{node.name}': 'fp32'}}) or an op, "
+                    "module type or module path override (priority: default < op tables < op "
+                    "< module type < module path < node).")
+    return " ".join(text)

@@ -1,0 +1,208 @@
+"""Which aten op torch.autocast sees when a Python-level callable runs.
+
+torch.autocast works on aten ops; an FX graph holds Python callables (``F.softmax``),
+Tensor methods (``x.softmax``), operators (``a @ b``) and leaf modules (``nn.LSTM``). A
+node is classified by the aten op that autocast intercepts when that callable runs. Each
+entry lists candidates in order: the first one that the device's autocast lists mention
+decides (``F.cross_entropy`` is ``cross_entropy_loss`` on CPU, where autocast registers it,
+and ``log_softmax`` on CUDA, where it does not and the composite's first op is fp32).
+
+Builtins bound from ATen (``torch.mm``, ``torch._C._nn.linear``, ``Tensor.softmax``) need
+no entry: their ``__name__`` is the aten op's name.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+AtenNames = tuple[str, ...]
+
+_RNN: AtenNames = ("_cudnn_rnn", "mkldnn_rnn_layer")
+
+# Python functions (not ATen builtins) and the aten op autocast sees when they run.
+FUNCTIONS: dict[Callable, AtenNames] = {
+    F.softmax: ("softmax",),
+    F.softmin: ("softmax",),
+    F.log_softmax: ("log_softmax",),
+    F.gumbel_softmax: ("softmax",),
+    F.layer_norm: ("layer_norm",),
+    F.group_norm: ("group_norm",),
+    F.batch_norm: ("batch_norm",),
+    F.instance_norm: ("instance_norm",),
+    F.normalize: ("norm",),
+    F.cross_entropy: ("cross_entropy_loss", "log_softmax"),
+    F.nll_loss: ("nll_loss",),
+    F.mse_loss: ("mse_loss",),
+    F.l1_loss: ("l1_loss",),
+    F.smooth_l1_loss: ("smooth_l1_loss",),
+    F.huber_loss: ("huber_loss",),
+    F.kl_div: ("kl_div",),
+    F.binary_cross_entropy: ("binary_cross_entropy",),
+    F.binary_cross_entropy_with_logits: ("binary_cross_entropy_with_logits",),
+    F.poisson_nll_loss: ("poisson_nll_loss",),
+    F.cosine_embedding_loss: ("cosine_embedding_loss",),
+    F.hinge_embedding_loss: ("hinge_embedding_loss",),
+    F.margin_ranking_loss: ("margin_ranking_loss",),
+    F.multilabel_margin_loss: ("multilabel_margin_loss",),
+    F.soft_margin_loss: ("soft_margin_loss",),
+    F.multi_margin_loss: ("multi_margin_loss",),
+    F.triplet_margin_loss: ("triplet_margin_loss",),
+    F.ctc_loss: ("ctc_loss",),
+    F.grid_sample: ("grid_sampler",),
+    F.multi_head_attention_forward: ("_native_multi_head_attention", "linear"),
+    F.embedding: ("embedding",),
+    torch.einsum: ("einsum",),
+    torch.norm: ("norm",),
+    torch.cdist: ("cdist",),
+    torch.tensordot: ("tensordot",),
+    torch.chain_matmul: ("chain_matmul",),
+    torch.stft: ("stft",),
+    torch.Tensor.norm: ("norm",),
+}
+if hasattr(F, "rms_norm"):
+    FUNCTIONS[F.rms_norm] = ("rms_norm",)
+
+# Python operators, as symbolic tracing and dynamo record them.
+OPERATORS: dict[Callable, AtenNames] = {
+    operator.matmul: ("matmul",),
+    operator.pow: ("pow",),
+    operator.add: ("add",),
+    operator.sub: ("sub",),
+    operator.mul: ("mul",),
+    operator.truediv: ("div",),
+    operator.floordiv: ("floor_divide",),
+    operator.neg: ("neg",),
+}
+
+# Reflected dunder methods that name a different aten op.
+METHOD_ALIASES: dict[str, AtenNames] = {
+    "__rmatmul__": ("matmul",),
+    "__rpow__": ("pow",),
+    "__radd__": ("add",),
+    "__rsub__": ("sub",),
+    "__rmul__": ("mul",),
+    "__truediv__": ("div",),
+    "__rtruediv__": ("div",),
+}
+
+# Leaf modules: the aten op autocast sees when the module runs.
+MODULES: dict[type[nn.Module], AtenNames] = {
+    nn.Linear: ("linear",),
+    nn.Bilinear: ("bilinear",),
+    nn.Conv1d: ("conv1d",),
+    nn.Conv2d: ("conv2d",),
+    nn.Conv3d: ("conv3d",),
+    nn.ConvTranspose1d: ("conv_transpose1d",),
+    nn.ConvTranspose2d: ("conv_transpose2d",),
+    nn.ConvTranspose3d: ("conv_transpose3d",),
+    nn.PReLU: ("prelu",),
+    nn.LayerNorm: ("layer_norm",),
+    nn.GroupNorm: ("group_norm",),
+    nn.BatchNorm1d: ("batch_norm",),
+    nn.BatchNorm2d: ("batch_norm",),
+    nn.BatchNorm3d: ("batch_norm",),
+    nn.SyncBatchNorm: ("batch_norm",),
+    nn.InstanceNorm1d: ("instance_norm",),
+    nn.InstanceNorm2d: ("instance_norm",),
+    nn.InstanceNorm3d: ("instance_norm",),
+    nn.LocalResponseNorm: ("local_response_norm",),
+    nn.Embedding: ("embedding",),
+    nn.EmbeddingBag: ("embedding_bag",),
+    nn.LSTM: _RNN,
+    nn.GRU: _RNN,
+    nn.RNN: _RNN,
+    nn.LSTMCell: ("lstm_cell",),
+    nn.GRUCell: ("gru_cell",),
+    nn.RNNCell: ("rnn_tanh_cell",),
+    nn.MultiheadAttention: ("_native_multi_head_attention", "linear"),
+    nn.Softmax: ("softmax",),
+    nn.Softmin: ("softmax",),
+    nn.LogSoftmax: ("log_softmax",),
+    nn.Softplus: ("softplus",),
+    nn.CosineSimilarity: ("cosine_similarity",),
+    nn.PairwiseDistance: ("pairwise_distance",),
+    nn.CrossEntropyLoss: ("cross_entropy_loss", "log_softmax"),
+    nn.NLLLoss: ("nll_loss",),
+    nn.MSELoss: ("mse_loss",),
+    nn.L1Loss: ("l1_loss",),
+    nn.SmoothL1Loss: ("smooth_l1_loss",),
+    nn.HuberLoss: ("huber_loss",),
+    nn.KLDivLoss: ("kl_div",),
+    nn.BCELoss: ("binary_cross_entropy",),
+    nn.BCEWithLogitsLoss: ("binary_cross_entropy_with_logits",),
+    nn.PoissonNLLLoss: ("poisson_nll_loss",),
+    nn.CosineEmbeddingLoss: ("cosine_embedding_loss",),
+    nn.HingeEmbeddingLoss: ("hinge_embedding_loss",),
+    nn.MarginRankingLoss: ("margin_ranking_loss",),
+    nn.MultiLabelMarginLoss: ("multilabel_margin_loss",),
+    nn.SoftMarginLoss: ("soft_margin_loss",),
+    nn.MultiMarginLoss: ("multi_margin_loss",),
+    nn.TripletMarginLoss: ("triplet_margin_loss",),
+    nn.CTCLoss: ("ctc_loss",),
+    nn.Upsample: ("upsample_nearest2d",),
+    nn.UpsamplingNearest2d: ("upsample_nearest2d",),
+    nn.UpsamplingBilinear2d: ("upsample_bilinear2d",),
+    nn.ReflectionPad1d: ("reflection_pad1d",),
+    nn.ReflectionPad2d: ("reflection_pad2d",),
+    nn.ReflectionPad3d: ("reflection_pad3d",),
+    nn.ReplicationPad1d: ("replication_pad1d",),
+    nn.ReplicationPad2d: ("replication_pad2d",),
+    nn.ReplicationPad3d: ("replication_pad3d",),
+    nn.AvgPool3d: ("avg_pool3d",),
+    nn.MaxPool3d: ("max_pool3d",),
+    nn.AdaptiveAvgPool3d: ("adaptive_avg_pool3d",),
+    nn.AdaptiveMaxPool3d: ("adaptive_max_pool3d",),
+}
+if hasattr(nn, "RMSNorm"):
+    MODULES[nn.RMSNorm] = ("rms_norm",)
+
+# Normalization layers and ops: policy O2 keeps them in float32, as Apex's O2 does.
+NORMALIZATION_MODULES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+NORMALIZATION_OPS: frozenset[str] = frozenset({
+    "batch_norm", "instance_norm", "layer_norm", "native_layer_norm", "group_norm",
+    "rms_norm", "local_response_norm", "native_batch_norm",
+})
+
+
+def _interpolate_candidates(mode: str | None) -> AtenNames:
+    if mode in (None, "nearest"):
+        return ("upsample_nearest2d",)
+    if mode == "nearest-exact":
+        return ("_upsample_nearest_exact2d",)
+    if mode == "area":
+        return ("adaptive_avg_pool2d",)
+    return ("upsample_bilinear2d",)
+
+
+def _pad_candidates(mode: str | None) -> AtenNames:
+    return {"reflect": ("reflection_pad2d",), "replicate": ("replication_pad2d",)}.get(
+        mode or "constant", ("constant_pad_nd",)
+    )
+
+
+# Functions whose aten op depends on a `mode` argument: name -> (position of mode, resolver).
+MODE_DEPENDENT: dict[Callable, tuple[int, Callable[[str | None], AtenNames]]] = {
+    F.interpolate: (3, _interpolate_candidates),
+    F.upsample: (3, _interpolate_candidates),
+    F.pad: (2, _pad_candidates),
+}
+MODE_DEPENDENT_MODULES: dict[type[nn.Module], Callable[[nn.Module], AtenNames]] = {
+    nn.Upsample: lambda m: _interpolate_candidates(m.mode),
+}
+
+# Methods and functions that are the model's own casts: kept as written, never re-cast.
+CAST_METHODS: frozenset[str] = frozenset({
+    "to", "type", "type_as", "float", "half", "bfloat16", "double", "long", "int", "short",
+    "bool", "byte", "char",
+})

@@ -1,0 +1,48 @@
+"""amp_graph's graph passes: each takes a GraphModule and returns a :class:`PassResult`.
+
+Installed as ``amp_graph.passes``. The passes talk through ``node.meta["amp"]``
+(:class:`~passes.meta.AmpInfo`); :func:`run_passes` runs them in order:
+
+1. :func:`classify` - each node's policy rule and what decided it;
+2. :func:`expose_parameters` - parameters of cast modules become graph values;
+3. :func:`assign_dtypes` - compute dtype and output dtype of every node;
+4. :func:`insert_casts` - the plan as cast nodes, one per (consumer, input);
+5. :func:`simplify_casts` - a rule table removes casts that change nothing;
+6. :func:`verify` - lint plus dtype consistency with the plan.
+
+Invariants no pass may break: the user's module is never modified; parameters are never
+copied (casts read them); casts the model wrote and in-place ops are never altered;
+integer, bool and float64 values are never cast; a cast chain is folded only if lossless.
+"""
+
+from .assign_dtypes import assign_dtypes, propagate_dtypes
+from .classify import classify
+from .expose_parameters import expose_parameters
+from .insert_casts import cast_if_castable, insert_casts
+from .meta import AMP, UNKNOWN, AmpInfo, Role
+from .pipeline import PassError, PipelineResult, run_passes
+from .result import PassResult
+from .simplify_casts import RULES as SIMPLIFY_RULES
+from .simplify_casts import simplify_casts
+from .verify import VerificationError, verify
+
+__all__ = [
+    "AMP",
+    "SIMPLIFY_RULES",
+    "UNKNOWN",
+    "AmpInfo",
+    "PassError",
+    "PassResult",
+    "PipelineResult",
+    "Role",
+    "VerificationError",
+    "assign_dtypes",
+    "cast_if_castable",
+    "classify",
+    "expose_parameters",
+    "insert_casts",
+    "propagate_dtypes",
+    "run_passes",
+    "simplify_casts",
+    "verify",
+]

@@ -1,0 +1,220 @@
+"""Pass 1, classify: give every node its policy rule and record what decided it.
+
+Reads: the graph, ``node.meta["nn_module_stack"]`` (written by symbolic tracing and by
+dynamo), the policy. Writes: ``node.meta["amp"]`` (an :class:`AmpInfo` with ``role``,
+``op``, ``aten``, ``module_path``, ``rule``, ``source``, ``detail``).
+
+Guarantees: every node has ``meta["amp"]``; every ``OP`` node has a rule; casts the model
+wrote (``x.float()``) and in-place ops are marked so that no later pass casts them. The
+graph itself is not changed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name
+from amp_graph.tables import python_ops
+from .meta import AMP, AmpInfo, Role
+from .result import PassResult
+
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imatmul, operator.ipow, operator.imod, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift, operator.setitem,
+})
+_NON_TENSOR_METHODS = frozenset({"size", "dim", "numel", "ndimension", "nelement", "tolist",
+                                 "item", "element_size", "stride", "data_ptr", "get_device"})
+_DUNDER = re.compile(r"^__(r?)(\w+?)__$")
+_TORCH_BUILTIN_MODULES = ("torch", "torch._C", "torch.nn.functional", "torch.functional",
+                          "torch._C._nn", "torch._C._linalg", "torch._C._fft",
+                          "torch._C._special", "torch._C._VariableFunctions")
+
+
+def module_stack(node: fx.Node, root: nn.Module) -> tuple[tuple[str, ...], tuple[type, ...]]:
+    """Enclosing module paths (outermost first, the root as ``""``) and their types."""
+    paths, types = [""], [type(root)]
+    for value in (node.meta.get("nn_module_stack") or {}).values():
+        path, mtype = value[0], value[1]
+        path = normalize_module_path(path)
+        if isinstance(mtype, str):  # some torch versions record the type's name
+            mtype = _submodule_type(root, path) or nn.Module
+        paths.append(path)
+        types.append(mtype)
+    return tuple(paths), tuple(types)
+
+
+def normalize_module_path(path: str) -> str:
+    """Dynamo's ``L['self'].blocks[0].attn`` and ``L__self___blocks_0`` -> ``blocks.0.attn``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^self\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\._modules\.", ".", path)
+    return path.strip(".")
+
+
+def _submodule_type(root: nn.Module, path: str) -> type | None:
+    try:
+        return type(root.get_submodule(path))
+    except (AttributeError, TypeError):
+        return None
+
+
+def _mode_arg(node: fx.Node, position: int, default: str | None = None) -> str | None:
+    value = node.kwargs.get("mode", node.args[position] if len(node.args) > position else default)
+    return value if isinstance(value, str) else default
+
+
+def _function_facts(target: Callable, node: fx.Node) -> tuple[str, tuple[Any, ...], tuple[str, ...]]:
+    """(display, keys, aten candidates) for a call_function node."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = target._schema.name if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+        name = name.split("::", 1)[-1]
+        if isinstance(target, torch._ops.OpOverload) and target._overloadname != "default":
+            name = f"{name}.{target._overloadname}"
+        return f"aten.{name}", (target,), (name,)
+    display = op_key_name(target)
+    if target in python_ops.MODE_DEPENDENT:
+        position, resolve = python_ops.MODE_DEPENDENT[target]
+        return display, (target,), resolve(_mode_arg(node, position))
+    if target in python_ops.FUNCTIONS:
+        return display, (target,), python_ops.FUNCTIONS[target]
+    if target in python_ops.OPERATORS:
+        return display, (target,), python_ops.OPERATORS[target]
+    name = getattr(target, "__name__", None)
+    module = getattr(target, "__module__", None) or ""
+    is_torch_builtin = isinstance(target, type(torch.mm)) or module in _TORCH_BUILTIN_MODULES
+    if name and is_torch_builtin:
+        return display, (target,), (name,)
+    return display, (target,), ()
+
+
+def _method_aten(name: str) -> tuple[str, ...]:
+    if name in python_ops.METHOD_ALIASES:
+        return python_ops.METHOD_ALIASES[name]
+    dunder = _DUNDER.match(name)
+    return (dunder.group(2),) if dunder else (name,)
+
+
+def _is_inplace_call(node: fx.Node, target: Any) -> bool:
+    if target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name.startswith("__i") and name.endswith("__"):
+        return True
+    return bool(name) and name.endswith("_") and not name.endswith("__")
+
+
+def _has_float_state(module: nn.Module) -> bool:
+    tensors = [*module.parameters(recurse=True), *module.buffers(recurse=True)]
+    return any(t.is_floating_point() for t in tensors)
+
+
+def _explicit_dtype(node: fx.Node) -> bool:
+    return node.kwargs.get("dtype") is not None
+
+
+def _decide(policy: Policy, facts: OpFacts) -> Decision:
+    return policy.decide(facts)
+
+
+def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
+    paths, types = module_stack(node, gm)
+    innermost = paths[-1]
+    base = AmpInfo(role=Role.OP, module_path=innermost)
+
+    def fixed(role: Role, detail: str, op: str) -> AmpInfo:
+        base.role, base.op, base.rule, base.source, base.detail = role, op, Rule.FOLLOW, "fixed", detail
+        return base
+
+    target = node.target
+    if node.op == "call_function":
+        if target is builtins.getattr:
+            return fixed(Role.OTHER, "attribute access: not computed, not cast", "getattr")
+        if _is_inplace_call(node, target):
+            return fixed(Role.INPLACE, "in-place op: it writes into its first argument, "
+                         "so amp_graph never casts that argument", op_key_name(target))
+        display, keys, aten = _function_facts(target, node)
+        if display.endswith(".to") or target in (torch.Tensor.to, torch.Tensor.type):
+            return fixed(Role.USER_CAST, "a cast written in the model: kept as written", display)
+    elif node.op == "call_method":
+        if target in python_ops.CAST_METHODS:
+            return fixed(Role.USER_CAST, "a cast written in the model: kept as written",
+                         f"Tensor.{target}")
+        if target in _NON_TENSOR_METHODS:
+            return fixed(Role.OTHER, "returns no tensor: not cast", f"Tensor.{target}")
+        if _is_inplace_call(node, target):
+            return fixed(Role.INPLACE, "in-place op: it writes into its first argument, "
+                         "so amp_graph never casts that argument", f"Tensor.{target}")
+        display = f"Tensor.{target}"
+        keys = tuple(k for k in (getattr(torch.Tensor, target, None),) if k is not None)
+        aten = _method_aten(target)
+    else:  # call_module
+        module = gm.get_submodule(target)
+        mtype = type(module)
+        display = op_key_name(mtype)
+        if getattr(module, "inplace", False) is True:
+            return fixed(Role.INPLACE, "in-place module: never cast", display)
+        keys = tuple(cls for cls in mtype.__mro__ if issubclass(cls, nn.Module))
+        aten = ()
+        for cls in mtype.__mro__:
+            if cls in python_ops.MODE_DEPENDENT_MODULES:
+                aten = python_ops.MODE_DEPENDENT_MODULES[cls](module)
+                break
+            if cls in python_ops.MODULES:
+                aten = python_ops.MODULES[cls]
+                break
+        paths = (*paths, target) if paths[-1] != target else paths
+        types = (*types, mtype) if len(types) < len(paths) else types
+        innermost = target
+
+    facts = OpFacts(node.name, display, keys, aten, paths, types)
+    decision = _decide(policy, facts)
+    if decision.source == "table" and decision.rule is Rule.DENY and _explicit_dtype(node):
+        decision = Decision(Rule.FOLLOW, "fixed", "the call sets dtype= itself; autocast "
+                            "leaves such calls alone, and so does amp_graph")
+    if node.op == "call_module" and not aten and decision.source == "default" \
+            and decision.rule is Rule.FOLLOW and _has_float_state(gm.get_submodule(target)):
+        decision = Decision(Rule.DENY, "default", f"{display} is not in amp_graph's module "
+                            "table and has floating parameters; its inputs are cast to fp32 so "
+                            "that it runs as in fp32 (override to change)")
+    base.op, base.aten, base.module_path = display, (aten[0] if aten else None), innermost
+    base.rule, base.source, base.detail = decision.rule, decision.source, decision.detail
+    return base
+
+
+def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
+    """Record each node's rule under ``meta["amp"]``; the graph is not changed.
+
+    >>> import torch, torch.fx as fx, amp_graph
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1)))
+    >>> _ = classify(gm, amp_graph.Policy.preset("O1"))
+    >>> [(n.name, str(n.meta["amp"].rule)) for n in gm.graph.nodes if n.op == "call_module"]
+    [('_0', 'allow'), ('_1', 'deny')]
+    """
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            amp = AmpInfo(role=Role.INPUT, op="input", rule=Rule.FOLLOW, source="fixed",
+                          detail="a graph input")
+        elif node.op == "get_attr":
+            amp = AmpInfo(role=Role.PARAM, op="get_attr", rule=Rule.FOLLOW, source="fixed",
+                          detail="a parameter, buffer or constant of the model")
+        elif node.op == "output":
+            amp = AmpInfo(role=Role.OUTPUT, op="output", rule=Rule.FOLLOW, source="fixed",
+                          detail="the graph's output")
+        else:
+            amp = _op_info(node, gm, policy)
+        node.meta[AMP] = amp
+        key = f"rule_{amp.rule}"
+        counts[key] = counts.get(key, 0) + 1
+    return PassResult(gm, modified=False, stats=counts)

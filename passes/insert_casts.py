@@ -1,0 +1,126 @@
+"""Pass 4, insert_casts: materialize the plan as cast nodes.
+
+For every node with a ``compute_dtype``, each floating tensor input whose dtype differs
+gets a cast right before the node, one per (consumer, input) as torch.autocast does at
+every call; ``simplify_casts`` then removes the redundant ones. Graph inputs planned for
+an entry cast (policy ``cast_inputs``) are cast once, right after the placeholder.
+
+A cast of a value whose dtype is known is ``x.to(dtype)``. A cast of a value whose dtype
+is ``UNKNOWN`` (no example inputs reached it) is ``cast_if_castable(x, dtype)``, which
+applies torch.autocast's eligibility test at run time, so the graph is right for any
+input dtype.
+
+Reads: ``meta["amp"]`` (compute_dtype, out_dtype, role). Writes: cast nodes with
+``meta["amp"]`` of role ``CAST`` (``out_dtype``, ``cast_for``, ``conditional``) and
+``meta["val"]`` where the input's example value is known. Guarantees: after this pass,
+every castable input of every planned node has the planned dtype; integer, bool and
+float64 values are never cast; the model's own casts and in-place ops are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_arg
+
+from amp_graph.policy import Rule
+from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role, is_castable, short
+from .result import PassResult
+
+
+def cast_if_castable(x: Any, dtype: torch.dtype) -> Any:
+    """torch.autocast's cast: floating tensors except float64 go to ``dtype``; others pass."""
+    if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return x.to(dtype)
+    return x
+
+
+# Generated code names globals after the function's module: `amp_graph.cast_if_castable`
+# reads better in printed graphs, and amp_graph exports it there.
+cast_if_castable.__module__ = "amp_graph"
+
+
+def is_cast_node(node: fx.Node) -> bool:
+    amp = node.meta.get(AMP)
+    return amp is not None and amp.role is Role.CAST
+
+
+def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str) -> fx.Node:
+    """Create a cast node of ``value`` to ``dtype`` at the graph's insertion point."""
+    source: AmpInfo = value.meta[AMP]
+    conditional = source.out_dtype is UNKNOWN
+    name = f"{value.name}_{short(dtype)}"
+    if conditional:
+        node = graph.create_node("call_function", cast_if_castable, (value, dtype), name=name)
+    else:
+        node = graph.create_node("call_method", "to", (value, dtype), name=name)
+    node.meta[AMP] = AmpInfo(
+        role=Role.CAST, op="cast", rule=Rule.FOLLOW, source="inserted",
+        detail=f"inserted: {value.name} ({short(source.out_dtype)}) to {short(dtype)} for {consumer}",
+        module_path=source.module_path, compute_dtype=None,
+        out_dtype=UNKNOWN if conditional else dtype, exact=source.exact, cast_for=(consumer,),
+        conditional=conditional,
+    )
+    val = value.meta.get(VAL)
+    if isinstance(val, torch.Tensor) and not conditional:
+        try:
+            node.meta[VAL] = val.to(dtype)
+        except Exception:  # a fake tensor whose mode is gone: the shape is enough for reports
+            node.meta[VAL] = val
+    return node
+
+
+def _needs_cast(value: fx.Node, dtype: torch.dtype) -> bool:
+    fact = value.meta[AMP].out_dtype
+    return fact is UNKNOWN or (is_castable(fact) and fact != dtype)
+
+
+def insert_casts(gm: fx.GraphModule) -> PassResult:
+    """Insert one cast per (consumer, input) that the plan requires.
+
+    >>> import torch, torch.fx as fx, amp_graph
+    >>> from amp_graph.passes import classify, expose_parameters, assign_dtypes
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    >>> _ = classify(gm, amp_graph.Policy.preset("O1"))
+    >>> _ = expose_parameters(gm, torch.float16)
+    >>> _ = assign_dtypes(gm, torch.float16)
+    >>> insert_casts(gm).stats
+    {'casts_inserted': 3}
+    """
+    graph = gm.graph
+    inserted = 0
+    for node in list(graph.nodes):
+        amp: AmpInfo = node.meta[AMP]
+        dtype = amp.compute_dtype
+        if dtype is None:
+            continue
+        if node.op == "placeholder":
+            users = list(node.users)
+            with graph.inserting_after(node):
+                entry = make_cast(graph, node, dtype, "every use (entry cast)")
+            for user in users:
+                user.replace_input_with(node, entry)
+            entry.meta[AMP].cast_for = tuple(u.name for u in users)
+            inserted += 1
+            continue
+        if amp.role is not Role.OP:
+            continue
+        casts: dict[fx.Node, fx.Node] = {}
+
+        def cast_input(value: fx.Node, node: fx.Node = node, dtype: torch.dtype = dtype,
+                       casts: dict[fx.Node, fx.Node] = casts) -> fx.Node:
+            if value not in casts:
+                if not _needs_cast(value, dtype):
+                    return value
+                with graph.inserting_before(node):
+                    casts[value] = make_cast(graph, value, dtype, node.name)
+            return casts[value]
+
+        node.args = map_arg(node.args, cast_input)
+        node.kwargs = map_arg(node.kwargs, cast_input)
+        inserted += len(casts)
+    if inserted:
+        gm.recompile()
+    return PassResult(gm, modified=bool(inserted), stats={"casts_inserted": inserted})

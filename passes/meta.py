@@ -1,0 +1,141 @@
+"""What the passes record on nodes, and the dtype facts they reason with.
+
+Every pass communicates through one key, ``node.meta["amp"]``, holding an :class:`AmpInfo`.
+Example values, where known, live under torch's own key ``node.meta["val"]`` (a
+FakeTensor, or a pytree of them), as dynamo and export write it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from amp_graph.policy import Rule
+
+AMP = "amp"
+VAL = "val"
+
+
+class Role(str, Enum):
+    """What a node is, from the passes' point of view."""
+
+    INPUT = "input"  # placeholder
+    PARAM = "param"  # get_attr of a parameter or buffer
+    OP = "op"  # a computation the policy classifies
+    CAST = "cast"  # a cast amp_graph inserted
+    USER_CAST = "user_cast"  # a cast the model's code wrote: kept as written
+    INPLACE = "inplace"  # writes into its first argument: never cast
+    OTHER = "other"  # non-tensor bookkeeping: getattr, size, getitem of tuples
+    OUTPUT = "output"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+UNKNOWN: Any = _Marker("UNKNOWN")
+"""A value whose dtype the analysis could not prove (no example inputs reached it)."""
+
+NOT_TENSOR: Any = _Marker("NOT_TENSOR")
+"""A value that is not a tensor (a size, a dtype, a Python number)."""
+
+DtypeFact = Any  # torch.dtype | UNKNOWN | NOT_TENSOR | tuple/list of DtypeFact
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+"""torch.autocast casts floating tensors except float64; integers and bools never."""
+
+
+@dataclass
+class AmpInfo:
+    """The record each pass reads and extends, under ``node.meta["amp"]``.
+
+    Written by classify: ``role``, ``op``, ``aten``, ``module_path``, ``rule``, ``source``,
+    ``detail``. Written by assign_dtypes: ``compute_dtype``, ``out_dtype``, ``exact``. Cast
+    nodes written by insert_casts carry ``role=CAST``, ``cast_for`` and ``out_dtype``.
+    """
+
+    role: Role
+    op: str = ""  # readable op: "F.softmax", "Tensor.matmul", "nn.Linear"
+    aten: str | None = None  # the aten op name the policy looked up
+    module_path: str = ""  # innermost enclosing module at capture time
+    rule: Rule | None = None
+    source: str = ""  # what decided the rule: "table", "default", "node", ...
+    detail: str = ""  # one sentence on why
+    compute_dtype: torch.dtype | None = None  # floating inputs are cast to this; None: none
+    out_dtype: DtypeFact = UNKNOWN
+    exact: bool = False  # out_dtype comes from example values (FakeTensor propagation)
+    cast_for: tuple[str, ...] = field(default_factory=tuple)  # CAST: the consumers it feeds
+    conditional: bool = False  # CAST: input dtype unknown, cast only if castable at run time
+
+
+def info(node: fx.Node) -> AmpInfo:
+    """The node's AmpInfo; a clear error if classify has not run on this graph."""
+    try:
+        return node.meta[AMP]
+    except KeyError:
+        raise RuntimeError(
+            f"node {node.name!r} has no meta['amp']: run passes.classify before this pass"
+        ) from None
+
+
+def is_castable(dtype: DtypeFact) -> bool:
+    return isinstance(dtype, torch.dtype) and dtype in CASTABLE
+
+
+def short(dtype: DtypeFact) -> str:
+    """``torch.bfloat16`` -> ``bf16``; pytrees and markers readable too."""
+    names = {
+        torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+        torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",
+    }
+    if isinstance(dtype, torch.dtype):
+        return names.get(dtype, str(dtype).replace("torch.", ""))
+    if isinstance(dtype, (tuple, list)):
+        return "(" + ", ".join(short(d) for d in dtype) + ")"
+    if dtype is UNKNOWN:
+        return "?"
+    return "-"
+
+
+def fact_of_value(value: Any) -> DtypeFact:
+    """The dtype fact of a concrete or fake value (tensors, pytrees of them, scalars)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, list):
+        return [fact_of_value(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(fact_of_value(v) for v in value)
+    return NOT_TENSOR
+
+
+def tensor_facts(fact: DtypeFact) -> list[DtypeFact]:
+    """The leaves of a fact pytree that may be tensors."""
+    if isinstance(fact, (tuple, list)):
+        return [leaf for f in fact for leaf in tensor_facts(f)]
+    return [] if fact is NOT_TENSOR else [fact]
+
+
+# Which casts lose nothing: every value of `src` is exactly representable in `dst`.
+LOSSLESS: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset({
+    (torch.float16, torch.float32),  # fp16 -> fp32: exact
+    (torch.bfloat16, torch.float32),  # bf16 -> fp32: exact
+    (torch.float16, torch.float64),
+    (torch.bfloat16, torch.float64),
+    (torch.float32, torch.float64),
+})
+
+
+def is_lossless(src: torch.dtype, dst: torch.dtype) -> bool:
+    return src == dst or (src, dst) in LOSSLESS

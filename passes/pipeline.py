@@ -1,0 +1,79 @@
+"""The driver: runs the passes in order, and says which one failed.
+
+Order: classify -> expose_parameters -> assign_dtypes -> insert_casts -> simplify_casts
+-> verify. With ``check_each=True`` (the tests use it) the verifier also runs after every
+pass, so a pass that breaks an invariant is caught where it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from amp_graph.policy import Policy
+from .assign_dtypes import assign_dtypes
+from .classify import classify
+from .expose_parameters import expose_parameters
+from .insert_casts import insert_casts
+from .result import PassResult
+from .simplify_casts import simplify_casts
+from .verify import verify
+
+log = logging.getLogger(__name__)
+
+
+class PassError(RuntimeError):
+    """A pass failed; the message names it and the passes that ran before it."""
+
+
+@dataclass
+class PipelineResult:
+    """The rewritten GraphModule, the summed pass counters, and seconds per pass."""
+
+    graph_module: fx.GraphModule
+    stats: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def amp_passes(policy: Policy, low_dtype: torch.dtype) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
+    """The pass list, bound to a policy and a dtype."""
+    return [
+        ("classify", lambda gm: classify(gm, policy)),
+        ("expose_parameters", lambda gm: expose_parameters(gm, low_dtype)),
+        ("assign_dtypes", lambda gm: assign_dtypes(gm, low_dtype, policy.cast_inputs)),
+        ("insert_casts", insert_casts),
+        ("simplify_casts", simplify_casts),
+        ("verify", verify),
+    ]
+
+
+def run_passes(
+    gm: fx.GraphModule, policy: Policy, low_dtype: torch.dtype, *, check_each: bool = False
+) -> PipelineResult:
+    """Run the AMP passes on ``gm`` in place and return it with the counters."""
+    result = PipelineResult(gm)
+    ran: list[str] = []
+    for name, run in amp_passes(policy, low_dtype):
+        start = time.perf_counter()
+        try:
+            out = run(gm)
+            if check_each and name != "verify":
+                materialized = name in ("insert_casts", "simplify_casts")
+                verify(gm, propagate=materialized, planned_inputs=materialized)
+        except Exception as error:
+            before = ", ".join(ran) or "none"
+            raise PassError(
+                f"amp_graph pass {name!r} failed (passes run before it: {before}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        result.seconds[name] = time.perf_counter() - start
+        for key, value in out.stats.items():
+            result.stats[key] = result.stats.get(key, 0) + value
+        ran.append(name)
+    gm.recompile()
+    return result

@@ -1,0 +1,20 @@
+"""The typed result every pass returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+
+@dataclass
+class PassResult:
+    """A pass's output: the (possibly same) GraphModule, whether it changed, and counters.
+
+    ``stats`` holds what the pass counted (``{"casts_inserted": 12}``); the driver sums
+    them into the compile summary.
+    """
+
+    graph_module: fx.GraphModule
+    modified: bool
+    stats: dict[str, int] = field(default_factory=dict)

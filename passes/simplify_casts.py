@@ -1,0 +1,139 @@
+"""Pass 5, simplify_casts: remove the casts that change nothing, as a table of rules.
+
+Each rule looks at one node and returns the node that should replace it, or ``None`` for
+"no match". The driver applies the table until nothing matches. Only casts amp_graph
+inserted are touched: the model's own casts are kept as written. A chain is folded only
+when the inner cast is lossless; ``fp32 -> fp16 -> fp32`` rounds, so it stays.
+
+Reads: ``meta["amp"]`` (role, out_dtype, conditional). Writes: removes nodes, rewires
+uses, and keeps ``cast_for`` of the surviving casts complete. Guarantees: every value each
+node receives is bit-for-bit what it received before the pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from .insert_casts import is_cast_node
+from .meta import AMP, Role, is_lossless
+from .result import PassResult
+
+Rule = Callable[[fx.Node, "_Context"], fx.Node | None]
+
+
+class _Context:
+    """Lookups the rules share: the GraphModule, and casts seen per (value, dtype)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.first_cast: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}
+        self.first_attr: dict[int, fx.Node] = {}
+
+    def attr(self, target: str) -> object:
+        obj: object = self.gm
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _source(cast: fx.Node) -> fx.Node:
+    return cast.args[0]
+
+
+def _target(cast: fx.Node) -> torch.dtype:
+    return cast.args[1]
+
+
+def _known(node: fx.Node) -> torch.dtype | None:
+    fact = node.meta[AMP].out_dtype
+    return fact if isinstance(fact, torch.dtype) else None
+
+
+def cast_to_own_dtype(node: fx.Node, ctx: _Context) -> fx.Node | None:
+    """x.to(d) where x is already d  ->  x"""
+    if is_cast_node(node) and _known(_source(node)) == _target(node):
+        return _source(node)
+    return None
+
+
+def fold_lossless_chain(node: fx.Node, ctx: _Context) -> fx.Node | None:
+    """x.to(a).to(b)  ->  x.to(b), when x -> a is lossless; and -> x when b is x's dtype"""
+    if not (is_cast_node(node) and is_cast_node(_source(node))):
+        return None
+    inner = _source(node)
+    origin, origin_dtype = _source(inner), _known(_source(inner))
+    if origin_dtype is None or not is_lossless(origin_dtype, _target(inner)):
+        return None
+    if origin_dtype == _target(node):
+        return origin
+    node.replace_input_with(inner, origin)
+    return None  # rewired in place; the cast itself stays
+
+
+def one_cast_per_value(node: fx.Node, ctx: _Context) -> fx.Node | None:
+    """x.to(d) ... x.to(d)  ->  the first x.to(d) (e.g. Q, K and V projections share one)"""
+    if not is_cast_node(node):
+        return None
+    key = (_source(node), _target(node), node.meta[AMP].conditional)
+    first = ctx.first_cast.setdefault(key, node)
+    if first is node:
+        return None
+    first.meta[AMP].cast_for += node.meta[AMP].cast_for
+    return first
+
+
+def one_node_per_parameter(node: fx.Node, ctx: _Context) -> fx.Node | None:
+    """get_attr a.weight, get_attr b.weight of one tensor (tied weights)  ->  the first"""
+    if node.op != "get_attr" or node.meta[AMP].role is not Role.PARAM:
+        return None
+    tensor = ctx.attr(node.target)
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    first = ctx.first_attr.setdefault(id(tensor), node)
+    return None if first is node else first
+
+
+RULES: tuple[Rule, ...] = (
+    one_node_per_parameter,
+    cast_to_own_dtype,
+    fold_lossless_chain,
+    one_cast_per_value,
+)
+
+
+def _remove_dead_casts(graph: fx.Graph) -> int:
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        if not node.users and (is_cast_node(node) or node.meta[AMP].role is Role.PARAM):
+            graph.erase_node(node)
+            removed += is_cast_node(node)
+    return removed
+
+
+def simplify_casts(gm: fx.GraphModule) -> PassResult:
+    """Apply :data:`RULES` to a fixpoint, then drop unused casts.
+
+    ``stats["casts_removed"]`` counts the casts that are gone.
+    """
+    graph = gm.graph
+    before = sum(is_cast_node(n) for n in graph.nodes)
+    changed = True
+    while changed:
+        changed = False
+        ctx = _Context(gm)
+        for node in list(graph.nodes):
+            for rule in RULES:
+                replacement = rule(node, ctx)
+                if replacement is not None and replacement is not node:
+                    node.replace_all_uses_with(replacement)
+                    graph.erase_node(node)
+                    changed = True
+                    break
+        changed |= _remove_dead_casts(graph) > 0
+    after = sum(is_cast_node(n) for n in graph.nodes)
+    if before != after:
+        gm.recompile()
+    return PassResult(gm, modified=before != after, stats={"casts_removed": before - after})

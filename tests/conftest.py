@@ -1,0 +1,65 @@
+"""Shared test helpers: seeded models, a checked compile, and the plan-following reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+import amp_graph
+from amp_graph.passes import AMP, Role
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def compile_checked(model: torch.nn.Module, policy: Any = "O1", dtype: torch.dtype = torch.bfloat16,
+                    example_inputs: Any = None) -> fx.GraphModule:
+    """amp_graph.compile with the verifier run after every pass."""
+    return amp_graph.compile(model, policy, dtype, example_inputs=example_inputs,
+                             check_each_pass=True)
+
+
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return value
+    castable = (torch.float16, torch.bfloat16, torch.float32)
+    return map_aggregate(
+        value, lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype in castable else v
+    )
+
+
+class PlanReference(fx.Interpreter):
+    """Runs the *captured* graph (before any pass) and casts each op's floating inputs at
+    run time to the compute dtype the plan recorded for it: torch.autocast's mechanism,
+    implemented independently of insert_casts/simplify_casts. A compiled graph must match
+    it bit for bit."""
+
+    def __init__(self, compiled: fx.GraphModule) -> None:
+        record = compiled.meta["amp_graph"]
+        super().__init__(record.original)
+        self.plan = {n.name: n.meta[AMP] for n in compiled.graph.nodes if AMP in n.meta}
+        self.compiled = compiled
+
+    def run_node(self, n: fx.Node) -> Any:
+        info = self.plan.get(n.name)
+        if n.op == "placeholder":
+            value = super().run_node(n)
+            return _cast(value, info.compute_dtype if info else None)
+        if n.op in ("get_attr", "output") or info is None or info.role is not Role.OP:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = _cast(args, info.compute_dtype), _cast(kwargs, info.compute_dtype)
+        if n.op == "call_module" and info.compute_dtype is not None:
+            module = self.module.get_submodule(n.target)
+            from amp_graph.passes.expose_parameters import MIXED_PRECISION_MODULES
+
+            if not isinstance(module, MIXED_PRECISION_MODULES):
+                params = {k: _cast(p, info.compute_dtype) for k, p in module.named_parameters()}
+                return torch.func.functional_call(module, params, args, kwargs)
+        return getattr(self, n.op)(n.target, args, kwargs)
