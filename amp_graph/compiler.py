@@ -53,9 +53,11 @@ def check_dtype(dtype: Any) -> torch.dtype:
     if dtype == torch.float32:
         hint = " For float32 everywhere use policy='O0'."
     elif isinstance(dtype, str):
-        hint = f" Pass the torch dtype object, e.g. dtype=torch.{'bfloat16' if 'b' in dtype else 'float16'}."
+        name = "bfloat16" if "b" in dtype else "float16"
+        hint = f" Pass the torch dtype object, e.g. dtype=torch.{name}."
     raise ValueError(
-        f"dtype is the low-precision compute dtype, torch.float16 or torch.bfloat16; got {dtype!r}.{hint}"
+        "dtype is the low-precision compute dtype, torch.float16 or torch.bfloat16; "
+        f"got {dtype!r}.{hint}"
     )
 
 
@@ -87,7 +89,8 @@ def capture(model: nn.Module) -> fx.GraphModule:
     except Exception as error:
         where = _user_frame(error)
         raise CaptureError(
-            f"torch.fx.symbolic_trace cannot capture {type(model).__name__}: {type(error).__name__}: "
+            f"torch.fx.symbolic_trace cannot capture {type(model).__name__}: "
+            f"{type(error).__name__}: "
             f"{error}\n  The failing construct is at {where}.\n  Symbolic tracing cannot follow "
             "Python control flow or calls that depend on tensor values. Use "
             "torch.compile(model, backend='amp_graph'), which splits the model at such "
@@ -112,7 +115,8 @@ def _attach_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError(
-            f"example_inputs is a tuple of the forward's arguments, e.g. (x,); got {type(example_inputs).__name__}"
+            "example_inputs is a tuple of the forward's arguments, e.g. (x,); "
+            f"got {type(example_inputs).__name__}"
         )
     if len(example_inputs) > len(placeholders):
         raise ValueError(
@@ -120,11 +124,17 @@ def _attach_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
             f"({', '.join(p.name for p in placeholders)})"
         )
     if not any(isinstance(v, torch.Tensor) for v in example_inputs):
-        raise ValueError("none of example_inputs is a tensor; pass the tensors the model is called with")
+        raise ValueError(
+            "none of example_inputs is a tensor; pass the tensors the model is called with"
+        )
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     for node, value in zip(placeholders, example_inputs, strict=False):
-        node.meta[VAL] = mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
-    for node in placeholders[len(example_inputs):]:
+        node.meta[VAL] = (
+            mode.from_tensor(value, static_shapes=True)
+            if isinstance(value, torch.Tensor)
+            else value
+        )
+    for node in placeholders[len(example_inputs) :]:
         default = node.args[0] if node.args else None
         if isinstance(default, torch.Tensor):
             default = mode.from_tensor(default, static_shapes=True)
@@ -133,7 +143,8 @@ def _attach_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
 
 def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
     dtypes = Counter(
-        short(n.meta[AMP].out_dtype) for n in gm.graph.nodes
+        short(n.meta[AMP].out_dtype)
+        for n in gm.graph.nodes
         if n.meta[AMP].role in (Role.OP, Role.USER_CAST, Role.INPLACE)
     )
     casts = sum(n.meta[AMP].role is Role.CAST for n in gm.graph.nodes)
@@ -145,7 +156,7 @@ def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
     )
 
 
-def compile(  # noqa: A001 - the public name mirrors torch.compile
+def compile(
     model: nn.Module,
     policy: Policy | str = "O1",
     dtype: torch.dtype | None = None,
@@ -177,7 +188,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         ValueError / TypeError: bad policy, dtype, overrides or example inputs.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"amp_graph.compile takes an nn.Module or a torch.fx.GraphModule; got {type(model).__name__}")
+        raise TypeError(
+            "amp_graph.compile takes an nn.Module or a torch.fx.GraphModule; "
+            f"got {type(model).__name__}"
+        )
     device_type = model_device_type(model, example_inputs)
     dtype = check_dtype(default_dtype(device_type) if dtype is None else dtype)
     policy = resolve_policy(policy, device_type)
@@ -188,6 +202,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             f"the graph of {type(model).__name__} has no inputs, so there is nothing whose "
             "precision could change; amp_graph needs a model called with tensors"
         )
+    for node in gm.graph.nodes:
+        if isinstance(
+            node.type, str
+        ):  # a postponed annotation; as a code global it breaks pickling
+            node.type = None
     if example_inputs is not None:
         _attach_example_inputs(gm, example_inputs)
     policy.validate_for(
@@ -196,7 +215,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     original = _copy_graph_module(gm)
     result = run_passes(gm, policy, dtype, check_each=check_each_pass)
     exact = bool(result.stats.get("exact_dtypes"))
-    record = CompileRecord(policy, dtype, device_type, result.stats, result.seconds, exact, original)
+    record = CompileRecord(
+        policy, dtype, device_type, result.stats, result.seconds, exact, original
+    )
     gm.meta[COMPILE_META] = record
     log.info("%s", _summary(gm, record))
     return gm
@@ -204,7 +225,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
 def compile_record(compiled: nn.Module) -> CompileRecord:
     """The record ``compile`` left on a compiled module; a clear error for other modules."""
-    record = getattr(compiled, "meta", {}).get(COMPILE_META) if isinstance(compiled, fx.GraphModule) else None
+    record = (
+        getattr(compiled, "meta", {}).get(COMPILE_META)
+        if isinstance(compiled, fx.GraphModule)
+        else None
+    )
     if record is None:
         raise TypeError(
             f"{type(compiled).__name__} was not produced by amp_graph.compile (or by the "

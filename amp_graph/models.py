@@ -98,8 +98,9 @@ class GPT(nn.Module):
     scaled_dot_product_attention and a GELU MLP, final LayerNorm, output head tied to the
     token embedding. ``forward(idx)`` returns logits; pass ``targets`` for the loss."""
 
-    def __init__(self, vocab: int = 64, block: int = 32, dim: int = 64, heads: int = 4,
-                 layers: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 64, block: int = 32, dim: int = 64, heads: int = 4, layers: int = 2
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(block, dim)
@@ -162,7 +163,8 @@ class MixedOpsNet(nn.Module):
         h = self.a(x)
         h.relu_()  # in place: never cast
         g = self.b(x)
-        g += h  # in place add
+        g += h  # symbolic tracing records this as g + h
+        g.mul_(0.5)  # in place: never cast
         mask = g > 0  # bool
         g = g.masked_fill(~mask, 0.0)
         picked = x[:, self.perm]  # integer index tensor
@@ -199,4 +201,3 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
-

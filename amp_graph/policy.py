@@ -21,13 +21,14 @@ Example::
 from __future__ import annotations
 
 import difflib
-import fnmatch
+import functools
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from types import MappingProxyType
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from amp_graph.tables import autocast_lists as lists
@@ -81,7 +82,9 @@ def autocast_tables(device_type: str) -> tuple[frozenset[str], frozenset[str], f
             _bases(fp32),
             _bases(lists.CUDA_PROMOTE),
         )
-    raise ValueError(f"amp_graph knows torch.autocast's lists for 'cpu' and 'cuda', not {device_type!r}")
+    raise ValueError(
+        f"amp_graph knows torch.autocast's lists for 'cpu' and 'cuda', not {device_type!r}"
+    )
 
 
 def known_op_names() -> frozenset[str]:
@@ -124,15 +127,33 @@ def as_rule(value: Rule | str) -> Rule:
 
 
 def op_key_name(key: OpKey) -> str:
-    """A readable name for an op key: ``F.softmax``, ``Tensor.softmax``, ``nn.LSTM``."""
+    """A readable name for an op key: ``F.softmax``, ``torch.cat``, ``Tensor.mm``, ``nn.LSTM``."""
     if isinstance(key, str):
         return key
+    if isinstance(key, torch._ops.OpOverload):
+        return f"aten.{key._schema.name.split('::')[-1]}.{key._overloadname}"
+    if isinstance(key, torch._ops.OpOverloadPacket):
+        return f"aten.{key._qualified_op_name.split('::')[-1]}"
     if isinstance(key, type):
-        return f"{key.__module__.replace('torch.nn.modules', 'nn').split('.')[0]}.{key.__name__}"
+        prefix = "nn" if key.__module__.startswith("torch.nn") else key.__module__
+        return f"{prefix}.{key.__name__}"
     module = getattr(key, "__module__", None) or ""
-    qualname = getattr(key, "__qualname__", None) or getattr(key, "__name__", repr(key))
-    short = {"torch.nn.functional": "F", "torch._C._nn": "F", "_operator": "operator"}
-    return f"{short.get(module, module)}.{qualname}" if module else qualname
+    name = getattr(key, "__name__", None) or repr(key)
+    qualname = getattr(key, "__qualname__", None) or name
+    if qualname.startswith(("TensorBase.", "Tensor.")):
+        return f"Tensor.{name}"
+    short = {
+        "torch.nn.functional": "F",
+        "torch._C._nn": "F",
+        "_operator": "operator",
+        "torch.functional": "torch",
+        "torch._C._linalg": "torch.linalg",
+        "torch._C._fft": "torch.fft",
+        "torch._C._special": "torch.special",
+    }
+    if module in short or module == "torch":
+        return f"{short.get(module, module)}.{name}"
+    return f"{module}.{qualname}" if module else qualname
 
 
 def _check_op_key(key: OpKey) -> None:
@@ -145,11 +166,14 @@ def _check_op_key(key: OpKey) -> None:
                 "or module type, pass the object itself (e.g. torch.nn.functional.softmax)."
             )
     elif not (callable(key) or isinstance(key, type)):
-        raise TypeError(f"a policy op key is an aten op name, a callable or a module type; got {key!r}")
+        raise TypeError(
+            f"a policy op key is an aten op name, a callable or a module type; got {key!r}"
+        )
 
 
 def _frozen(mapping: Mapping | None) -> Mapping:
-    return MappingProxyType(dict(mapping or {}))
+    # A plain dict (picklable); Policy exposes no way to mutate it and override() copies.
+    return dict(mapping or {})
 
 
 @dataclass(frozen=True)
@@ -186,7 +210,7 @@ class Policy:
         ops: op-level overrides keyed by aten name, callable or module type.
         module_types: overrides for every node inside a module of that type.
         modules: overrides for every node inside a module whose path matches the glob
-            (``"blocks.*.attn"``; ``*`` matches across dots).
+            (``"blocks.*.attn"``: ``*`` matches one path segment, ``**`` any number).
         nodes: overrides by FX node name.
     """
 
@@ -242,7 +266,9 @@ class Policy:
                 raise TypeError(f"module_types keys are nn.Module subclasses; got {key!r}")
         for key in list(modules or {}) + list(nodes or {}):
             if not isinstance(key, str):
-                raise TypeError(f"module path and node name overrides are keyed by str; got {key!r}")
+                raise TypeError(
+                    f"module path and node name overrides are keyed by str; got {key!r}"
+                )
 
         def merged(old: Mapping, new: Mapping | None) -> Mapping:
             return _frozen({**old, **{k: as_rule(v) for k, v in (new or {}).items()}})
@@ -275,15 +301,22 @@ class Policy:
             if hits:
                 glob, rule = next(iter(hits.items()))
                 where = path or "<root>"
-                return Decision(rule, "module path", f"module path override {glob!r} matches {where!r} -> {rule}")
-        for path, mtype in zip(reversed(facts.module_paths), reversed(facts.module_types), strict=True):
+                return Decision(
+                    rule,
+                    "module path",
+                    f"module path override {glob!r} matches {where!r} -> {rule}",
+                )
+        for path, mtype in zip(
+            reversed(facts.module_paths), reversed(facts.module_types), strict=True
+        ):
             for cls in mtype.__mro__:
                 if cls in self.module_types:
                     rule = self.module_types[cls]
                     return Decision(
                         rule,
                         "module type",
-                        f"module type override {op_key_name(cls)} (module {path or '<root>'!r}) -> {rule}",
+                        f"module type override {op_key_name(cls)} "
+                        f"(module {path or '<root>'!r}) -> {rule}",
                     )
         for key in facts.keys:
             if key in self.ops:
@@ -295,11 +328,17 @@ class Policy:
                 return Decision(rule, "op override", f"op override {aten!r} -> {rule}")
         for aten in facts.aten:
             op = base_name(aten)
-            for table, rule in ((self.allow, Rule.ALLOW), (self.deny, Rule.DENY), (self.promote, Rule.PROMOTE)):
+            for table, rule in (
+                (self.allow, Rule.ALLOW),
+                (self.deny, Rule.DENY),
+                (self.promote, Rule.PROMOTE),
+            ):
                 if op in table:
                     return Decision(rule, "table", f"aten::{op} is in {self.name}'s {rule} table")
         what = f"aten::{base_name(facts.aten[0])}" if facts.aten else facts.display
-        return Decision(self.default, "default", f"{what} is in no {self.name} table; default {self.default}")
+        return Decision(
+            self.default, "default", f"{what} is in no {self.name} table; default {self.default}"
+        )
 
     def validate_for(self, module_paths: Iterable[str], node_names: Iterable[str]) -> None:
         """Raise ValueError for module path globs or node names the captured graph lacks."""
@@ -310,6 +349,13 @@ class Policy:
                     f"module path override {glob!r} matches no module of the model."
                     f"{nearest(glob, paths)} Module paths are those of model.named_modules()."
                 )
+        for path in paths:
+            rules = {g: r for g, r in self.modules.items() if _glob_match(g, path)}
+            if len(set(rules.values())) > 1:
+                raise ValueError(
+                    f"module path overrides {sorted(rules)} all match module {path!r} with "
+                    "different rules; make the globs disjoint or add a node override"
+                )
         names = list(node_names)
         for name in self.nodes:
             if name not in names:
@@ -319,8 +365,17 @@ class Policy:
                 )
 
 
+@functools.lru_cache(maxsize=256)
+def _glob_regex(glob: str) -> re.Pattern[str]:
+    out = []
+    for token in re.split(r"(\*\*|\*|\?)", glob):
+        out.append({"**": ".*", "*": "[^.]*", "?": "[^.]"}.get(token, re.escape(token)))
+    return re.compile("".join(out))
+
+
 def _glob_match(glob: str, path: str) -> bool:
-    return bool(path) and fnmatch.fnmatchcase(path, glob)
+    """Module path globs: ``*`` matches within one path segment, ``**`` across segments."""
+    return bool(path) and _glob_regex(glob).fullmatch(path) is not None
 
 
 def resolve_policy(policy: Policy | str, device_type: str) -> Policy:
@@ -329,4 +384,6 @@ def resolve_policy(policy: Policy | str, device_type: str) -> Policy:
         return policy
     if isinstance(policy, str):
         return Policy.preset(policy, device_type)
-    raise TypeError(f"policy is a preset name {list(PRESETS)} or an amp_graph.Policy; got {policy!r}")
+    raise TypeError(
+        f"policy is a preset name {list(PRESETS)} or an amp_graph.Policy; got {policy!r}"
+    )

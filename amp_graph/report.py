@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,15 +52,22 @@ class Report:
     casts_kept: int
     cast_bytes: int | None  # bytes read + written by the kept casts per call; None: unknown
     ops_by_dtype: dict[str, int]
+    graph_module: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     def row(self, name: str) -> NodeRow:
         for row in self.rows:
             if row.name == name:
                 return row
-        raise KeyError(f"no node {name!r} in the report.{nearest(name, [r.name for r in self.rows])}")
+        raise KeyError(
+            f"no node {name!r} in the report.{nearest(name, [r.name for r in self.rows])}"
+        )
 
     def totals(self) -> str:
-        bytes_text = "unknown (compile with example_inputs)" if self.cast_bytes is None else f"{self.cast_bytes:,}"
+        bytes_text = (
+            "unknown (compile with example_inputs)"
+            if self.cast_bytes is None
+            else f"{self.cast_bytes:,}"
+        )
         per_dtype = ", ".join(f"{k}: {v}" for k, v in sorted(self.ops_by_dtype.items()))
         return (
             f"policy {self.policy}, low dtype {self.dtype}; ops by output dtype: {per_dtype}\n"
@@ -72,37 +78,64 @@ class Report:
     def __str__(self) -> str:
         headers = ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in")
         table = [headers] + [
-            (r.name, r.op, r.module or "-", r.rule, r.decided_by, r.compute, r.out,
-             ", ".join(r.casts_in) or "-")
+            (
+                r.name,
+                r.op,
+                r.module or "-",
+                r.rule,
+                r.decided_by,
+                r.compute,
+                r.out,
+                ", ".join(r.casts_in) or "-",
+            )
             for r in self.rows
         ]
         widths = [max(len(str(line[i])) for line in table) for i in range(len(headers))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table]
+        lines = [
+            "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in table
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join([*lines, "", self.totals()])
 
     def _repr_html_(self) -> str:
-        def cell(value: str, dtype: str | None = None) -> str:
-            color = DTYPE_COLORS.get(dtype or "", "")
-            style = f' style="color:{color};font-weight:600"' if color else ""
-            return f"<td{style}>{html.escape(value)}</td>"
+        from amp_graph.inspect.html import report_html
 
-        head = "".join(f"<th>{h}</th>" for h in
-                       ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in"))
-        body = "".join(
-            "<tr>" + cell(r.name) + cell(r.op) + cell(r.module or "-") + cell(r.rule)
-            + cell(r.decided_by) + cell(r.compute, r.compute) + cell(r.out, r.out)
-            + cell(", ".join(r.casts_in) or "-") + "</tr>"
-            for r in self.rows
-        )
-        totals = html.escape(self.totals()).replace("\n", "<br>")
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><p>{totals}</p>"
+        return report_html(self)
+
+    # Views of the compiled module, from amp_graph.inspect (imported on first use).
+
+    def _compiled(self) -> fx.GraphModule:
+        if self.graph_module is None:
+            raise ValueError("this Report holds no compiled module; use amp_graph.report(compiled)")
+        return self.graph_module
+
+    def diff(self, before: fx.GraphModule | None = None) -> Any:
+        """What the passes added, removed and changed: an :class:`amp_graph.inspect.Diff`
+        against ``before`` (by default the graph as captured, before the passes)."""
+        from amp_graph.inspect import diff
+
+        return diff(self._compiled()) if before is None else diff(before, self._compiled())
+
+    def dataflow(self, depth: int | None = None) -> Any:
+        """Per module: ops per dtype, bytes cast forward and backward
+        (:func:`amp_graph.inspect.dataflow`)."""
+        from amp_graph.inspect import dataflow
+
+        return dataflow(self._compiled(), depth)
+
+    def draw(self, **options: Any) -> Any:
+        """The compiled graph as an SVG; options as :func:`amp_graph.inspect.draw`."""
+        from amp_graph.inspect import draw
+
+        return draw(self._compiled(), **options)
 
 
 def _numel_bytes(val: Any, dtype: Any) -> int | None:
     if not isinstance(val, torch.Tensor) or not isinstance(dtype, torch.dtype):
         return None
-    return val.numel() * dtype.itemsize
+    numel = val.numel()
+    return numel * dtype.itemsize if isinstance(numel, int) else None  # None: symbolic shape
 
 
 def cast_bytes(gm: fx.GraphModule) -> int | None:
@@ -126,10 +159,17 @@ def _row(node: fx.Node) -> NodeRow:
     casts_in = [a.name for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
     casts_out = [u.name for u in node.users if u.meta[AMP].role is Role.CAST]
     return NodeRow(
-        name=node.name, op=amp.op or node.op, module=amp.module_path, role=str(amp.role),
-        rule=str(amp.rule) if amp.role is Role.OP else str(amp.role), decided_by=amp.source,
-        detail=amp.detail, compute=short(amp.compute_dtype) if amp.compute_dtype else "-",
-        out=short(amp.out_dtype), casts_in=casts_in, casts_out=casts_out,
+        name=node.name,
+        op=amp.op or node.op,
+        module=amp.module_path,
+        role=str(amp.role),
+        rule=str(amp.rule) if amp.role is Role.OP else str(amp.role),
+        decided_by=amp.source,
+        detail=amp.detail,
+        compute=short(amp.compute_dtype) if amp.compute_dtype else "-",
+        out=short(amp.out_dtype),
+        casts_in=casts_in,
+        casts_out=casts_out,
     )
 
 
@@ -144,13 +184,20 @@ def report(compiled: fx.GraphModule) -> Report:
     """
     record: CompileRecord = compile_record(compiled)
     rows = [_row(n) for n in compiled.graph.nodes]
-    ops = Counter(r.out for r in rows if r.role in (str(Role.OP), str(Role.USER_CAST), str(Role.INPLACE)))
+    ops = Counter(
+        r.out for r in rows if r.role in (str(Role.OP), str(Role.USER_CAST), str(Role.INPLACE))
+    )
     return Report(
-        policy=record.policy.name, dtype=short(record.dtype), exact=record.exact, rows=rows,
+        policy=record.policy.name,
+        dtype=short(record.dtype),
+        exact=record.exact,
+        rows=rows,
         casts_inserted=record.stats.get("casts_inserted", 0),
         casts_removed=record.stats.get("casts_removed", 0),
         casts_kept=sum(r.role == str(Role.CAST) for r in rows),
-        cast_bytes=cast_bytes(compiled), ops_by_dtype=dict(ops),
+        cast_bytes=cast_bytes(compiled),
+        ops_by_dtype=dict(ops),
+        graph_module=compiled,
     )
 
 
@@ -162,38 +209,73 @@ def _find(compiled: fx.GraphModule, name: str) -> fx.Node:
     raise KeyError(f"no node named {name!r} in the compiled graph.{nearest(name, names)}")
 
 
-def explain(compiled: fx.GraphModule, node_name: str) -> str:
-    """Why ``node_name`` has its dtype, in one paragraph."""
+class Explanation(str):
+    """What :func:`explain` returns: a ``str``, one sentence per line; notebooks show it
+    formatted, with dtype badges."""
+
+    def _repr_html_(self) -> str:
+        from amp_graph.inspect.html import explanation_html
+
+        return explanation_html(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython: the text, unquoted
+        printer.text(str(self))
+
+
+def explain(compiled: fx.GraphModule, node_name: str) -> Explanation:
+    """Why ``node_name`` has its dtype, one sentence per line."""
     compile_record(compiled)
     node = _find(compiled, node_name)
     amp: AmpInfo = node.meta[AMP]
     where = f" in module '{amp.module_path}'" if amp.module_path else ""
-    out = "an unproven dtype (compile with example_inputs to prove it)" if amp.out_dtype is UNKNOWN \
+    out = (
+        "an unproven dtype (compile with example_inputs to prove it)"
+        if amp.out_dtype is UNKNOWN
         else short(amp.out_dtype)
+    )
     if amp.role is Role.CAST:
         source = node.args[0]
-        kind = "a run-time-checked cast (its input's dtype was unknown)" if amp.conditional else "a cast"
-        return (f"'{node.name}' is {kind} amp_graph inserted: it converts '{source.name}' "
-                f"({short(source.meta[AMP].out_dtype)}) to {short(node.args[1])} for "
-                f"{', '.join(repr(c) for c in amp.cast_for)}. {amp.detail}.")
+        kind = (
+            "a run-time-checked cast (its input's dtype was unknown)"
+            if amp.conditional
+            else "a cast"
+        )
+        return Explanation(
+            f"'{node.name}' is {kind} amp_graph inserted: it converts '{source.name}' "
+            f"({short(source.meta[AMP].out_dtype)}) to {short(node.args[1])} for "
+            f"{', '.join(repr(c) for c in amp.cast_for)}.\n{amp.detail}."
+        )
     text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
     if amp.role is Role.OP and amp.rule is not None:
-        text.append(f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
-                    f"by the {amp.source} level: {amp.detail}.")
+        text.append(
+            f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
+            f"by the {amp.source} level: {amp.detail}."
+        )
         if amp.compute_dtype is not None:
             text.append(f"Its floating inputs are cast to {short(amp.compute_dtype)}.")
     else:
         text.append(f"It is not reclassified: {amp.detail}.")
     casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
     if casts_in:
-        text.append("Casts feeding it: " + ", ".join(
-            f"'{c.name}' ({short(c.args[0].meta[AMP].out_dtype)} -> {short(c.args[1])})" for c in casts_in) + ".")
+        text.append(
+            "Casts feeding it: "
+            + ", ".join(
+                f"'{c.name}' ({short(c.args[0].meta[AMP].out_dtype)} -> {short(c.args[1])})"
+                for c in casts_in
+            )
+            + "."
+        )
     casts_out = [u for u in node.users if u.meta[AMP].role is Role.CAST]
     if casts_out:
-        text.append("Its output is cast by " + ", ".join(
-            f"'{c.name}' (to {short(c.args[1])})" for c in casts_out) + ".")
+        text.append(
+            "Its output is cast by "
+            + ", ".join(f"'{c.name}' (to {short(c.args[1])})" for c in casts_out)
+            + "."
+        )
     if amp.role is Role.OP:
-        text.append(f"To change it: Policy.override(nodes={{'{node.name}': 'fp32'}}) or an op, "
-                    "module type or module path override (priority: default < op tables < op "
-                    "< module type < module path < node).")
-    return " ".join(text)
+        text.append(
+            f"To change it: Policy.override(nodes={{'{node.name}': 'fp32'}}) or an op, "
+            "module type or module path override (priority: default < op tables < op "
+            "< module type < module path < node)."
+        )
+    return Explanation("\n".join(text))

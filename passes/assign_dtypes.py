@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from amp_graph.policy import Rule
+
 from .dtype_rules import rule_out_dtype
 from .meta import (
     AMP,
@@ -114,7 +115,11 @@ def compute_dtype_for(rule: Rule, facts: list[DtypeFact], low: torch.dtype) -> t
 def cast_value(value: Any, dtype: torch.dtype) -> Any:
     """Apply a planned cast to an environment value: autocast's eligibility, then .to()."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.dtype in (torch.float16, torch.bfloat16, torch.float32) else value
+        return (
+            value.to(dtype)
+            if value.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            else value
+        )
     if isinstance(value, Abstract):
         if is_castable(value.fact):
             return Abstract(dtype)
@@ -141,7 +146,9 @@ def _is_abstract(value: Any) -> bool:
 class _Planner:
     """Walks the graph once, deciding dtypes and propagating values under the plan."""
 
-    def __init__(self, gm: fx.GraphModule, low: torch.dtype, cast_inputs: bool, plan: bool = True) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, low: torch.dtype, cast_inputs: bool, plan: bool = True
+    ) -> None:
         # plan=False only propagates: no decisions, no casts, nothing written to the graph.
         self.gm, self.low, self.cast_inputs, self.plan = gm, low, cast_inputs, plan
         self.facts: dict[fx.Node, DtypeFact] = {}
@@ -155,8 +162,11 @@ class _Planner:
             return None
         vals = [n.meta[VAL] for n in placeholders]
         from torch._guards import detect_fake_mode
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+        fakes = [v for v in vals if isinstance(v, FakeTensor)]
+        if fakes:  # the mode the example values live in; an active TracingContext may hold another
+            return fakes[0].fake_mode
         detected = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         return detected or FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -192,8 +202,11 @@ class _Planner:
             return self._placeholder(node, amp)
         if node.op == "get_attr":
             attr = self._attr(node.target)
-            return self.fake(attr) if isinstance(attr, torch.Tensor) and self.fake_mode else (
-                Abstract(attr.dtype) if isinstance(attr, torch.Tensor) else attr)
+            return (
+                self.fake(attr)
+                if isinstance(attr, torch.Tensor) and self.fake_mode
+                else (Abstract(attr.dtype) if isinstance(attr, torch.Tensor) else attr)
+            )
         args = map_aggregate(node.args, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
         kwargs = map_aggregate(node.kwargs, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
         if node.op == "output":
@@ -202,9 +215,14 @@ class _Planner:
             return self._evaluate(node, amp, args, kwargs)
         facts = tensor_leaves((args, kwargs))
         rule = self._effective_rule(node, amp)
-        amp.compute_dtype = compute_dtype_for(rule, facts, self.low) if amp.role is Role.OP else None
+        amp.compute_dtype = (
+            compute_dtype_for(rule, facts, self.low) if amp.role is Role.OP else None
+        )
         if amp.compute_dtype is not None:
-            args, kwargs = cast_value(args, amp.compute_dtype), cast_value(kwargs, amp.compute_dtype)
+            args, kwargs = (
+                cast_value(args, amp.compute_dtype),
+                cast_value(kwargs, amp.compute_dtype),
+            )
         out = self._evaluate(node, amp, args, kwargs)
         self._track_pinning(node, amp, rule, fact(out))
         return out
@@ -220,7 +238,8 @@ class _Planner:
 
     def _placeholder(self, node: fx.Node, amp: AmpInfo) -> Any:
         value = node.meta[VAL] if VAL in node.meta else Abstract(UNKNOWN)
-        if self.plan and self.cast_inputs and (is_castable(fact(value)) or fact(value) is UNKNOWN):
+        entry_cast = self.plan and self.cast_inputs and amp.role is Role.INPUT  # not model state
+        if entry_cast and (is_castable(fact(value)) or fact(value) is UNKNOWN):
             amp.compute_dtype = self.low
             amp.detail = "a graph input, cast to low precision at entry (policy cast_inputs)"
             value = cast_value(value, self.low)
@@ -236,16 +255,18 @@ class _Planner:
         rule = amp.rule or Rule.FOLLOW
         pinned_inputs = [a for a in node.all_input_nodes if a in self.pinned]
         if rule is Rule.ALLOW and amp.source == "default" and pinned_inputs:
-            amp.detail = (f"{amp.detail}; but input {pinned_inputs[0].name!r} descends from a "
-                          "float32 cast written in the model, which default rules never undo")
+            amp.detail = (
+                f"{amp.detail}; but input {pinned_inputs[0].name!r} descends from a "
+                "float32 cast written in the model, which default rules never undo"
+            )
             return Rule.FOLLOW
         return rule
 
     def _track_pinning(self, node: fx.Node, amp: AmpInfo, rule: Rule, out: DtypeFact) -> None:
-        if amp.role is Role.USER_CAST:
-            if out in (torch.float32, torch.float64):
-                self.pinned.add(node)
-        elif rule is Rule.FOLLOW and any(a in self.pinned for a in node.all_input_nodes):
+        # Pinned: float32 (or wider) values that descend from a float32 cast the model wrote.
+        wide = out in (torch.float32, torch.float64)
+        from_user = amp.role is Role.USER_CAST
+        if wide and (from_user or any(a in self.pinned for a in node.all_input_nodes)):
             self.pinned.add(node)
 
     def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -282,7 +303,9 @@ def propagate_dtypes(gm: fx.GraphModule) -> dict[fx.Node, DtypeFact]:
     return planner.facts
 
 
-def assign_dtypes(gm: fx.GraphModule, low_dtype: torch.dtype, cast_inputs: bool = False) -> PassResult:
+def assign_dtypes(
+    gm: fx.GraphModule, low_dtype: torch.dtype, cast_inputs: bool = False
+) -> PassResult:
     """Decide ``compute_dtype`` and ``out_dtype`` for every node (see the module docstring).
 
     >>> import torch, torch.fx as fx, amp_graph

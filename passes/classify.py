@@ -23,20 +23,59 @@ import torch.nn as nn
 
 from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name
 from amp_graph.tables import python_ops
+
 from .meta import AMP, AmpInfo, Role
 from .result import PassResult
 
-_INPLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imatmul, operator.ipow, operator.imod, operator.iand, operator.ior,
-    operator.ixor, operator.ilshift, operator.irshift, operator.setitem,
-})
-_NON_TENSOR_METHODS = frozenset({"size", "dim", "numel", "ndimension", "nelement", "tolist",
-                                 "item", "element_size", "stride", "data_ptr", "get_device"})
+_INPLACE_OPERATORS = frozenset(
+    {
+        operator.iadd,
+        operator.isub,
+        operator.imul,
+        operator.itruediv,
+        operator.ifloordiv,
+        operator.imatmul,
+        operator.ipow,
+        operator.imod,
+        operator.iand,
+        operator.ior,
+        operator.ixor,
+        operator.ilshift,
+        operator.irshift,
+        operator.setitem,
+    }
+)
+_NON_TENSOR_METHODS = frozenset(
+    {
+        "size",
+        "dim",
+        "numel",
+        "ndimension",
+        "nelement",
+        "tolist",
+        "item",
+        "element_size",
+        "stride",
+        "data_ptr",
+        "get_device",
+    }
+)
 _DUNDER = re.compile(r"^__(r?)(\w+?)__$")
-_TORCH_BUILTIN_MODULES = ("torch", "torch._C", "torch.nn.functional", "torch.functional",
-                          "torch._C._nn", "torch._C._linalg", "torch._C._fft",
-                          "torch._C._special", "torch._C._VariableFunctions")
+_TORCH_BUILTIN_MODULES = (
+    "torch",
+    "torch._C",
+    "torch.nn.functional",
+    "torch.functional",
+    "torch._C._nn",
+    "torch._C._linalg",
+    "torch._C._fft",
+    "torch._C._special",
+    "torch._C._VariableFunctions",
+)
+# Norms whose function form updates running statistics in place (dynamo inlines BatchNorm
+# modules into F.batch_norm): a cast would update a copy. Their kernels take low-precision
+# input with float32 statistics, so "allow" casts nothing, as for the modules.
+_STATEFUL_NORM_FUNCTIONS = frozenset({"batch_norm", "instance_norm"})
 
 
 def module_stack(node: fx.Node, root: nn.Module) -> tuple[tuple[str, ...], tuple[type, ...]]:
@@ -53,13 +92,33 @@ def module_stack(node: fx.Node, root: nn.Module) -> tuple[tuple[str, ...], tuple
 
 
 def normalize_module_path(path: str) -> str:
-    """Dynamo's ``L['self'].blocks[0].attn`` and ``L__self___blocks_0`` -> ``blocks.0.attn``."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
+    """Dynamo's ``L['self'].blocks[0].attn`` and ``L__self___blocks_0`` -> ``blocks.0.attn``.
+
+    The root is whatever variable held the compiled module: ``L['self']``, ``L['fn']``
+    (torch.nn containers compiled directly) or ``G['model']`` (a global a function uses).
+    """
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
     path = re.sub(r"^self\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"\._modules\.", ".", path)
+    path = re.sub(r"(^|\.)_modules\.", r"\1", path)
     return path.strip(".")
+
+
+def is_model_state(node: fx.Node) -> bool:
+    """A placeholder holding a parameter or buffer: dynamo lifts module state to graph inputs.
+
+    Known from the example value (an ``nn.Parameter``) or dynamo's ``meta["grapharg"]``
+    source (``L['self']._modules['bn']._buffers['running_mean']``). Such inputs are never
+    cast at entry (policy ``cast_inputs``): ops cast them as they cast ``get_attr`` state.
+    """
+    value = node.meta.get("val", node.meta.get("example_value"))
+    if isinstance(value, nn.Parameter):
+        return True
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", "")
+    name = name() if callable(name) else name
+    return isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name)
 
 
 def _submodule_type(root: nn.Module, path: str) -> type | None:
@@ -74,10 +133,16 @@ def _mode_arg(node: fx.Node, position: int, default: str | None = None) -> str |
     return value if isinstance(value, str) else default
 
 
-def _function_facts(target: Callable, node: fx.Node) -> tuple[str, tuple[Any, ...], tuple[str, ...]]:
+def _function_facts(
+    target: Callable, node: fx.Node
+) -> tuple[str, tuple[Any, ...], tuple[str, ...]]:
     """(display, keys, aten candidates) for a call_function node."""
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        name = target._schema.name if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+        name = (
+            target._schema.name
+            if isinstance(target, torch._ops.OpOverload)
+            else target._qualified_op_name
+        )
         name = name.split("::", 1)[-1]
         if isinstance(target, torch._ops.OpOverload) and target._overloadname != "default":
             name = f"{name}.{target._overloadname}"
@@ -133,7 +198,13 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
     base = AmpInfo(role=Role.OP, module_path=innermost)
 
     def fixed(role: Role, detail: str, op: str) -> AmpInfo:
-        base.role, base.op, base.rule, base.source, base.detail = role, op, Rule.FOLLOW, "fixed", detail
+        base.role, base.op, base.rule, base.source, base.detail = (
+            role,
+            op,
+            Rule.FOLLOW,
+            "fixed",
+            detail,
+        )
         return base
 
     target = node.target
@@ -141,20 +212,29 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
         if target is builtins.getattr:
             return fixed(Role.OTHER, "attribute access: not computed, not cast", "getattr")
         if _is_inplace_call(node, target):
-            return fixed(Role.INPLACE, "in-place op: it writes into its first argument, "
-                         "so amp_graph never casts that argument", op_key_name(target))
+            return fixed(
+                Role.INPLACE,
+                "in-place op: it writes into its first argument, "
+                "so amp_graph never casts that argument",
+                op_key_name(target),
+            )
         display, keys, aten = _function_facts(target, node)
         if display.endswith(".to") or target in (torch.Tensor.to, torch.Tensor.type):
             return fixed(Role.USER_CAST, "a cast written in the model: kept as written", display)
     elif node.op == "call_method":
         if target in python_ops.CAST_METHODS:
-            return fixed(Role.USER_CAST, "a cast written in the model: kept as written",
-                         f"Tensor.{target}")
+            return fixed(
+                Role.USER_CAST, "a cast written in the model: kept as written", f"Tensor.{target}"
+            )
         if target in _NON_TENSOR_METHODS:
             return fixed(Role.OTHER, "returns no tensor: not cast", f"Tensor.{target}")
         if _is_inplace_call(node, target):
-            return fixed(Role.INPLACE, "in-place op: it writes into its first argument, "
-                         "so amp_graph never casts that argument", f"Tensor.{target}")
+            return fixed(
+                Role.INPLACE,
+                "in-place op: it writes into its first argument, "
+                "so amp_graph never casts that argument",
+                f"Tensor.{target}",
+            )
         display = f"Tensor.{target}"
         keys = tuple(k for k in (getattr(torch.Tensor, target, None),) if k is not None)
         aten = _method_aten(target)
@@ -180,13 +260,38 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
     facts = OpFacts(node.name, display, keys, aten, paths, types)
     decision = _decide(policy, facts)
     if decision.source == "table" and decision.rule is Rule.DENY and _explicit_dtype(node):
-        decision = Decision(Rule.FOLLOW, "fixed", "the call sets dtype= itself; autocast "
-                            "leaves such calls alone, and so does amp_graph")
-    if node.op == "call_module" and not aten and decision.source == "default" \
-            and decision.rule is Rule.FOLLOW and _has_float_state(gm.get_submodule(target)):
-        decision = Decision(Rule.DENY, "default", f"{display} is not in amp_graph's module "
-                            "table and has floating parameters; its inputs are cast to fp32 so "
-                            "that it runs as in fp32 (override to change)")
+        decision = Decision(
+            Rule.FOLLOW,
+            "fixed",
+            "the call sets dtype= itself; autocast leaves such calls alone, and so does amp_graph",
+        )
+    if (
+        node.op != "call_module"
+        and decision.rule is Rule.ALLOW
+        and aten
+        and aten[0] in _STATEFUL_NORM_FUNCTIONS
+    ):
+        decision = Decision(
+            Rule.FOLLOW,
+            "fixed",
+            f"{decision.detail}; but {aten[0]} updates "
+            "running statistics in place and takes low-precision input with "
+            "float32 statistics, so amp_graph casts none of its inputs",
+        )
+    if (
+        node.op == "call_module"
+        and not aten
+        and decision.source == "default"
+        and decision.rule is Rule.FOLLOW
+        and _has_float_state(gm.get_submodule(target))
+    ):
+        decision = Decision(
+            Rule.DENY,
+            "default",
+            f"{display} is not in amp_graph's module "
+            "table and has floating parameters; its inputs are cast to fp32 so "
+            "that it runs as in fp32 (override to change)",
+        )
     base.op, base.aten, base.module_path = display, (aten[0] if aten else None), innermost
     base.rule, base.source, base.detail = decision.rule, decision.source, decision.detail
     return base
@@ -203,15 +308,38 @@ def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            amp = AmpInfo(role=Role.INPUT, op="input", rule=Rule.FOLLOW, source="fixed",
-                          detail="a graph input")
+        if node.op == "placeholder" and is_model_state(node):
+            amp = AmpInfo(
+                role=Role.PARAM,
+                op="input",
+                rule=Rule.FOLLOW,
+                source="fixed",
+                detail="a parameter or buffer of the model, passed as a graph input",
+            )
+        elif node.op == "placeholder":
+            amp = AmpInfo(
+                role=Role.INPUT,
+                op="input",
+                rule=Rule.FOLLOW,
+                source="fixed",
+                detail="a graph input",
+            )
         elif node.op == "get_attr":
-            amp = AmpInfo(role=Role.PARAM, op="get_attr", rule=Rule.FOLLOW, source="fixed",
-                          detail="a parameter, buffer or constant of the model")
+            amp = AmpInfo(
+                role=Role.PARAM,
+                op="get_attr",
+                rule=Rule.FOLLOW,
+                source="fixed",
+                detail="a parameter, buffer or constant of the model",
+            )
         elif node.op == "output":
-            amp = AmpInfo(role=Role.OUTPUT, op="output", rule=Rule.FOLLOW, source="fixed",
-                          detail="the graph's output")
+            amp = AmpInfo(
+                role=Role.OUTPUT,
+                op="output",
+                rule=Rule.FOLLOW,
+                source="fixed",
+                detail="the graph's output",
+            )
         else:
             amp = _op_info(node, gm, policy)
         node.meta[AMP] = amp

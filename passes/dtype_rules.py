@@ -16,44 +16,180 @@ import torch
 import torch.fx as fx
 
 from amp_graph.policy import base_name
+
 from .meta import NOT_TENSOR, UNKNOWN, AmpInfo, DtypeFact, Role
 
 # Output dtype is the first argument's, whatever it is (views, indexing, copies).
-FIRST_ARG = frozenset({
-    "view", "reshape", "permute", "transpose", "flatten", "unflatten", "squeeze", "unsqueeze",
-    "expand", "expand_as", "repeat", "narrow", "select", "t", "getitem", "contiguous", "clone",
-    "detach", "flip", "roll", "tril", "triu", "masked_fill", "movedim", "swapaxes", "view_as",
-    "reshape_as", "index_select", "gather", "identity", "pad", "constant_pad_nd",
-})
+FIRST_ARG = frozenset(
+    {
+        "view",
+        "reshape",
+        "permute",
+        "transpose",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "expand",
+        "expand_as",
+        "repeat",
+        "narrow",
+        "select",
+        "t",
+        "getitem",
+        "contiguous",
+        "clone",
+        "detach",
+        "flip",
+        "roll",
+        "tril",
+        "triu",
+        "masked_fill",
+        "movedim",
+        "swapaxes",
+        "view_as",
+        "reshape_as",
+        "index_select",
+        "gather",
+        "identity",
+        "pad",
+        "constant_pad_nd",
+    }
+)
 # Output dtype is the first argument's when that is floating (losses take integer targets).
-FLOAT_FIRST_ARG = frozenset({
-    "cross_entropy_loss", "log_softmax", "softmax", "nll_loss", "mse_loss", "l1_loss",
-    "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy_with_logits",
-    "dropout", "relu", "gelu", "silu", "tanh", "sigmoid", "hardtanh", "leaky_relu", "elu",
-    "mish", "hardswish", "hardsigmoid", "relu6", "selu", "celu", "softplus", "max_pool1d",
-    "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d",
-    "adaptive_avg_pool2d", "mean", "sum", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "neg",
-    "abs", "pow",
-})
+FLOAT_FIRST_ARG = frozenset(
+    {
+        "cross_entropy_loss",
+        "log_softmax",
+        "softmax",
+        "nll_loss",
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "kl_div",
+        "binary_cross_entropy_with_logits",
+        "dropout",
+        "relu",
+        "gelu",
+        "silu",
+        "tanh",
+        "sigmoid",
+        "hardtanh",
+        "leaky_relu",
+        "elu",
+        "mish",
+        "hardswish",
+        "hardsigmoid",
+        "relu6",
+        "selu",
+        "celu",
+        "softplus",
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "avg_pool1d",
+        "avg_pool2d",
+        "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d",
+        "mean",
+        "sum",
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "sin",
+        "cos",
+        "neg",
+        "abs",
+        "pow",
+    }
+)
 # Output dtype is that of the floating inputs, when they all agree.
-ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "maximum", "minimum", "where", "lerp", "clamp", "clip",
-    "layer_norm", "group_norm", "rms_norm", "matmul", "linear", "bmm", "mm", "baddbmm", "addmm",
-    "scaled_dot_product_attention", "conv1d", "conv2d", "conv3d", "einsum", "cat", "stack",
-    "prelu", "batch_norm",
-})
+ELEMENTWISE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "maximum",
+        "minimum",
+        "where",
+        "lerp",
+        "clamp",
+        "clip",
+        "layer_norm",
+        "group_norm",
+        "rms_norm",
+        "matmul",
+        "linear",
+        "bmm",
+        "mm",
+        "baddbmm",
+        "addmm",
+        "scaled_dot_product_attention",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "einsum",
+        "cat",
+        "stack",
+        "prelu",
+        "batch_norm",
+    }
+)
 # Ops that raise unless their floating inputs share one dtype: if they ran, that is it.
-SAME_DTYPE_REQUIRED = frozenset({
-    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "conv1d", "conv2d",
-    "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "einsum",
-    "scaled_dot_product_attention", "prelu", "_cudnn_rnn", "mkldnn_rnn_layer",
-})
-COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite",
-                         "logical_and", "logical_or", "logical_not"})
+SAME_DTYPE_REQUIRED = frozenset(
+    {
+        "linear",
+        "matmul",
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "addbmm",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "einsum",
+        "scaled_dot_product_attention",
+        "prelu",
+        "_cudnn_rnn",
+        "mkldnn_rnn_layer",
+    }
+)
+COMPARISONS = frozenset(
+    {
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "isnan",
+        "isinf",
+        "isfinite",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+    }
+)
 INDEX_RESULTS = frozenset({"argmax", "argmin", "argsort", "nonzero"})
-_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
-                 "double": torch.float64, "long": torch.int64, "int": torch.int32,
-                 "short": torch.int16, "bool": torch.bool, "byte": torch.uint8, "char": torch.int8}
+_CAST_METHODS = {
+    "float": torch.float32,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+    "long": torch.int64,
+    "int": torch.int32,
+    "short": torch.int16,
+    "bool": torch.bool,
+    "byte": torch.uint8,
+    "char": torch.int8,
+}
 
 
 def _leaves(value: Any) -> list[DtypeFact]:

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from amp_graph.policy import Rule
+
 from .meta import AMP, CASTABLE, AmpInfo, Role
 from .result import PassResult
 
@@ -63,7 +64,15 @@ def _rms_norm(x: fx.Node, m: nn.Module, p: dict[str, fx.Node]) -> Call:
 
 
 def _embedding(x: fx.Node, m: nn.Embedding, p: dict[str, fx.Node]) -> Call:
-    return F.embedding, (x, p["weight"], m.padding_idx, None, m.norm_type, m.scale_grad_by_freq, m.sparse)
+    return F.embedding, (
+        x,
+        p["weight"],
+        m.padding_idx,
+        None,
+        m.norm_type,
+        m.scale_grad_by_freq,
+        m.sparse,
+    )
 
 
 def _prelu(x: fx.Node, m: nn.PReLU, p: dict[str, fx.Node]) -> Call:
@@ -98,9 +107,16 @@ def _needs_parameter_casts(module: nn.Module, rule: Rule | None, low: torch.dtyp
 
 def _param_node(graph: fx.Graph, qualified: str, tensor: torch.Tensor, path: str) -> fx.Node:
     node = graph.get_attr(qualified)
-    node.meta[AMP] = AmpInfo(role=Role.PARAM, op="get_attr", rule=Rule.FOLLOW, source="fixed",
-                             detail="a parameter of the model", module_path=path,
-                             out_dtype=tensor.dtype, exact=True)
+    node.meta[AMP] = AmpInfo(
+        role=Role.PARAM,
+        op="get_attr",
+        rule=Rule.FOLLOW,
+        source="fixed",
+        detail="a parameter of the model",
+        module_path=path,
+        out_dtype=tensor.dtype,
+        exact=True,
+    )
     return node
 
 
@@ -134,9 +150,14 @@ def expose_parameters(gm: fx.GraphModule, low_dtype: torch.dtype) -> PassResult:
                 target, args = emit(node.args[0], module, params)
             else:
                 owner = gm.graph.get_attr(node.target)
-                owner.meta[AMP] = AmpInfo(role=Role.OTHER, op="get_attr", rule=Rule.FOLLOW,
-                                          source="fixed", detail="the module whose forward runs",
-                                          module_path=node.target)
+                owner.meta[AMP] = AmpInfo(
+                    role=Role.OTHER,
+                    op="get_attr",
+                    rule=Rule.FOLLOW,
+                    source="fixed",
+                    detail="the module whose forward runs",
+                    module_path=node.target,
+                )
                 target = torch.func.functional_call
                 args = (owner, params, tuple(node.args), dict(node.kwargs))
             new = gm.graph.create_node("call_function", target, args, {})

@@ -26,12 +26,15 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from amp_graph.policy import Rule
+
 from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role, is_castable, short
 from .result import PassResult
 
 
 def cast_if_castable(x: Any, dtype: torch.dtype) -> Any:
     """torch.autocast's cast: floating tensors except float64 go to ``dtype``; others pass."""
+    if isinstance(x, fx.Proxy):  # re-traced (e.g. unpickling a GraphModule): stay one node
+        return x.tracer.create_proxy("call_function", cast_if_castable, (x, dtype), {})
     if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
         return x.to(dtype)
     return x
@@ -57,10 +60,16 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str
     else:
         node = graph.create_node("call_method", "to", (value, dtype), name=name)
     node.meta[AMP] = AmpInfo(
-        role=Role.CAST, op="cast", rule=Rule.FOLLOW, source="inserted",
-        detail=f"inserted: {value.name} ({short(source.out_dtype)}) to {short(dtype)} for {consumer}",
-        module_path=source.module_path, compute_dtype=None,
-        out_dtype=UNKNOWN if conditional else dtype, exact=source.exact, cast_for=(consumer,),
+        role=Role.CAST,
+        op="cast",
+        rule=Rule.FOLLOW,
+        source="inserted",
+        detail=f"inserted: {value.name} ({short(source.out_dtype)}) to {short(dtype)}",
+        module_path=source.module_path,
+        compute_dtype=None,
+        out_dtype=UNKNOWN if conditional else dtype,
+        exact=source.exact,
+        cast_for=(consumer,),
         conditional=conditional,
     )
     val = value.meta.get(VAL)
@@ -109,8 +118,12 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
             continue
         casts: dict[fx.Node, fx.Node] = {}
 
-        def cast_input(value: fx.Node, node: fx.Node = node, dtype: torch.dtype = dtype,
-                       casts: dict[fx.Node, fx.Node] = casts) -> fx.Node:
+        def cast_input(
+            value: fx.Node,
+            node: fx.Node = node,
+            dtype: torch.dtype = dtype,
+            casts: dict[fx.Node, fx.Node] = casts,
+        ) -> fx.Node:
             if value not in casts:
                 if not _needs_cast(value, dtype):
                     return value

@@ -97,8 +97,13 @@ def is_castable(dtype: DtypeFact) -> bool:
 def short(dtype: DtypeFact) -> str:
     """``torch.bfloat16`` -> ``bf16``; pytrees and markers readable too."""
     names = {
-        torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-        torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool",
+        torch.float32: "fp32",
+        torch.float16: "fp16",
+        torch.bfloat16: "bf16",
+        torch.float64: "fp64",
+        torch.int64: "i64",
+        torch.int32: "i32",
+        torch.bool: "bool",
     }
     if isinstance(dtype, torch.dtype):
         return names.get(dtype, str(dtype).replace("torch.", ""))
@@ -128,13 +133,15 @@ def tensor_facts(fact: DtypeFact) -> list[DtypeFact]:
 
 
 # Which casts lose nothing: every value of `src` is exactly representable in `dst`.
-LOSSLESS: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset({
-    (torch.float16, torch.float32),  # fp16 -> fp32: exact
-    (torch.bfloat16, torch.float32),  # bf16 -> fp32: exact
-    (torch.float16, torch.float64),
-    (torch.bfloat16, torch.float64),
-    (torch.float32, torch.float64),
-})
+LOSSLESS: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset(
+    {
+        (torch.float16, torch.float32),  # fp16 -> fp32: exact
+        (torch.bfloat16, torch.float32),  # bf16 -> fp32: exact
+        (torch.float16, torch.float64),
+        (torch.bfloat16, torch.float64),
+        (torch.float32, torch.float64),
+    }
+)
 
 
 def is_lossless(src: torch.dtype, dst: torch.dtype) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.policy import Policy
+
 from .assign_dtypes import assign_dtypes
 from .classify import classify
 from .expose_parameters import expose_parameters
@@ -40,7 +41,9 @@ class PipelineResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def amp_passes(policy: Policy, low_dtype: torch.dtype) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
+def amp_passes(
+    policy: Policy, low_dtype: torch.dtype
+) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
     """The pass list, bound to a policy and a dtype."""
     return [
         ("classify", lambda gm: classify(gm, policy)),

@@ -50,7 +50,9 @@ def _check_planned_inputs(node: fx.Node) -> None:
 
 def _same(planned: object, actual: object) -> bool:
     if isinstance(planned, (tuple, list)) and isinstance(actual, (tuple, list)):
-        return len(planned) == len(actual) and all(_same(p, a) for p, a in zip(planned, actual, strict=True))
+        return len(planned) == len(actual) and all(
+            _same(p, a) for p, a in zip(planned, actual, strict=True)
+        )
     return not _comparable(planned, actual) or planned == actual
 
 

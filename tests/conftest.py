@@ -7,10 +7,14 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
+from amp_graph.passes import AMP, Role
 from torch.fx.node import map_aggregate
 
 import amp_graph
-from amp_graph.passes import AMP, Role
+
+# Tests measure behaviour, not speed: one intra-op thread keeps them fast and repeatable
+# on a 2-core machine that may be running other work (OpenMP spin-waits when oversubscribed).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -18,11 +22,16 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def compile_checked(model: torch.nn.Module, policy: Any = "O1", dtype: torch.dtype = torch.bfloat16,
-                    example_inputs: Any = None) -> fx.GraphModule:
+def compile_checked(
+    model: torch.nn.Module,
+    policy: Any = "O1",
+    dtype: torch.dtype = torch.bfloat16,
+    example_inputs: Any = None,
+) -> fx.GraphModule:
     """amp_graph.compile with the verifier run after every pass."""
-    return amp_graph.compile(model, policy, dtype, example_inputs=example_inputs,
-                             check_each_pass=True)
+    return amp_graph.compile(
+        model, policy, dtype, example_inputs=example_inputs, check_each_pass=True
+    )
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:

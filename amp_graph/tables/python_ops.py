@@ -169,10 +169,18 @@ NORMALIZATION_MODULES: tuple[type[nn.Module], ...] = (
     nn.LocalResponseNorm,
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
-NORMALIZATION_OPS: frozenset[str] = frozenset({
-    "batch_norm", "instance_norm", "layer_norm", "native_layer_norm", "group_norm",
-    "rms_norm", "local_response_norm", "native_batch_norm",
-})
+NORMALIZATION_OPS: frozenset[str] = frozenset(
+    {
+        "batch_norm",
+        "instance_norm",
+        "layer_norm",
+        "native_layer_norm",
+        "group_norm",
+        "rms_norm",
+        "local_response_norm",
+        "native_batch_norm",
+    }
+)
 
 
 def _interpolate_candidates(mode: str | None) -> AtenNames:
@@ -202,7 +210,20 @@ MODE_DEPENDENT_MODULES: dict[type[nn.Module], Callable[[nn.Module], AtenNames]] 
 }
 
 # Methods and functions that are the model's own casts: kept as written, never re-cast.
-CAST_METHODS: frozenset[str] = frozenset({
-    "to", "type", "type_as", "float", "half", "bfloat16", "double", "long", "int", "short",
-    "bool", "byte", "char",
-})
+CAST_METHODS: frozenset[str] = frozenset(
+    {
+        "to",
+        "type",
+        "type_as",
+        "float",
+        "half",
+        "bfloat16",
+        "double",
+        "long",
+        "int",
+        "short",
+        "bool",
+        "byte",
+        "char",
+    }
+)

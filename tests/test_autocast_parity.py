@@ -1,0 +1,82 @@
+"""policy="autocast" on the GPT-style decoder: every aten op runs at the dtype torch.autocast
+runs it at, and fewer casts execute per forward+backward."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import amp_graph
+from amp_graph import models
+
+CAST = "_to_copy"
+
+
+class AtenRecorder(TorchDispatchMode):
+    """Records (op, input dtypes, output dtypes) of every aten op that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+
+        def dtypes(tree: Any) -> tuple[str, ...]:
+            return tuple(str(t.dtype) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+        self.ops.append((func.overloadpacket.__name__, dtypes((args, kwargs)), dtypes(out)))
+        return out
+
+
+def record_step(fn, inputs, autocast: bool):
+    recorder = AtenRecorder()
+    with recorder:
+        if autocast:
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = fn(*inputs)
+        else:
+            loss = fn(*inputs)
+        forward = len(recorder.ops)
+        loss.backward()
+    return recorder.ops[:forward], recorder.ops[forward:]
+
+
+def test_every_aten_op_matches_autocast_and_fewer_casts_run():
+    model = models.GPTWithLoss(layers=2)
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    compiled = amp_graph.compile(model, "autocast", example_inputs=(idx, targets))
+
+    ref_fwd, ref_bwd = record_step(model, (idx, targets), autocast=True)
+    model.zero_grad(set_to_none=True)
+    our_fwd, our_bwd = record_step(compiled, (idx, targets), autocast=False)
+
+    def without_casts(ops):
+        return [op for op in ops if op[0] != CAST]
+
+    # forward: the same aten ops, in the same order, at the same dtypes
+    assert without_casts(our_fwd) == without_casts(ref_fwd)
+    # backward: the same ops at the same dtypes, except where one shared cast replaced
+    # several: autograd then sums that cast's gradients in bf16 (one add per removed cast)
+    # instead of summing several fp32 gradients.
+    ours, theirs = Counter(without_casts(our_bwd)), Counter(without_casts(ref_bwd))
+    removed_activation_casts = sum(
+        len(n.meta["amp"].cast_for) - 1
+        for n in compiled.graph.nodes
+        if n.meta["amp"].role.value == "cast" and n.args[0].op != "get_attr"
+    )
+    bf16, fp32 = "torch.bfloat16", "torch.float32"
+    assert ours - theirs == Counter({("add", (bf16, bf16), (bf16,)): removed_activation_casts})
+    assert theirs - ours == Counter({("add", (fp32, fp32), (fp32,)): removed_activation_casts})
+
+    casts_ours = sum(op[0] == CAST for op in our_fwd + our_bwd)
+    casts_autocast = sum(op[0] == CAST for op in ref_fwd + ref_bwd)
+    assert casts_ours < casts_autocast
+    assert casts_autocast - casts_ours == 2 * removed_activation_casts  # forward + backward

@@ -1,0 +1,161 @@
+"""The model suite: structure (which nodes compute in which dtype, how many casts) and
+numbers (bitwise against torch.autocast / the plan reference; gradients within tolerance)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from amp_graph.passes import AMP, Role
+from conftest import PlanReference, compile_checked
+
+import amp_graph
+from amp_graph import models
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+CASES = {
+    "mlp": (models.MLP, lambda: (torch.randn(8, 64),)),
+    "cnn": (models.ConvNet, lambda: (torch.randn(8, 1, 8, 8),)),
+    "gpt": (models.GPT, lambda: (torch.randint(0, 64, (2, 16)),)),
+    "rnn": (models.RecurrentNet, lambda: (torch.randn(8, 8, 8),)),
+    "mixed": (models.MixedOpsNet, lambda: (torch.randn(8, 16),)),
+    "llama": (models.LlamaMLP, lambda: (torch.randn(8, 32),)),
+}
+# Tolerance for gradients of the compiled module against eager torch.autocast. Forward
+# values are bitwise equal; gradients differ only where amp_graph shares one cast between
+# several consumers, so their gradients are summed in the low dtype (as torch.autocast does
+# for the cached weight casts) instead of in float32: a few bf16 ulps.
+GRAD_RTOL, GRAD_ATOL = 2e-2, 1e-3
+
+
+def out_dtypes(compiled, predicate):
+    return {n.meta[AMP].out_dtype for n in compiled.graph.nodes if predicate(n.meta[AMP])}
+
+
+def by_module_prefix(prefix):
+    return lambda info: info.role is Role.OP and info.module_path.startswith(prefix)
+
+
+def test_mlp_structure():
+    compiled = compile_checked(models.MLP(), "O1", example_inputs=CASES["mlp"][1]())
+    assert out_dtypes(compiled, lambda i: i.op == "nn.Linear") == {BF16}
+    assert out_dtypes(compiled, lambda i: i.op == "F.gelu") == {BF16}
+    assert amp_graph.report(compiled).casts_kept == 7  # input + 3 weights + 3 biases
+
+
+def test_cnn_structure_batchnorm_and_residuals():
+    compiled = compile_checked(models.ConvNet(), "O1", example_inputs=CASES["cnn"][1]())
+    assert out_dtypes(compiled, lambda i: i.op == "nn.Conv2d") == {BF16}
+    # batch norm is in no autocast list: it follows its bf16 input, fp32 statistics kept
+    bns = [n for n in compiled.graph.nodes if n.meta[AMP].op == "nn.BatchNorm2d"]
+    assert len(bns) == 5 and all(n.op == "call_module" for n in bns)
+    assert {n.meta[AMP].out_dtype for n in bns} == {BF16}
+    assert compiled.bn.running_mean.dtype == FP32
+    adds = [n for n in compiled.graph.nodes if n.meta[AMP].op == "operator.add"]
+    assert len(adds) == 2 and {n.meta[AMP].out_dtype for n in adds} == {BF16}
+
+
+def test_gpt_structure():
+    compiled = compile_checked(models.GPT(), "O1", example_inputs=CASES["gpt"][1]())
+    infos = [n.meta[AMP] for n in compiled.graph.nodes]
+    assert {i.out_dtype for i in infos if i.op == "nn.Embedding"} == {FP32}
+    assert {i.out_dtype for i in infos if i.op == "nn.LayerNorm"} == {FP32}
+    assert {i.out_dtype for i in infos if i.op == "nn.Linear"} == {BF16}
+    assert {i.out_dtype for i in infos if i.op == "F.scaled_dot_product_attention"} == {BF16}
+    assert {i.out_dtype for i in infos if i.op == "F.gelu"} == {BF16}
+    # the residual stream stays fp32: fp32 + bf16 promotes, exactly as under autocast
+    residual = [i for i in infos if i.op == "operator.add" and i.module_path.startswith("blocks")]
+    assert residual and {i.out_dtype for i in residual} == {FP32}
+    # the tied head/embedding weight: embedding reads it in fp32, the head casts it once
+    weight_casts = [
+        n
+        for n in compiled.graph.nodes
+        if n.meta[AMP].role is Role.CAST
+        and n.args[0].op == "get_attr"
+        and compiled.get_parameter(n.args[0].target) is compiled.tok.weight
+    ]
+    assert len(weight_casts) == 1
+    # ln1's output feeds q, k and v: one cast, where torch.autocast casts three times
+    ln_casts = [
+        n
+        for n in compiled.graph.nodes
+        if n.meta[AMP].role is Role.CAST and n.args[0].meta[AMP].module_path == "blocks.0.ln1"
+    ]
+    assert len(ln_casts) == 1 and len(ln_casts[0].meta[AMP].cast_for) == 3
+
+
+def test_rnn_structure_casts_recurrent_weights():
+    model = models.RecurrentNet()
+    compiled = compile_checked(model, "O1", example_inputs=CASES["rnn"][1]())
+    calls = [n for n in compiled.graph.nodes if n.target is torch.func.functional_call]
+    assert len(calls) == 2  # LSTM and GRU run their own forward with bf16 parameters
+    assert {n.meta[AMP].out_dtype[0] for n in calls} == {BF16}
+    for call in calls:
+        params = call.args[1]
+        assert all(p.meta[AMP].role is Role.CAST and p.args[1] == BF16 for p in params.values())
+    assert model.lstm.weight_ih_l0.dtype == FP32
+
+
+def test_mixed_ops_structure():
+    compiled = compile_checked(models.MixedOpsNet(), "O1", example_inputs=CASES["mixed"][1]())
+    roles = Counter(n.meta[AMP].role for n in compiled.graph.nodes)
+    assert roles[Role.INPLACE] == 2  # relu_ and mul_
+    for node in compiled.graph.nodes:
+        if node.meta[AMP].role is Role.CAST:
+            assert node.args[0].meta[AMP].out_dtype in (FP32, BF16)
+    dtypes = {n.name: n.meta[AMP].out_dtype for n in compiled.graph.nodes}
+    assert dtypes["gt"] == torch.bool and dtypes["argmax"] == torch.int64
+    cat = next(n.meta[AMP] for n in compiled.graph.nodes if n.meta[AMP].op == "torch.cat")
+    assert cat.out_dtype == FP32  # promote list on CUDA: cat(bf16, fp32) -> fp32
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+def test_forward_is_bitwise_the_plan_reference(name, policy):
+    factory, inputs = CASES[name]
+    model = factory().eval()
+    example = inputs()
+    compiled = compile_checked(model, policy, example_inputs=example)
+    assert torch.equal(compiled(*example), PlanReference(compiled).run(*example))
+
+
+def _loss(out):
+    return out.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_autocast_preset_forward_bitwise_and_gradients_close(name):
+    factory, inputs = CASES[name]
+    model = factory()
+    example = inputs()
+    compiled = compile_checked(model, "autocast", example_inputs=example)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", torch.bfloat16):
+        reference = model(*example)
+    _loss(reference).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    out = compiled(*example)
+    assert out.dtype == reference.dtype
+    assert torch.equal(out, reference)
+    _loss(out).backward()
+    for n, p in model.named_parameters():
+        if n in expected:
+            assert p.grad.dtype == FP32
+            torch.testing.assert_close(p.grad, expected[n], rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+def test_gradients_reach_fp32_parameters_through_every_policy():
+    for policy in ("O1", "O2", "O3"):
+        model = models.GPTWithLoss()
+        idx = torch.randint(0, 64, (2, 16))
+        compiled = compile_checked(model, policy, example_inputs=(idx, idx))
+        loss = compiled(idx, idx)
+        loss.float().backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and g.dtype == FP32 and torch.isfinite(g).all() for g in grads)
+        assert F.cross_entropy is not None
