@@ -150,7 +150,7 @@ def _function_facts(
     display = op_key_name(target)
     if target in python_ops.MODE_DEPENDENT:
         position, resolve = python_ops.MODE_DEPENDENT[target]
-        return display, (target,), resolve(_mode_arg(node, position))
+        return display, (target,), resolve(_mode_arg(node, position), _input_rank(node))
     if target in python_ops.FUNCTIONS:
         return display, (target,), python_ops.FUNCTIONS[target]
     if target in python_ops.OPERATORS:
@@ -159,15 +159,30 @@ def _function_facts(
     module = getattr(target, "__module__", None) or ""
     is_torch_builtin = isinstance(target, type(torch.mm)) or module in _TORCH_BUILTIN_MODULES
     if name and is_torch_builtin:
-        return display, (target,), (name,)
+        return display, (target,), _builtin_candidates(name)
     return display, (target,), ()
+
+
+def _builtin_candidates(name: str) -> tuple[str, ...]:
+    """An ATen builtin's own name, then the listed ops it aliases or runs."""
+    candidates = (name, *python_ops.BUILTIN_ALIASES.get(name, ()))
+    if name.startswith(python_ops.SPECIAL_PREFIX):
+        candidates += (name[len(python_ops.SPECIAL_PREFIX) :],)
+    return candidates
+
+
+def _input_rank(node: fx.Node) -> int | None:
+    """The rank of the first argument, when an example value is known."""
+    first = node.args[0] if node.args else None
+    val = first.meta.get("val") if isinstance(first, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
 
 
 def _method_aten(name: str) -> tuple[str, ...]:
     if name in python_ops.METHOD_ALIASES:
         return python_ops.METHOD_ALIASES[name]
     dunder = _DUNDER.match(name)
-    return (dunder.group(2),) if dunder else (name,)
+    return (dunder.group(2),) if dunder else _builtin_candidates(name)
 
 
 def _is_inplace_call(node: fx.Node, target: Any) -> bool:
@@ -185,7 +200,9 @@ def _has_float_state(module: nn.Module) -> bool:
 
 
 def _explicit_dtype(node: fx.Node) -> bool:
-    return node.kwargs.get("dtype") is not None
+    """The call passes a dtype itself (``softmax(x, 1, torch.float16)`` or ``dtype=``)."""
+    given = [*node.args, node.kwargs.get("dtype")]
+    return any(isinstance(arg, torch.dtype) for arg in given)
 
 
 def _decide(policy: Policy, facts: OpFacts) -> Decision:
@@ -248,7 +265,7 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
         aten = ()
         for cls in mtype.__mro__:
             if cls in python_ops.MODE_DEPENDENT_MODULES:
-                aten = python_ops.MODE_DEPENDENT_MODULES[cls](module)
+                aten = python_ops.MODE_DEPENDENT_MODULES[cls](module, _input_rank(node))
                 break
             if cls in python_ops.MODULES:
                 aten = python_ops.MODULES[cls]

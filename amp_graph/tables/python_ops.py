@@ -22,7 +22,12 @@ import torch.nn.functional as F
 
 AtenNames = tuple[str, ...]
 
-_RNN: AtenNames = ("_cudnn_rnn", "mkldnn_rnn_layer")
+# cuDNN runs every RNN in low precision under CUDA autocast; on CPU the LSTM has a oneDNN
+# path (mkldnn_rnn_layer) and the others decompose into linear. (The CPU GRU and the cells
+# then promote back to a float32 hidden state; amp_graph keeps them low: see README.)
+_LSTM: AtenNames = ("_cudnn_rnn", "mkldnn_rnn_layer")
+_GRU: AtenNames = ("_cudnn_rnn", "linear")
+_RNN: AtenNames = ("_cudnn_rnn", "linear")
 
 # Python functions (not ATen builtins) and the aten op autocast sees when they run.
 FUNCTIONS: dict[Callable, AtenNames] = {
@@ -56,16 +61,43 @@ FUNCTIONS: dict[Callable, AtenNames] = {
     F.grid_sample: ("grid_sampler",),
     F.multi_head_attention_forward: ("_native_multi_head_attention", "linear"),
     F.embedding: ("embedding",),
-    torch.einsum: ("einsum",),
+    # composites: the first candidate a device's lists know decides (CPU casts at the inner
+    # bmm/mm, CUDA at the composite itself)
+    torch.einsum: ("einsum", "bmm"),
     torch.norm: ("norm",),
     torch.cdist: ("cdist",),
-    torch.tensordot: ("tensordot",),
-    torch.chain_matmul: ("chain_matmul",),
+    torch.tensordot: ("tensordot", "mm"),
+    torch.chain_matmul: ("chain_matmul", "mm"),
+    torch.linalg.multi_dot: ("linalg_multi_dot", "mm"),
+    torch.inner: ("inner", "mm"),
+    torch.cov: ("cov", "mm"),
+    F.multilabel_soft_margin_loss: ("sum",),
+    F.local_response_norm: ("pow", "avg_pool3d"),
+    F.pairwise_distance: ("norm",),
     torch.stft: ("stft",),
     torch.Tensor.norm: ("norm",),
 }
 if hasattr(F, "rms_norm"):
     FUNCTIONS[F.rms_norm] = ("rms_norm",)
+
+# ATen builtins whose own name is in no list but which run a listed op (aliases and thin
+# composites), by ``__name__``; tried after the name itself.
+BUILTIN_ALIASES: dict[str, AtenNames] = {
+    "square": ("pow",),
+    "linalg_norm": ("linalg_vector_norm",),
+    "linalg_matmul": ("matmul",),
+    "matrix_power": ("matmul",),
+    "linalg_matrix_power": ("matmul",),
+    "trapezoid": ("sum",),
+    "trapz": ("sum",),
+    "cumulative_trapezoid": ("cumsum",),
+    "pairwise_distance": ("norm",),
+    "lstm": _LSTM,
+    "gru": _GRU,
+    "rnn_tanh": _RNN,
+    "rnn_relu": _RNN,
+}
+SPECIAL_PREFIX = "special_"  # torch.special.expm1 is aten::special_expm1, an alias of expm1
 
 # Python operators, as symbolic tracing and dynamo record them.
 OPERATORS: dict[Callable, AtenNames] = {
@@ -110,22 +142,25 @@ MODULES: dict[type[nn.Module], AtenNames] = {
     nn.InstanceNorm1d: ("instance_norm",),
     nn.InstanceNorm2d: ("instance_norm",),
     nn.InstanceNorm3d: ("instance_norm",),
-    nn.LocalResponseNorm: ("local_response_norm",),
+    nn.LocalResponseNorm: ("pow", "avg_pool3d"),
     nn.Embedding: ("embedding",),
     nn.EmbeddingBag: ("embedding_bag",),
-    nn.LSTM: _RNN,
-    nn.GRU: _RNN,
+    nn.LSTM: _LSTM,
+    nn.GRU: _GRU,
     nn.RNN: _RNN,
-    nn.LSTMCell: ("lstm_cell",),
-    nn.GRUCell: ("gru_cell",),
-    nn.RNNCell: ("rnn_tanh_cell",),
+    nn.LSTMCell: ("lstm_cell", "linear"),
+    nn.GRUCell: ("gru_cell", "linear"),
+    nn.RNNCell: ("rnn_tanh_cell", "linear"),
     nn.MultiheadAttention: ("_native_multi_head_attention", "linear"),
     nn.Softmax: ("softmax",),
+    nn.Softmax2d: ("softmax",),
     nn.Softmin: ("softmax",),
     nn.LogSoftmax: ("log_softmax",),
     nn.Softplus: ("softplus",),
     nn.CosineSimilarity: ("cosine_similarity",),
-    nn.PairwiseDistance: ("pairwise_distance",),
+    nn.PairwiseDistance: ("norm",),
+    nn.TripletMarginWithDistanceLoss: ("norm",),
+    nn.MultiLabelSoftMarginLoss: ("sum",),
     nn.CrossEntropyLoss: ("cross_entropy_loss", "log_softmax"),
     nn.NLLLoss: ("nll_loss",),
     nn.MSELoss: ("mse_loss",),
@@ -183,30 +218,43 @@ NORMALIZATION_OPS: frozenset[str] = frozenset(
 )
 
 
-def _interpolate_candidates(mode: str | None) -> AtenNames:
+def _interpolate_candidates(mode: str | None, rank: int | None = None) -> AtenNames:
+    """The upsample op for a mode and an input rank (3: 1-d, 4: 2-d, 5: 3-d; 4 if unknown)."""
+    dims = {3: "1d", 5: "3d"}.get(rank or 4, "2d")
     if mode in (None, "nearest"):
-        return ("upsample_nearest2d",)
+        return (f"upsample_nearest{dims}",)
     if mode == "nearest-exact":
-        return ("_upsample_nearest_exact2d",)
+        return (f"_upsample_nearest_exact{dims}",)
     if mode == "area":
-        return ("adaptive_avg_pool2d",)
-    return ("upsample_bilinear2d",)
-
-
-def _pad_candidates(mode: str | None) -> AtenNames:
-    return {"reflect": ("reflection_pad2d",), "replicate": ("replication_pad2d",)}.get(
-        mode or "constant", ("constant_pad_nd",)
+        return (f"adaptive_avg_pool{dims}",)
+    if mode == "bicubic":
+        return ("upsample_bicubic2d",)
+    return (
+        {"1d": "upsample_linear1d", "3d": "upsample_trilinear3d"}.get(dims, "upsample_bilinear2d"),
     )
 
 
-# Functions whose aten op depends on a `mode` argument: name -> (position of mode, resolver).
-MODE_DEPENDENT: dict[Callable, tuple[int, Callable[[str | None], AtenNames]]] = {
+def _pad_candidates(mode: str | None, rank: int | None = None) -> AtenNames:
+    """The padding op for a mode; reflect and replicate depend on the rank (2-d if unknown)."""
+    dims = {2: "1d", 3: "1d", 5: "3d"}.get(rank or 4, "2d")
+    if mode == "reflect":
+        return (f"reflection_pad{dims}",)
+    if mode == "replicate":
+        return (f"replication_pad{dims}",)
+    return ("constant_pad_nd",)
+
+
+Resolver = Callable[[str | None, int | None], AtenNames]
+
+# Functions whose aten op depends on `mode` (and on the input's rank):
+# function -> (position of mode, resolver(mode, rank)).
+MODE_DEPENDENT: dict[Callable, tuple[int, Resolver]] = {
     F.interpolate: (3, _interpolate_candidates),
     F.upsample: (3, _interpolate_candidates),
     F.pad: (2, _pad_candidates),
 }
-MODE_DEPENDENT_MODULES: dict[type[nn.Module], Callable[[nn.Module], AtenNames]] = {
-    nn.Upsample: lambda m: _interpolate_candidates(m.mode),
+MODE_DEPENDENT_MODULES: dict[type[nn.Module], Callable[[nn.Module, int | None], AtenNames]] = {
+    nn.Upsample: lambda m, rank: _interpolate_candidates(m.mode, rank),
 }
 
 # Methods and functions that are the model's own casts: kept as written, never re-cast.

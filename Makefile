@@ -1,0 +1,43 @@
+# amp_graph: two commands on a fresh machine.
+#   make demo   creates .venv, installs amp_graph and runs the demo
+#   make test   same venv, runs the test suite
+#
+# torch: if the Python that creates the venv already has torch (say a CUDA build), the venv
+# sees it (--system-site-packages) and nothing is downloaded; otherwise TORCH_SPEC is
+# installed (the CPU build on these machines). Override, e.g.:
+#   make test TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench install clean
+
+$(STAMP): pyproject.toml
+	@if [ ! -x $(BIN)/python ]; then \
+		if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+			echo "using the torch of $(PYTHON)"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+		else $(PYTHON) -m venv $(VENV); fi; fi
+	@$(BIN)/python -c "import torch" >/dev/null 2>&1 || $(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m amp_graph demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/compile_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

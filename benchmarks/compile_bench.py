@@ -1,0 +1,196 @@
+"""amp_graph.compile against eager fp32 and eager torch.autocast, side by side in one run.
+
+For the GPT-style decoder and the ConvNet, in bf16 on this CPU:
+  * median train-step time (forward, backward, Adam step) and its ratio to fp32 and to
+    torch.autocast, for fp32 eager, torch.autocast eager, amp_graph O1 and amp_graph with
+    policy="autocast" (the like-for-like comparison: the same dtypes as autocast);
+  * casts executed per train step (aten ``_to_copy``, counted with a TorchDispatchMode);
+  * peak resident memory of a process that runs only that variant (``ru_maxrss``);
+and the passes' time on graphs of about 1k and 10k nodes, per node.
+
+    python benchmarks/compile_bench.py            # the full run recorded in BENCHMARKS.md
+    python benchmarks/compile_bench.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp_graph
+from amp_graph import models
+
+DTYPE = torch.bfloat16
+VARIANTS = ("fp32 eager", "autocast eager", "amp_graph O1", "amp_graph autocast")
+
+
+def workload(name: str, quick: bool) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], Callable]:
+    """(model, inputs, loss_fn(outputs, inputs))."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        batch, seq = (4, 64) if quick else (16, 128)
+        model = models.GPT(vocab=512, block=seq, dim=256, heads=8, layers=4)
+        idx = torch.randint(0, 512, (batch, seq))
+        targets = torch.randint(0, 512, (batch, seq))
+        return (
+            model,
+            (idx,),
+            lambda out: F.cross_entropy(out.float().flatten(0, 1), targets.flatten()),
+        )
+    batch = 16 if quick else 64
+    model = models.ConvNet(in_channels=3, channels=64)
+    x = torch.randn(batch, 3, 32, 32)
+    labels = torch.randint(0, 10, (batch,))
+    return model, (x,), lambda out: F.cross_entropy(out.float(), labels)
+
+
+def make_step(
+    variant: str, model: torch.nn.Module, inputs: tuple, loss_fn: Callable
+) -> Callable[[], None]:
+    model = copy.deepcopy(model)
+    forward: Callable = model
+    if variant == "amp_graph O1":
+        forward = amp_graph.compile(model, "O1", DTYPE, example_inputs=inputs)
+    elif variant == "amp_graph autocast":
+        forward = amp_graph.compile(model, "autocast", DTYPE, example_inputs=inputs)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        if variant == "autocast eager":
+            with torch.autocast("cpu", DTYPE):
+                out = forward(*inputs)
+        else:
+            out = forward(*inputs)
+        loss = loss_fn(out)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+class CastCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        if func.overloadpacket is torch.ops.aten._to_copy:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def time_steps(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Interleaved timing (ABCD ABCD ...) so that machine noise hits every variant alike."""
+    for step in steps.values():  # warm up
+        step()
+        step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def peak_rss_mb(workload_name: str, variant: str, quick: bool) -> float:
+    """Peak RSS of a fresh process running 3 steps of one variant."""
+    code = (
+        "import sys, resource; sys.argv=['x'];"
+        "import benchmarks.compile_bench as b;"
+        f"m, i, l = b.workload({workload_name!r}, {quick});"
+        f"s = b.make_step({variant!r}, m, i, l); [s() for _ in range(3)];"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def bench_workload(name: str, repeats: int, quick: bool) -> dict[str, Any]:
+    model, inputs, loss_fn = workload(name, quick)
+    steps = {v: make_step(v, model, inputs, loss_fn) for v in VARIANTS}
+    casts = {}
+    for variant, step in steps.items():
+        counter = CastCounter()
+        with counter:
+            step()
+        casts[variant] = counter.casts
+    times = time_steps(steps, repeats)
+    medians = {v: statistics.median(t) for v, t in times.items()}
+    rss = {v: peak_rss_mb(name, v, quick) for v in VARIANTS}
+    return {"medians": medians, "casts": casts, "rss": rss}
+
+
+def pass_scaling(quick: bool) -> list[tuple[int, float, float]]:
+    """(nodes, seconds, microseconds per node) for growing GPTs, with example inputs."""
+    rows = []
+    for layers in (2, 8) if quick else (30, 300):
+        model = models.GPT(vocab=64, block=16, dim=32, heads=2, layers=layers)
+        idx = torch.randint(0, 64, (1, 16))
+        start = time.perf_counter()
+        compiled = amp_graph.compile(model, "O1", DTYPE, example_inputs=(idx,))
+        seconds = time.perf_counter() - start
+        nodes = len(compiled.graph.nodes)
+        rows.append((nodes, seconds, seconds / nodes * 1e6))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", help="also write the numbers to this file")
+    args = parser.parse_args()
+    repeats = args.repeats or (5 if args.quick else 30)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {DTYPE}, "
+        f"{repeats} interleaved repeats, medians\n"
+    )
+    report: dict[str, Any] = {}
+    for name in ("gpt", "cnn"):
+        result = bench_workload(name, repeats, args.quick)
+        report[name] = result
+        med = result["medians"]
+        print(f"== {name}: train step (forward + backward + Adam)")
+        print(
+            f"{'variant':<20} {'median ms':>10} {'vs fp32':>8} {'vs autocast':>12} "
+            f"{'casts/step':>11} {'peak RSS MB':>12}"
+        )
+        for v in VARIANTS:
+            print(
+                f"{v:<20} {med[v] * 1e3:>10.2f} {med[v] / med['fp32 eager']:>8.2f} "
+                f"{med[v] / med['autocast eager']:>12.2f} {result['casts'][v]:>11} "
+                f"{result['rss'][v]:>12.0f}"
+            )
+        print()
+    print("== pass time vs graph size (amp_graph.compile, O1, with example inputs)")
+    print(f"{'nodes':>7} {'seconds':>9} {'us/node':>9}")
+    rows = pass_scaling(args.quick)
+    for nodes, seconds, per_node in rows:
+        print(f"{nodes:>7} {seconds:>9.2f} {per_node:>9.1f}")
+    print(f"per-node time ratio, largest/smallest graph: {rows[-1][2] / rows[0][2]:.2f}")
+    report["scaling"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
