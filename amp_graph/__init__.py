@@ -9,9 +9,11 @@ torch.float32
 
 from amp_graph import passes
 from amp_graph.compiler import CaptureError, compile
+from amp_graph.graph import Graph, GraphConfig
 from amp_graph.passes.insert_casts import cast_if_castable
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
 from amp_graph.report import Report, explain, report
+from amp_graph.scaler import GradScaler, StaticGradScaler
 
 __version__ = "0.1.0"
 
@@ -19,9 +21,13 @@ __all__ = [
     "KEEP_FP32",
     "PRESETS",
     "CaptureError",
+    "GradScaler",
+    "Graph",
+    "GraphConfig",
     "Policy",
     "Report",
     "Rule",
+    "StaticGradScaler",
     "cast_if_castable",
     "compile",
     "explain",

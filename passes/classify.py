@@ -45,6 +45,7 @@ _INPLACE_OPERATORS = frozenset(
         operator.setitem,
     }
 )
+_STEP_METHODS = frozenset({"backward"})
 _NON_TENSOR_METHODS = frozenset(
     {
         "size",
@@ -243,6 +244,8 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
             return fixed(
                 Role.USER_CAST, "a cast written in the model: kept as written", f"Tensor.{target}"
             )
+        if target in _STEP_METHODS:
+            return fixed(Role.STEP, "backward pass of the training step", f"Tensor.{target}")
         if target in _NON_TENSOR_METHODS:
             return fixed(Role.OTHER, "returns no tensor: not cast", f"Tensor.{target}")
         if _is_inplace_call(node, target):

@@ -12,7 +12,7 @@ input dtype.
 
 Reads: ``meta["amp"]`` (compute_dtype, out_dtype, role). Writes: cast nodes with
 ``meta["amp"]`` of role ``CAST`` (``out_dtype``, ``cast_for``, ``conditional``) and
-``meta["val"]`` where the input's example value is known. Guarantees: after this pass,
+no ``meta["val"]`` (reports read the shape from the cast's input). Guarantees: after this pass,
 every castable input of every planned node has the planned dtype; integer, bool and
 float64 values are never cast; the model's own casts and in-place ops are untouched.
 """
@@ -27,7 +27,7 @@ from torch.fx.node import map_arg
 
 from amp_graph.policy import Rule
 
-from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role, is_castable, short
+from .meta import AMP, UNKNOWN, AmpInfo, Role, is_castable, short
 from .result import PassResult
 
 
@@ -72,12 +72,6 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str
         cast_for=(consumer,),
         conditional=conditional,
     )
-    val = value.meta.get(VAL)
-    if isinstance(val, torch.Tensor) and not conditional:
-        try:
-            node.meta[VAL] = val.to(dtype)
-        except Exception:  # a fake tensor whose mode is gone: the shape is enough for reports
-            node.meta[VAL] = val
     return node
 
 

@@ -30,6 +30,7 @@ class Role(str, Enum):
     USER_CAST = "user_cast"  # a cast the model's code wrote: kept as written
     INPLACE = "inplace"  # writes into its first argument: never cast
     OTHER = "other"  # non-tensor bookkeeping: getattr, size, getitem of tuples
+    STEP = "step"  # a training-step operation: loss scaling, backward, unscale, optimizer step
     OUTPUT = "output"
 
     def __str__(self) -> str:

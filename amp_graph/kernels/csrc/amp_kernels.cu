@@ -1,0 +1,208 @@
+// Fused non-finite check / unscale / sum-of-squares over many gradients, and the loss-scale update.
+//
+// Plain CUDA: no torch headers, C-ABI launchers (amp_kernels.h). Index math lives in tiling.h,
+// which the host self-test runs on CPU-only CI machines. Never compile with --use_fast_math:
+// the finiteness test reads exponent bits, but the unscale must round like torch's.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "amp_kernels.h"
+#include "tiling.h"
+
+namespace amp_graph {
+namespace {
+
+static_assert(sizeof(TensorDesc) == 3 * sizeof(int64_t), "table rows are three int64");
+
+// Element traits: raw bits <-> float, finiteness straight from the bits.
+template <int Dtype>
+struct Elem;
+
+template <>
+struct Elem<AMP_GRAPH_FP32> {
+  using Bits = uint32_t;
+  __device__ static float to_float(Bits b) { return __uint_as_float(b); }
+  __device__ static Bits from_float(float x) { return __float_as_uint(x); }
+  __device__ static bool finite(Bits b) { return fp32_bits_finite(b); }
+};
+
+template <>
+struct Elem<AMP_GRAPH_FP16> {
+  using Bits = uint16_t;
+  __device__ static float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
+  __device__ static Bits from_float(float x) { return __half_as_ushort(__float2half_rn(x)); }
+  __device__ static bool finite(Bits b) { return fp16_bits_finite(b); }
+};
+
+template <>
+struct Elem<AMP_GRAPH_BF16> {
+  using Bits = uint16_t;
+  __device__ static float to_float(Bits b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+  __device__ static Bits from_float(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+  __device__ static bool finite(Bits b) { return bf16_bits_finite(b); }
+};
+
+// One element: note non-finite input, unscale in fp32 and round back like torch's
+// _amp_foreach_non_finite_check_and_unscale_, accumulate the square of the stored value.
+template <int Dtype, int Mode>
+__device__ __forceinline__ typename Elem<Dtype>::Bits process(typename Elem<Dtype>::Bits b,
+                                                              float inv_scale, bool& bad,
+                                                              float& sumsq) {
+  using E = Elem<Dtype>;
+  bad = bad || !E::finite(b);
+  if (Mode == AMP_GRAPH_CHECK) return b;
+  const typename E::Bits out = E::from_float(E::to_float(b) * inv_scale);
+  if (Mode == AMP_GRAPH_UNSCALE_NORM) {
+    const float y = E::to_float(out);
+    sumsq += y * y;
+  }
+  return out;
+}
+
+template <int Dtype, int Mode>
+__global__ void __launch_bounds__(kBlockThreads)
+    check_unscale_kernel(const TensorDesc* __restrict__ table, int64_t n_tensors,
+                         int64_t total_tiles, float* found_inf, const float* inv_scale_ptr,
+                         float* partials) {
+  using Bits = typename Elem<Dtype>::Bits;
+  constexpr int kLanes = static_cast<int>(kVecBytes / sizeof(Bits));
+  union Vec {
+    uint4 raw;
+    Bits lanes[kLanes];
+  };
+  // Scale read from device memory: no host round trip, and CUDA-graph friendly.
+  const float inv_scale = Mode == AMP_GRAPH_CHECK ? 1.0f : *inv_scale_ptr;
+  const int tid = static_cast<int>(threadIdx.x);
+  bool bad = false;
+  float sumsq = 0.0f;
+
+  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const TensorDesc d = table[find_tensor(table, n_tensors, tile)];
+    const TileWork w = tile_work(d.addr, d.numel, sizeof(Bits), tile - d.first_tile);
+    Bits* elems = reinterpret_cast<Bits*>(d.addr);
+    uint4* body = reinterpret_cast<uint4*>(elems + w.body_start);
+
+    // Aligned body: kUnroll 16-byte loads in flight per thread, streaming cache hints.
+    const int64_t iterations = vec_iterations(w);
+    for (int64_t it = 0; it < iterations; ++it) {
+      Vec v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = vec_index(w, it, u, tid);
+        if (i < w.vec_end) v[u].raw = __ldcs(body + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = vec_index(w, it, u, tid);
+        if (i < w.vec_end) {
+#pragma unroll
+          for (int l = 0; l < kLanes; ++l) {
+            v[u].lanes[l] = process<Dtype, Mode>(v[u].lanes[l], inv_scale, bad, sumsq);
+          }
+          if (Mode != AMP_GRAPH_CHECK) __stcs(body + i, v[u].raw);
+        }
+      }
+    }
+
+    // Misaligned head (first tile) and short tail (last tile): scalar.
+    for (int64_t i = tid; i < w.head_end; i += kBlockThreads) {
+      const Bits out = process<Dtype, Mode>(elems[i], inv_scale, bad, sumsq);
+      if (Mode != AMP_GRAPH_CHECK) elems[i] = out;
+    }
+    for (int64_t i = w.tail_begin + tid; i < w.tail_end; i += kBlockThreads) {
+      const Bits out = process<Dtype, Mode>(elems[i], inv_scale, bad, sumsq);
+      if (Mode != AMP_GRAPH_CHECK) elems[i] = out;
+    }
+  }
+
+  // found_inf: at most one store per block, no atomics (every writer stores 1.0f).
+  if (__syncthreads_or(bad) && tid == 0) *found_inf = 1.0f;
+
+  if (Mode == AMP_GRAPH_UNSCALE_NORM) {
+    __shared__ float warp_sums[kBlockThreads / 32];
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sumsq += __shfl_down_sync(0xffffffffu, sumsq, offset);
+    }
+    if (tid % 32 == 0) warp_sums[tid / 32] = sumsq;
+    __syncthreads();
+    if (tid < 32) {
+      float s = tid < kBlockThreads / 32 ? warp_sums[tid] : 0.0f;
+      for (int offset = 16; offset > 0; offset /= 2) {
+        s += __shfl_down_sync(0xffffffffu, s, offset);
+      }
+      if (tid == 0) partials[blockIdx.x] = s;  // fixed grid: deterministic sum
+    }
+  }
+}
+
+template <int Dtype>
+cudaError_t launch_dtype(const TensorDesc* table, int64_t n_tensors, int64_t total_tiles,
+                         int mode, float* found_inf, const float* inv_scale, float* partials,
+                         int grid, cudaStream_t stream) {
+  switch (mode) {
+    case AMP_GRAPH_CHECK:
+      check_unscale_kernel<Dtype, AMP_GRAPH_CHECK><<<grid, kBlockThreads, 0, stream>>>(
+          table, n_tensors, total_tiles, found_inf, inv_scale, partials);
+      break;
+    case AMP_GRAPH_UNSCALE:
+      check_unscale_kernel<Dtype, AMP_GRAPH_UNSCALE><<<grid, kBlockThreads, 0, stream>>>(
+          table, n_tensors, total_tiles, found_inf, inv_scale, partials);
+      break;
+    case AMP_GRAPH_UNSCALE_NORM:
+      check_unscale_kernel<Dtype, AMP_GRAPH_UNSCALE_NORM><<<grid, kBlockThreads, 0, stream>>>(
+          table, n_tensors, total_tiles, found_inf, inv_scale, partials);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+__global__ void update_scale_kernel(float* scale, int64_t* trackers, const float* found_inf,
+                                    ScaleParams params) {
+  update_scale(scale, trackers, *found_inf > 0.0f, params);
+}
+
+}  // namespace
+}  // namespace amp_graph
+
+extern "C" int amp_graph_grid_size(int64_t total_tiles, int sm_count) {
+  const int64_t cap = static_cast<int64_t>(sm_count > 0 ? sm_count : 1) * amp_graph::kBlocksPerSm;
+  const int64_t grid = total_tiles < cap ? total_tiles : cap;
+  return static_cast<int>(grid > 0 ? grid : 1);
+}
+
+extern "C" int amp_graph_launch_check_unscale(const int64_t* table, int64_t n_tensors,
+                                              int64_t total_tiles, int dtype, int mode,
+                                              float* found_inf, const float* inv_scale,
+                                              float* partials, int grid, cudaStream_t stream) {
+  using amp_graph::TensorDesc;
+  if (total_tiles <= 0 || n_tensors <= 0) return cudaSuccess;
+  if (grid <= 0) return cudaErrorInvalidValue;
+  const TensorDesc* rows = reinterpret_cast<const TensorDesc*>(table);
+  switch (dtype) {
+    case AMP_GRAPH_FP32:
+      return amp_graph::launch_dtype<AMP_GRAPH_FP32>(rows, n_tensors, total_tiles, mode, found_inf,
+                                                     inv_scale, partials, grid, stream);
+    case AMP_GRAPH_FP16:
+      return amp_graph::launch_dtype<AMP_GRAPH_FP16>(rows, n_tensors, total_tiles, mode, found_inf,
+                                                     inv_scale, partials, grid, stream);
+    case AMP_GRAPH_BF16:
+      return amp_graph::launch_dtype<AMP_GRAPH_BF16>(rows, n_tensors, total_tiles, mode, found_inf,
+                                                     inv_scale, partials, grid, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" int amp_graph_launch_update_scale(float* scale, int64_t* trackers,
+                                             const float* found_inf, double growth_factor,
+                                             double backoff_factor, int64_t growth_interval,
+                                             int64_t hysteresis, double min_scale,
+                                             double max_scale, cudaStream_t stream) {
+  const amp_graph::ScaleParams params = {growth_factor, backoff_factor, growth_interval,
+                                         hysteresis,    min_scale,      max_scale};
+  amp_graph::update_scale_kernel<<<1, 1, 0, stream>>>(scale, trackers, found_inf, params);
+  return cudaGetLastError();
+}

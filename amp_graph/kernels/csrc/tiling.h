@@ -1,0 +1,207 @@
+// Index math and scale-update rule shared by the CUDA kernels (device), the torch binding (host)
+// and the host self-test (tests/test_kernel_host.py builds host_selftest.cpp with g++ or nvcc).
+//
+// Everything here is plain integer / floating-point C++ marked __host__ __device__, so the part of
+// the kernel that usually breaks (which thread touches which element) runs on every CI machine.
+//
+// Layout of one fused launch:
+//   * every gradient of one dtype gets a row in a device-side table: {address, numel, first_tile};
+//   * a tensor is split into a scalar head (elements before the first 16-byte boundary), a body of
+//     16-byte vectors, and a scalar tail (fewer than one vector of elements);
+//   * the body is cut into tiles of kTileVecs vectors; a tensor with no full vector still owns one
+//     tile (for its scalars); the head belongs to the tensor's first tile, the tail to its last;
+//   * blocks walk the tiles grid-stride; a block finds the tile's tensor by binary search over the
+//     table's first_tile column (no per-launch limit on the number of tensors).
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define AG_HD __host__ __device__ __forceinline__
+#else
+#define AG_HD inline
+#endif
+
+namespace amp_graph {
+
+constexpr int64_t kVecBytes = 16;        // one vectorized load or store
+constexpr int kBlockThreads = 256;       // threads per block
+constexpr int kUnroll = 4;               // vectors in flight per thread per loop iteration
+constexpr int64_t kTileVecs = 2048;      // 16-byte vectors per tile (32 KiB of gradient)
+constexpr int kBlocksPerSm = 8;          // persistent grid: this many blocks per multiprocessor
+
+// One row of the device-side tensor table (three int64, 24 bytes).
+struct TensorDesc {
+  int64_t addr;        // address of element 0 (a dense tensor's lowest address)
+  int64_t numel;
+  int64_t first_tile;  // prefix sum of the tile counts of the rows before this one
+};
+
+// A tensor cut into scalar head, 16-byte vector body and scalar tail (all counts, in order).
+struct Split {
+  int64_t head;       // elements before the first 16-byte boundary
+  int64_t body_vecs;  // whole 16-byte vectors after the head
+  int64_t tail;       // elements after the body
+};
+
+// Work of one tile. Element indices are relative to the tensor's element 0; vector indices are
+// relative to the body's first vector.
+struct TileWork {
+  int64_t vec_begin;   // body vectors [vec_begin, vec_end)
+  int64_t vec_end;
+  int64_t body_start;  // element index of the body's first element (== head)
+  int64_t head_end;    // scalar elements [0, head_end): the head, on the first tile only
+  int64_t tail_begin;  // scalar elements [tail_begin, tail_end): the tail, on the last tile only
+  int64_t tail_end;
+};
+
+AG_HD Split split_tensor(int64_t addr, int64_t numel, int64_t elem_bytes) {
+  Split s = {numel > 0 ? numel : 0, 0, 0};
+  // Unvectorizable (odd element size or an address that is not element-aligned): all scalars.
+  if (numel <= 0 || elem_bytes <= 0 || kVecBytes % elem_bytes != 0 || addr % elem_bytes != 0) {
+    return s;
+  }
+  const int64_t misalign = addr % kVecBytes;
+  const int64_t head = misalign == 0 ? 0 : (kVecBytes - misalign) / elem_bytes;
+  if (head >= numel) return s;  // the tensor ends before the first 16-byte boundary
+  const int64_t per_vec = kVecBytes / elem_bytes;
+  s.head = head;
+  s.body_vecs = (numel - head) / per_vec;
+  s.tail = numel - head - s.body_vecs * per_vec;
+  return s;
+}
+
+// Tiles owned by a tensor: 0 when empty, else max(1, ceil(body_vecs / kTileVecs)).
+AG_HD int64_t num_tiles(int64_t addr, int64_t numel, int64_t elem_bytes) {
+  if (numel <= 0) return 0;
+  const Split s = split_tensor(addr, numel, elem_bytes);
+  const int64_t tiles = (s.body_vecs + kTileVecs - 1) / kTileVecs;
+  return tiles > 0 ? tiles : 1;
+}
+
+// Fills rows[i].first_tile from rows[i].addr/numel and returns the total number of tiles.
+AG_HD int64_t build_tile_table(TensorDesc* rows, int64_t n, int64_t elem_bytes) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i].first_tile = total;
+    total += num_tiles(rows[i].addr, rows[i].numel, elem_bytes);
+  }
+  return total;
+}
+
+// Row owning `tile`: the last row whose first_tile <= tile. Empty rows share first_tile with the
+// next row, so "last" skips them; trailing empty rows have first_tile == total and are never hit.
+// Precondition: n >= 1 and 0 <= tile < total tiles.
+AG_HD int64_t find_tensor(const TensorDesc* rows, int64_t n, int64_t tile) {
+  int64_t lo = 0;
+  int64_t hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (rows[mid].first_tile <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// What tile `local_tile` (0-based, within its tensor) of a tensor processes.
+AG_HD TileWork tile_work(int64_t addr, int64_t numel, int64_t elem_bytes, int64_t local_tile) {
+  const Split s = split_tensor(addr, numel, elem_bytes);
+  const int64_t tiles = num_tiles(addr, numel, elem_bytes);
+  const int64_t per_vec = s.body_vecs > 0 ? kVecBytes / elem_bytes : 0;
+  TileWork w;
+  w.vec_begin = local_tile * kTileVecs;
+  w.vec_end = w.vec_begin + kTileVecs < s.body_vecs ? w.vec_begin + kTileVecs : s.body_vecs;
+  w.body_start = s.head;
+  w.head_end = local_tile == 0 ? s.head : 0;
+  w.tail_begin = s.head + s.body_vecs * per_vec;
+  w.tail_end = local_tile == tiles - 1 ? w.tail_begin + s.tail : w.tail_begin;
+  return w;
+}
+
+// Loop shape of a block over a tile's body: iteration `it` of thread `tid` loads vectors
+// vec_index(w, it, u, tid) for u in [0, kUnroll) -- the ones below w.vec_end exist.
+AG_HD int64_t vec_iterations(const TileWork& w) {
+  const int64_t per_iter = static_cast<int64_t>(kBlockThreads) * kUnroll;
+  return (w.vec_end - w.vec_begin + per_iter - 1) / per_iter;
+}
+
+AG_HD int64_t vec_index(const TileWork& w, int64_t it, int u, int tid) {
+  return w.vec_begin + (it * kUnroll + u) * kBlockThreads + tid;
+}
+
+// Finiteness straight from the bits (immune to fast-math flags): all-ones exponent = inf or nan.
+AG_HD bool fp32_bits_finite(uint32_t bits) { return (bits & 0x7f800000u) != 0x7f800000u; }
+AG_HD bool fp16_bits_finite(uint16_t bits) { return (bits & 0x7c00u) != 0x7c00u; }
+AG_HD bool bf16_bits_finite(uint16_t bits) { return (bits & 0x7f80u) != 0x7f80u; }
+
+AG_HD uint32_t float_to_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  return bits;
+#endif
+}
+
+// Scaler state next to the scale: one int64 tensor with these slots.
+enum Tracker : int {
+  kGrowthTracker = 0,      // consecutive finite steps since the last growth or overflow
+  kHysteresisTracker = 1,  // overflows still tolerated before backing off
+  kSkippedSteps = 2,       // iterations with an overflow, ever
+  kConsecutiveSkips = 3,   // iterations with an overflow, in a row
+  kNumTrackers = 4,
+};
+
+struct ScaleParams {
+  double growth_factor;
+  double backoff_factor;
+  int64_t growth_interval;
+  int64_t hysteresis;
+  double min_scale;  // 0 for "no clamp"
+  double max_scale;  // +inf for "no clamp"
+};
+
+// One update of the dynamic loss scale (amp_graph::update_scale_). With hysteresis == 1,
+// min_scale == 0 and max_scale == inf this is torch._amp_update_scale_.
+//   overflow: growth tracker = 0; hysteresis tracker -= 1 (floor 0); when it reaches 0 the scale
+//             backs off to max(scale * backoff, min_scale), never above the old scale;
+//   finite:   hysteresis tracker = hysteresis; growth tracker += 1; at growth_interval it resets
+//             and the scale grows to min(scale * growth, max_scale), never below the old scale,
+//             kept only if finite.
+AG_HD void update_scale(float* scale, int64_t* trackers, bool found_inf, const ScaleParams& p) {
+  const double s = static_cast<double>(*scale);
+  if (found_inf) {
+    trackers[kGrowthTracker] = 0;
+    int64_t h = trackers[kHysteresisTracker] - 1;
+    if (h < 0) h = 0;
+    trackers[kHysteresisTracker] = h;
+    if (h <= 0) {
+      double b = s * p.backoff_factor;
+      if (b < p.min_scale) b = p.min_scale;
+      if (b > s) b = s;
+      *scale = static_cast<float>(b);
+    }
+    trackers[kSkippedSteps] += 1;
+    trackers[kConsecutiveSkips] += 1;
+  } else {
+    trackers[kHysteresisTracker] = p.hysteresis;
+    int64_t g = trackers[kGrowthTracker] + 1;
+    if (g >= p.growth_interval) {
+      g = 0;
+      double n = s * p.growth_factor;
+      if (n > p.max_scale) n = p.max_scale;
+      if (n < s) n = s;
+      const float grown = static_cast<float>(n);
+      if (fp32_bits_finite(float_to_bits(grown))) *scale = grown;
+    }
+    trackers[kGrowthTracker] = g;
+    trackers[kConsecutiveSkips] = 0;
+  }
+}
+
+}  // namespace amp_graph

@@ -1,0 +1,120 @@
+"""Build-on-first-use loader of the CUDA extension behind the ``amp_graph`` ops.
+
+The extension (``csrc/amp_kernels.cu`` + ``csrc/binding.cpp``) is compiled by
+:func:`torch.utils.cpp_extension.load` the first time a CUDA tensor reaches one of the ops, and
+cached in ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later processes load
+the cached library. Nothing is compiled at ``pip install``, and a machine without a CUDA device
+never tries: :func:`load_extension` returns ``None`` there and the ops use their torch-native
+implementation, which has the same semantics.
+
+Set ``AMP_GRAPH_DISABLE_CUDA_EXT=1`` to skip the extension on a CUDA machine as well.
+
+Example::
+
+    >>> from amp_graph.kernels.extension import extension_status
+    >>> extension_status().state  # on a CPU-only machine, before and after any op call
+    'unavailable'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("binding.cpp", "amp_kernels.cu")
+DISABLE_ENV = "AMP_GRAPH_DISABLE_CUDA_EXT"
+# cpp_extension rebuilds when sources or flags change but does not key its cache on the torch
+# build, so the torch version is part of the extension's name.
+EXTENSION_NAME = "amp_graph_kernels_torch" + re.sub(r"\W", "_", torch.__version__)
+# No --use_fast_math: the unscale must round like torch's.
+NVCC_FLAGS = ("-O3", "-lineinfo")
+CXX_FLAGS = ("-O3",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtensionStatus:
+    """Where the CUDA extension stands in this process.
+
+    ``state`` is one of ``"not-tried"`` (no CUDA tensor has reached an op yet), ``"loaded"``,
+    ``"unavailable"`` (no CUDA device: never built), ``"disabled"`` (by the
+    ``AMP_GRAPH_DISABLE_CUDA_EXT`` variable) or ``"failed"`` (the build or load raised; ``detail``
+    says why, and the ops fall back to torch).
+    """
+
+    state: str
+    detail: str = ""
+
+
+_lock = threading.Lock()
+_status = ExtensionStatus("not-tried")
+
+
+def extension_status() -> ExtensionStatus:
+    """Return the extension's state without building anything.
+
+    A CPU-only process reports ``"unavailable"`` at once; a CUDA process reports ``"not-tried"``
+    until the first op call on a CUDA tensor.
+    """
+    if _status.state == "not-tried" and not _cuda_usable():
+        return ExtensionStatus("unavailable", "no CUDA device")
+    return _status
+
+
+def _cuda_usable() -> bool:
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def load_extension() -> bool:
+    """Build (first use on this machine) and load the extension; True when its kernels are in.
+
+    Loading registers the ops' ``CUDA`` kernels with the dispatcher (``TORCH_LIBRARY_IMPL`` in
+    ``csrc/binding.cpp``); from then on CUDA calls go straight to C++. Thread-safe; concurrent
+    processes (one per rank) are serialized by cpp_extension's lock file in the build
+    directory. A failure is logged once as a warning and not retried in this process.
+    """
+    global _status
+    if _status.state != "not-tried":
+        return _status.state == "loaded"
+    with _lock:
+        if _status.state != "not-tried":
+            return _status.state == "loaded"
+        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+            _status = ExtensionStatus("disabled", f"{DISABLE_ENV} is set")
+            logger.info("amp_graph CUDA extension disabled by %s", DISABLE_ENV)
+            return False
+        if not _cuda_usable():
+            _status = ExtensionStatus("unavailable", "no CUDA device")
+            return False
+        try:
+            from torch.utils import cpp_extension
+
+            path = cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(CSRC_DIR / source) for source in SOURCES],
+                extra_include_paths=[str(CSRC_DIR)],
+                extra_cflags=list(CXX_FLAGS),
+                extra_cuda_cflags=list(NVCC_FLAGS),
+                is_python_module=False,  # a plain library: loading it registers the kernels
+                verbose=logger.isEnabledFor(logging.DEBUG),
+            )
+        except Exception as error:  # compiler, ninja or loader errors all mean "use torch ops"
+            _status = ExtensionStatus("failed", f"{type(error).__name__}: {error}")
+            logger.warning(
+                "amp_graph: building the CUDA extension failed (%s); the ops fall back to "
+                "torch's native implementation (same results, more passes over memory). "
+                "The build needs nvcc (CUDA_HOME), a host C++ compiler and `pip install ninja`.",
+                _status.detail,
+            )
+            return False
+        _status = ExtensionStatus("loaded", str(path))
+        logger.info("amp_graph CUDA extension loaded from %s", path)
+        return True

@@ -1,0 +1,380 @@
+"""amp_graph.Graph: the OneFlow-style training step as one graph."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from amp_graph import models
+from amp_graph.data import batches, load_digits
+from amp_graph.graph import Graph
+from amp_graph.scaler import GradScaler, StaticGradScaler
+
+FP16, BF16 = torch.float16, torch.bfloat16
+
+
+class TrainGraph(Graph):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        *,
+        scheduler=None,
+        policy="O1",
+        dtype=FP16,
+        scaler=None,
+        amp=True,
+        clip=None,
+        accumulation=1,
+    ):
+        super().__init__()
+        self.model = model
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.add_optimizer(optimizer, lr_sch=scheduler)
+        self.config.enable_amp(amp, policy=policy, dtype=dtype)
+        if scaler is not None:
+            self.set_grad_scaler(scaler)
+        if clip is not None:
+            self.config.set_gradient_clipping(clip)
+        if accumulation > 1:
+            self.config.set_gradient_accumulation_steps(accumulation)
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x).float(), y)
+        loss.backward()
+        return loss
+
+
+class EvalGraph(Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config.enable_amp(True, dtype=BF16)
+
+    def build(self, x):
+        return self.model(x)
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_step_graph_has_the_expected_nodes_in_order():
+    model = models.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5)
+    g = TrainGraph(model, opt, scheduler=sched, scaler=GradScaler(), clip=1.0)
+    assert "not compiled yet" in repr(g)
+    loss = g(torch.randn(8, 64), torch.randint(0, 10, (8,)))
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    order = [
+        n.name for n in g.step_graph.graph.nodes if n.op == "call_function" or n.op == "call_module"
+    ]
+    assert order == [
+        "zero_grad_0",
+        "build_0",
+        "unscale_clip_0",
+        "step_0",
+        "update_scale",
+        "lr_step_0",
+    ]
+    build = [n.name for n in g.build_graph.graph.nodes]
+    assert build.index("loss_fn_scaled") < build.index("backward")
+    text = repr(g)
+    for name in (
+        "step graph:",
+        "build graph:",
+        "scale_loss",
+        "unscale_and_clip",
+        "optimizer_step",
+        "update_scale",
+        "scheduler_step",
+        "to(torch.float16)",
+    ):
+        assert name in text
+
+
+def test_returned_loss_is_unscaled_and_matches_eager():
+    model = models.MLP()
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    g = TrainGraph(
+        copy.deepcopy(model),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        scaler=GradScaler(init_scale=2.0**10),
+        policy="autocast",
+        dtype=BF16,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = g(x, y)
+    with torch.autocast("cpu", BF16):
+        reference = F.cross_entropy(g.model(x).float(), y)
+    assert torch.equal(loss, reference)
+
+
+def test_digits_training_reaches_fp32_accuracy_in_fp16_and_bf16():
+    train_split, test_split = load_digits()
+    base = models.MLP()
+
+    def run(dtype, amp):
+        model = copy.deepcopy(base)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        scaler = GradScaler() if amp and dtype == FP16 else None
+        g = TrainGraph(model, opt, dtype=dtype, amp=amp, scaler=scaler)
+        for x, y in batches(train_split, 64, 200):
+            g(x, y)
+        with torch.no_grad():
+            pred = model(test_split.x).argmax(1)
+        return (pred == test_split.y).float().mean().item()
+
+    fp32 = run(FP16, amp=False)
+    # stated tolerance: within 3 accuracy points of fp32 on the same batches
+    assert fp32 > 0.9
+    assert abs(run(FP16, amp=True) - fp32) <= 0.03
+    assert abs(run(BF16, amp=True) - fp32) <= 0.03
+
+
+def test_injected_nonfinite_steps_are_skipped_exactly():
+    torch.manual_seed(0)
+    base = models.MLP()
+    data = [(torch.randn(16, 64), torch.randint(0, 10, (16,))) for _ in range(12)]
+    poisoned = {2, 5, 6, 9}
+
+    def run(skip_poisoned: bool, hysteresis: int = 8):
+        # With hysteresis the scale does not back off on these few overflows, so both runs
+        # compute with the same scale and fp16 rounds identically: equality is exact.
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = GradScaler(init_scale=2.0**8, growth_interval=1000, hysteresis=hysteresis)
+        g = TrainGraph(model, opt, scaler=scaler)
+        for step, (x, y) in enumerate(data):
+            if step in poisoned:
+                if skip_poisoned:
+                    continue
+                x = x.clone()
+                x[step % 16, step] = float("inf") if step % 2 else float("nan")
+            g(x, y)
+        return model, g
+
+    injected, g = run(skip_poisoned=False)
+    control, _ = run(skip_poisoned=True)
+    assert g._scaler.skipped_steps == len(poisoned)
+    for a, b in zip(injected.parameters(), control.parameters(), strict=True):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+    # without hysteresis the scale backs off at each overflow; the weights stay finite and
+    # the skipped steps are still skipped (values differ only by fp16 rounding at the scale)
+    backed_off, g = run(skip_poisoned=False, hysteresis=1)
+    assert g._scaler.get_scale() == 2.0**8 / 2 ** len(poisoned)
+    for a, b in zip(backed_off.parameters(), control.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_checkpoint_resume_is_bit_exact(policy):
+    torch.manual_seed(0)
+    base = models.MLP()
+    data = [(torch.randn(16, 64), torch.randint(0, 10, (16,))) for _ in range(8)]
+
+    def make():
+        model = copy.deepcopy(base)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
+        return TrainGraph(
+            model,
+            opt,
+            scheduler=sched,
+            policy=policy,
+            scaler=GradScaler(init_scale=2.0**12, growth_interval=2),
+        )
+
+    straight = make()
+    for x, y in data:
+        straight(x, y)
+
+    first = make()
+    for x, y in data[:4]:
+        first(x, y)
+    checkpoint = copy.deepcopy(first.state_dict())
+    resumed = make()
+    resumed(*data[0])  # compile (and, for O2, create the master weights) ...
+    resumed.load_state_dict(checkpoint)  # ... then overwrite everything with the checkpoint
+    for x, y in data[4:]:
+        resumed(x, y)
+    assert resumed.steps == straight.steps == 8
+    assert resumed._scaler.get_scale() == straight._scaler.get_scale()
+    final_a, final_b = straight.state_dict(), resumed.state_dict()
+    for key, value in final_a["modules"]["model"].items():
+        assert torch.equal(value, final_b["modules"]["model"][key]), key
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_o2_stores_low_precision_params_with_fp32_masters_in_sync():
+    model = models.GPTWithLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    class GPTGraph(Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, policy="O2", dtype=BF16)
+
+        def build(self, idx, targets):
+            loss = self.model(idx, targets)
+            loss.backward()
+            return loss
+
+    g = GPTGraph()
+    idx = torch.randint(0, 64, (2, 16))
+    g(idx, idx)
+    master = g._master
+    assert master is not None and master.pairs
+    for name, low, fp32 in master.pairs:
+        assert low.dtype == BF16 and fp32.dtype == torch.float32
+        assert torch.equal(low, fp32.to(BF16)), name
+    assert model.gpt.blocks[0].ln1.weight.dtype == torch.float32  # normalization stays fp32
+    assert all(p.dtype == torch.float32 for group in opt.param_groups for p in group["params"])
+    state = g.state_dict()
+    assert all(
+        v.dtype == torch.float32
+        for v in state["modules"]["model"].values()
+        if v.is_floating_point()
+    )
+    with torch.no_grad():
+        for _, _, fp32 in master.pairs:
+            fp32.add_(1.0)
+    g.load_state_dict(state)
+    for name, low, fp32 in master.pairs:
+        assert torch.equal(fp32, state["modules"]["model"][name.split(".", 1)[1]]), name
+        assert torch.equal(low, fp32.to(BF16)), name
+
+
+def test_accumulation_and_clipping_match_a_handwritten_torch_amp_loop():
+    torch.manual_seed(0)
+    base = models.MLP()
+    data = [(torch.randn(16, 64), torch.randint(0, 10, (16,))) for _ in range(5)]
+
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = TrainGraph(
+        model,
+        opt,
+        policy="autocast",
+        dtype=FP16,
+        accumulation=4,
+        clip=0.5,
+        scaler=GradScaler("cpu", init_scale=2.0**10),
+    )
+    for x, y in data:
+        g(x, y)
+
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for x, y in data:
+        ref_opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            with torch.autocast("cpu", FP16):
+                loss = F.cross_entropy(ref(xs).float(), ys) / 4
+            scaler.scale(loss).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        scaler.step(ref_opt)
+        scaler.update()
+    assert g._scaler.get_scale() == scaler.get_scale()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        # the clip coefficient comes from our fused sum of squares rather than torch's norm:
+        # the same value up to float32 rounding
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_several_losses_each_with_backward_and_static_scaler():
+    class TwoLosses(Graph):
+        def __init__(self, a, b, opt):
+            super().__init__()
+            self.a, self.b = a, b
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, dtype=FP16)
+            self.set_grad_scaler(StaticGradScaler(2.0**8))
+
+        def build(self, x):
+            la = self.a(x).float().pow(2).mean()
+            la.backward()
+            lb = self.b(x).float().abs().mean()
+            lb.backward()
+            return la, lb
+
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    g = TwoLosses(a, b, opt)
+    before = params(a) + params(b)
+    la, lb = g(torch.randn(8, 4))
+    assert la.dtype == lb.dtype == torch.float32
+    assert sum(n.target == "backward" for n in g.build_graph.graph.nodes) == 2
+    assert all(not torch.equal(p, q) for p, q in zip(params(a) + params(b), before, strict=True))
+    assert g._scaler.get_scale() == 2.0**8
+
+
+def test_evaluation_graph_runs_forward_only_without_grad():
+    model = models.MLP()
+    g = EvalGraph(model)
+    out = g(torch.randn(4, 64))
+    assert out.dtype == BF16 and not out.requires_grad
+    assert g.build_graph is g.step_graph
+    assert not any(n.target == "backward" for n in g.step_graph.graph.nodes)
+
+
+def test_changed_input_structure_retraces():
+    g = EvalGraph(models.MLP())
+    g(torch.randn(4, 64))
+    g(torch.randn(7, 64))  # shapes alone do not retrace
+    assert len(g._compiled) == 1
+    g(torch.randn(4, 64, dtype=torch.float64).float().half())
+    assert len(g._compiled) == 2
+
+
+def test_bad_input_errors():
+    class NoBackward(TrainGraph):
+        def build(self, x, y):
+            return self.loss_fn(self.model(x), y)
+
+    model = models.MLP()
+    g = NoBackward(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"never calls loss\.backward"):
+        g(torch.randn(2, 64), torch.randint(0, 10, (2,)))
+
+    class BackwardNoOptimizer(Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = models.MLP()
+
+        def build(self, x):
+            loss = self.model(x).sum()
+            loss.backward()
+            return loss
+
+    with pytest.raises(RuntimeError, match="no optimizer is registered"):
+        BackwardNoOptimizer()(torch.randn(2, 64))
+
+    with pytest.raises(ValueError, match=r"unknown policy preset 'O7'.*Did you mean"):
+        Graph().config.enable_amp(True, policy="O7")
+    with pytest.raises(TypeError, match="GradScaler"):
+        Graph().set_grad_scaler(torch.amp.GradScaler("cpu"))
+
+    model = models.MLP()
+    g = TrainGraph(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16, scaler=GradScaler()
+    )
+    with pytest.warns(UserWarning, match="does nothing"):
+        g(torch.randn(2, 64), torch.randint(0, 10, (2,)))
+
+    g = TrainGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation=4)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        g(torch.randn(6, 64), torch.randint(0, 10, (6,)))

@@ -1,0 +1,286 @@
+"""The amp_graph custom ops against pure-PyTorch references, opcheck, and graph capture.
+
+Device-parametrized: the CPU cases run everywhere (torch-native implementation); the CUDA cases
+run the extension's fused kernel and skip cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scaler_helpers import ref_check_unscale, ref_sum_of_squares
+
+from amp_graph.kernels import extension, ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+SPECIALS = [float("inf"), float("-inf"), float("nan")]
+
+
+def _finite(shape, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * 100).to(dtype).to(device)
+
+
+def _shapes(device: str) -> dict[str, torch.Tensor]:
+    """Layouts the kernel must handle, as views of fresh fp32 data (cast per test)."""
+    huge = 2**22 + 7 if device == "cuda" else 2**18 + 7
+    base = torch.randn(64, 48)
+    return {
+        "empty": torch.empty(0),
+        "empty_2d": torch.empty(0, 5),
+        "scalar": torch.tensor(3.0),
+        "tiny": torch.randn(3),
+        "huge": torch.randn(huge),
+        "non_contiguous": base[:, ::3],
+        "sliced": torch.randn(1001)[5:998],
+        "transposed": base.t(),
+        "expanded_row": torch.randn(1, 40).expand(7, 40),  # overlapping: read-only cases only
+    }
+
+
+def _run(kind: str, grads, found, inv):
+    if kind == "unscale":
+        ops.non_finite_check_and_unscale_(grads, found, inv)
+        return None
+    if kind == "norm":
+        return ops.non_finite_check_unscale_and_norm_(grads, found, inv)
+    ops.non_finite_check_(grads, found)
+    return None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["unscale", "norm", "check"])
+def test_layouts_against_reference(kind: str, dtype: torch.dtype, device: str) -> None:
+    for name, t in _shapes(device).items():
+        if name == "expanded_row" and kind != "check":
+            continue  # in-place writes into overlapping memory are undefined in torch too
+        g = t.to(dtype=dtype, device=device) if name != "expanded_row" else t.to(dtype).to(device)
+        before, strides = g.clone(), g.stride()
+        found = torch.zeros((), device=device)
+        inv = torch.tensor(0.125, device=device)
+        result = _run(kind, [g], found, inv)
+        expect_found, expect = ref_check_unscale([before], 0.125)
+        assert bool(found) is expect_found, name
+        if kind == "check":
+            assert torch.equal(g, before), f"{name}: check-only must not write"
+        else:
+            torch.testing.assert_close(g, expect[0], rtol=0, atol=0, msg=name)
+            assert g.stride() == strides
+        if kind == "norm":
+            torch.testing.assert_close(
+                result.item(), ref_sum_of_squares(expect), rtol=2e-5, atol=1e-30
+            )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values_at_every_lane_head_and_tail(dtype: torch.dtype, device: str) -> None:
+    """inf/-inf/nan at every position of a 16-byte vector, in the head and in the tail, for every
+    misalignment of the tensor's start; the rest must still be unscaled, found_inf set."""
+    lanes = 16 // torch.empty((), dtype=dtype).element_size()
+    storage = _finite(8 * lanes + 64, dtype, device)
+    for offset in range(lanes):
+        length = 3 * lanes + lanes // 2 + 1  # head + whole vectors + a tail
+        for position in range(length):
+            for special in SPECIALS:
+                g = storage.clone()[offset : offset + length]
+                g[position] = special
+                before = g.clone()
+                found = torch.zeros((), device=device)
+                for kind in ("check", "unscale"):
+                    found.zero_()
+                    _run(kind, [g], found, torch.tensor(0.5, device=device))
+                    assert found.item() == 1.0, (offset, position, special, kind)
+                expect = (before.float() * 0.5).to(dtype)
+                torch.testing.assert_close(g, expect, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_thousands_of_mixed_tensors_in_one_call(device: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.randint(0, 300, (3000,), generator=gen).tolist()
+    grads = [
+        _finite(n, DTYPES[i % 3], device, seed=i)[i % 5 :]
+        if n > 5
+        else _finite(n, torch.float16, device, seed=i)
+        for i, n in enumerate(sizes)
+    ]
+    before = [g.clone() for g in grads]
+    found = torch.zeros((), device=device)
+    total = ops.non_finite_check_unscale_and_norm_(grads, found, torch.tensor(0.25, device=device))
+    assert found.item() == 0.0
+    _, expect = ref_check_unscale(before, 0.25)
+    for g, e in zip(grads, expect, strict=True):
+        assert torch.equal(g, e)
+    torch.testing.assert_close(total.item(), ref_sum_of_squares(expect), rtol=1e-5, atol=0.0)
+
+    grads[2718][-1] = float("nan")
+    ops.non_finite_check_(grads, found)
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_found_inf_is_never_cleared_and_other_dtypes_work(device: str) -> None:
+    found = torch.ones((), device=device)
+    grads = [torch.ones(10, device=device), torch.ones(4, dtype=torch.float64, device=device)]
+    ops.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5, device=device))
+    assert found.item() == 1.0
+    assert torch.equal(grads[1], torch.full((4,), 0.5, dtype=torch.float64, device=device))
+    found.zero_()
+    grads[1][2] = float("inf")  # float64 takes the torch-native path, same semantics
+    ops.non_finite_check_(grads, found)
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_are_rejected(device: str) -> None:
+    g = [torch.ones(3, device=device)]
+    with pytest.raises(ValueError, match="found_inf"):
+        ops.non_finite_check_(g, torch.zeros(2, device=device))
+    with pytest.raises(ValueError, match="inv_scale"):
+        ops.non_finite_check_and_unscale_(
+            g, torch.zeros((), device=device), torch.ones((), dtype=torch.float64, device=device)
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_scale_matches_torch(device: str) -> None:
+    scale, tracker = (
+        torch.tensor(512.0, device=device),
+        torch.zeros((), dtype=torch.int32, device=device),
+    )
+    ours, trackers = torch.tensor(512.0, device=device), torch.tensor([0, 1, 0, 0], device=device)
+    for flag in "0010001101110000100":
+        found = torch.tensor(float(flag), device=device)
+        torch._amp_update_scale_(scale, tracker, found, 2.0, 0.5, 3)
+        ops.update_scale_(ours, trackers, found, 2.0, 0.5, 3, 1, 0.0, float("inf"))
+        assert ours.item() == scale.item() and trackers[0].item() == tracker.item()
+    assert trackers[ops.SKIPPED_STEPS].item() == "0010001101110000100".count("1")
+
+
+def _opcheck_cases(device: str):
+    def grads():
+        return [
+            torch.randn(5, device=device),
+            torch.randn(3, 4, dtype=torch.float16, device=device).t(),
+            torch.randn(9, dtype=torch.bfloat16, device=device)[1:],
+            torch.tensor([1.0, float("inf")], device=device),
+        ]
+
+    zero = torch.zeros((), device=device)
+    inv = torch.tensor(0.25, device=device)
+    amp = torch.ops.amp_graph
+    return [
+        (amp.non_finite_check_and_unscale_.default, (grads(), zero.clone(), inv)),
+        (amp.non_finite_check_and_unscale_.default, ([], zero.clone(), inv)),
+        (amp.non_finite_check_.default, (grads(), zero.clone())),
+        (amp.non_finite_check_unscale_and_norm_.default, (grads(), zero.clone(), inv)),
+        (
+            amp.update_scale_.default,
+            (
+                torch.tensor(4.0, device=device),
+                torch.tensor([0, 2, 0, 0], device=device),
+                torch.ones((), device=device),
+                2.0,
+                0.5,
+                3,
+                2,
+                1.0,
+                2.0**24,
+            ),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device: str) -> None:
+    for op, args in _opcheck_cases(device):
+        torch.library.opcheck(op, args)
+
+
+def test_each_op_is_one_node_in_fx_and_compiled_graphs() -> None:
+    def step(grads, found, inv, scale, trackers):
+        ops.non_finite_check_(grads, found)
+        ops.non_finite_check_and_unscale_(grads, found, inv)
+        sum_sq = ops.non_finite_check_unscale_and_norm_(grads, found, inv)
+        ops.update_scale_(scale, trackers, found, 2.0, 0.5, 100, 1, 0.0, 2.0**24)
+        return sum_sq
+
+    def args():
+        return (
+            [torch.ones(4), torch.full((3,), 2.0, dtype=torch.float16)],
+            torch.zeros(()),
+            torch.tensor(0.5),
+            torch.tensor(8.0),
+            torch.tensor([0, 1, 0, 0]),
+        )
+
+    names = [
+        "amp_graph.non_finite_check_.default",
+        "amp_graph.non_finite_check_and_unscale_.default",
+        "amp_graph.non_finite_check_unscale_and_norm_.default",
+        "amp_graph.update_scale_.default",
+    ]
+    gm = torch.fx.experimental.proxy_tensor.make_fx(step)(*args())
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert [t for t in targets if t.startswith("amp_graph.")] == names
+
+    captured = []
+
+    def backend(graph_module, example_inputs):
+        captured.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    eager_args, compiled_args = args(), args()
+    expected = step(*eager_args)
+    assert torch.equal(compiled(*compiled_args), expected)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(compiled_args),
+        torch.utils._pytree.tree_leaves(eager_args),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    (graph,) = captured
+    calls = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert [c for c in calls if "amp_graph" in str(c)] == [
+        torch.ops.amp_graph.non_finite_check_.default,
+        torch.ops.amp_graph.non_finite_check_and_unscale_.default,
+        torch.ops.amp_graph.non_finite_check_unscale_and_norm_.default,
+        torch.ops.amp_graph.update_scale_.default,
+    ]
+
+
+def test_cpu_only_machine_never_builds() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    ops.non_finite_check_([torch.ones(3)], torch.zeros(()))
+    assert extension.extension_status().state == "unavailable"
+    assert extension.load_extension() is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_extension_builds_and_matches_torch_op() -> None:
+    """On a GPU machine the extension must build (nvcc + ninja present) and be used."""
+    grads = [
+        torch.randn(n, device="cuda").to(dt)
+        for n, dt in [(1000, torch.float32), (77, torch.float16), (5, torch.bfloat16)]
+    ]
+    theirs = [g.clone() for g in grads]
+    found, their_found = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+    inv = torch.tensor(1 / 3, device="cuda")
+    ops.non_finite_check_and_unscale_(grads, found, inv)
+    assert extension.extension_status().state == "loaded", extension.extension_status().detail
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, their_found, inv)
+    for a, b in zip(grads, theirs, strict=True):
+        assert torch.equal(a, b)
+    assert found.item() == their_found.item() == 0.0
