@@ -7,9 +7,10 @@
 torch.float32
 """
 
-from amp_graph import passes
+from amp_graph import inspect, passes
 from amp_graph.compiler import CaptureError, compile
 from amp_graph.graph import Graph, GraphConfig
+from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.passes.insert_casts import cast_if_castable
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
 from amp_graph.report import Report, explain, report
@@ -30,7 +31,11 @@ __all__ = [
     "StaticGradScaler",
     "cast_if_castable",
     "compile",
+    "dataflow",
+    "diff",
+    "draw",
     "explain",
+    "inspect",
     "passes",
     "report",
 ]

@@ -1,9 +1,15 @@
-"""``make demo`` / ``amp-graph demo``: amp_graph on a real model and a real dataset.
+"""``make demo`` / ``amp-graph demo``: amp_graph's training Graph on a real dataset.
 
-Compiles a small ResNet-style ConvNet with policy O1, prints the cast report, then trains
-it on scikit-learn's digits in float32 (eager), under torch.autocast (eager), and through
-amp_graph, from the same initialization on the same batches, and prints test accuracy and
-median step times side by side.
+Trains a small ResNet-style ConvNet on scikit-learn's handwritten digits (shipped inside
+the scikit-learn wheel) from one initialization on the same batches, four ways:
+
+* float32, a plain eager loop;
+* a hand-written ``torch.autocast`` + ``torch.amp.GradScaler`` loop;
+* ``amp_graph.Graph`` with policy O1 (the whole step as one graph, with amp_graph's scaler);
+* ``amp_graph.Graph`` with policy O2 (low-precision weights, float32 master weights);
+
+then prints test accuracy, median step time and its ratio to fp32 and to torch.autocast,
+the loss-scale trajectory and skipped steps of the Graph runs, and the cast report of O1.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import amp_graph
 from amp_graph import models
 from amp_graph.data import Split, batches, load_digits
 
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 def progress(items: Iterator, total: int, label: str, stream: TextIO = sys.stderr) -> Iterator:
     """A dependency-free progress bar on stderr (redrawn in a terminal, one line in a log)."""
@@ -32,86 +40,144 @@ def progress(items: Iterator, total: int, label: str, stream: TextIO = sys.stder
     for i, item in enumerate(items, 1):
         if (live and (i == 1 or i % max(1, total // 50) == 0)) or i == total:
             done = int(width * i / total)
-            stream.write(f"\r  {label:<22} [{'#' * done}{'.' * (width - done)}] {i}/{total}")
+            stream.write(f"\r  {label:<24} [{'#' * done}{'.' * (width - done)}] {i}/{total}")
             stream.flush()
         yield item
     stream.write("\n")
 
 
-def train(
-    model: nn.Module,
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    train_split: Split,
-    steps: int,
-    batch: int,
-    label: str,
-) -> list[float]:
-    """Adam steps; returns the time of each step in seconds."""
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    times = []
-    for x, y in progress(batches(train_split, batch, steps), steps, label):
-        start = time.perf_counter()
-        loss = F.cross_entropy(forward(x).float(), y)
-        opt.zero_grad(set_to_none=True)
+class DigitsStep(amp_graph.Graph):
+    """The training step, OneFlow style: AMP, scaler and optimizer are part of the graph."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: str, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(optimizer)
+        self.config.enable_amp(True, policy=policy, dtype=dtype)
+        if dtype == torch.float16:
+            self.set_grad_scaler(amp_graph.GradScaler(init_scale=2.0**16, growth_interval=100))
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self.model(x).float(), y)
         loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return times
+        return loss
 
 
-def accuracy(forward: Callable[[torch.Tensor], torch.Tensor], split: Split) -> float:
-    with torch.no_grad():
-        return (forward(split.x).float().argmax(1) == split.y).float().mean().item()
+def eager_step(model: nn.Module, dtype: torch.dtype | None) -> Callable:
+    """fp32 (dtype None) or a hand-written torch.autocast + torch.amp.GradScaler step."""
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16, growth_interval=100)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return step
+
+
+def scale_trajectory(scales: list[float]) -> str:
+    """``65536 -> 32768 @12 -> 65536 @112``: the scale and the steps where it changed."""
+    if not scales:
+        return "-"
+    parts = [f"{scales[0]:g}"]
+    for i in range(1, len(scales)):
+        if scales[i] != scales[i - 1]:
+            parts.append(f"{scales[i]:g} @{i}")
+    return " -> ".join(parts)
+
+
+def accuracy(model: nn.Module, split: Split, dtype: torch.dtype | None) -> float:
+    with torch.no_grad(), torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
+        return (model(split.x).float().argmax(1) == split.y).float().mean().item()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="amp-graph demo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="amp-graph demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--channels", type=int, default=32, help="ConvNet width")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp16",
+        help="low-precision dtype (fp16 shows loss scaling at work)",
+    )
     args = parser.parse_args(argv)
+    dtype = DTYPES[args.dtype]
 
     torch.manual_seed(0)
     train_split, test_split = load_digits()
-    dtype = torch.bfloat16
     print(
-        f"amp_graph demo: ConvNet on scikit-learn digits ({len(train_split.y)} train / "
-        f"{len(test_split.y)} test images), low precision {dtype}, torch {torch.__version__}\n"
+        f"amp_graph demo: ConvNet (width {args.channels}) on scikit-learn digits "
+        f"({len(train_split.y)} train / {len(test_split.y)} test images), {args.steps} Adam "
+        f"steps of {args.batch}, low precision {dtype}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads\n"
     )
-
     base = models.ConvNet(channels=args.channels)
-    fp32_model, autocast_model, amp_model = (copy.deepcopy(base) for _ in range(3))
-    compiled = amp_graph.compile(
-        amp_model, policy="O1", dtype=dtype, example_inputs=(train_split.x[: args.batch],)
-    )
-    print("Cast report (policy O1):")
-    print(amp_graph.report(compiled))
-    print()
 
-    def under_autocast(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype):
-            return autocast_model(x)
+    runs: dict[str, tuple[nn.Module, Callable, amp_graph.Graph | None]] = {}
+    model = copy.deepcopy(base)
+    runs["fp32 eager"] = (model, eager_step(model, None), None)
+    model = copy.deepcopy(base)
+    runs["torch.autocast eager"] = (model, eager_step(model, dtype), None)
+    for policy in ("O1", "O2"):
+        model = copy.deepcopy(base)
+        graph = DigitsStep(model, torch.optim.Adam(model.parameters(), lr=3e-3), policy, dtype)
+        runs[f"amp_graph.Graph {policy}"] = (model, graph, graph)
 
-    runs = {
-        "fp32 eager": (fp32_model, fp32_model),
-        "torch.autocast eager": (autocast_model, under_autocast),
-        "amp_graph O1": (amp_model, compiled),
-    }
     results = {}
-    for label, (params, forward) in runs.items():
-        times = train(params, forward, train_split, args.steps, args.batch, label)
-        results[label] = (accuracy(forward, test_split), statistics.median(times[5:] or times))
+    for label, (model, step, graph) in runs.items():
+        times, scales = [], []
+        for x, y in progress(batches(train_split, args.batch, args.steps), args.steps, label):
+            start = time.perf_counter()
+            step(x, y)
+            times.append(time.perf_counter() - start)
+            if graph is not None and graph._scaler is not None:
+                scales.append(graph._scaler.get_scale())
+        eval_dtype = None if label == "fp32 eager" else dtype  # O2 weights are low precision
+        acc = accuracy(model, test_split, eval_dtype)
+        skipped = graph._scaler.skipped_steps if graph is not None and graph._scaler else None
+        results[label] = (acc, statistics.median(times[5:] or times), scales, skipped)
+
+    print("\nCast report of the Graph's build (policy O1):")
+    o1 = runs["amp_graph.Graph O1"][2]
+    assert o1 is not None and o1.build_graph is not None
+    report = amp_graph.report(o1.build_graph)
+    print(report.totals())
+    print("\nThe O1 training step, as one graph:")
+    print(o1.step_graph.code.strip())
 
     fp32_time = results["fp32 eager"][1]
     autocast_time = results["torch.autocast eager"][1]
-    print(f"\n{'run':<22} {'test acc':>9} {'median step':>12} {'vs fp32':>8} {'vs autocast':>12}")
-    for label, (acc, step) in results.items():
+    print(f"\n{'run':<24} {'test acc':>9} {'median step':>12} {'vs fp32':>8} {'vs autocast':>12}")
+    for label, (acc, step_time, _, _) in results.items():
         print(
-            f"{label:<22} {acc:>9.3f} {step * 1e3:>9.2f} ms {step / fp32_time:>7.2f}x "
-            f"{step / autocast_time:>11.2f}x"
+            f"{label:<24} {acc:>9.3f} {step_time * 1e3:>9.2f} ms {step_time / fp32_time:>7.2f}x "
+            f"{step_time / autocast_time:>11.2f}x"
         )
-    fp32_acc, amp_acc = results["fp32 eager"][0], results["amp_graph O1"][0]
-    print(f"\naccuracy amp_graph O1 - fp32: {amp_acc - fp32_acc:+.3f}")
+    for label, (_, _, scales, skipped) in results.items():
+        if scales:
+            print(f"\n{label}: loss scale {scale_trajectory(scales)}; skipped steps: {skipped}")
+    fp32_acc = results["fp32 eager"][0]
+    print(
+        "\naccuracy vs fp32: "
+        + ", ".join(
+            f"{label} {acc - fp32_acc:+.3f}"
+            for label, (acc, *_) in results.items()
+            if label != "fp32 eager"
+        )
+    )
     return 0
 
 

@@ -246,16 +246,17 @@ def explain(compiled: fx.GraphModule, node_name: str) -> Explanation:
             f"{', '.join(repr(c) for c in amp.cast_for)}.\n{amp.detail}."
         )
     text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
+    casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
     if amp.role is Role.OP and amp.rule is not None:
         text.append(
             f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
             f"by the {amp.source} level: {amp.detail}."
         )
         if amp.compute_dtype is not None:
-            text.append(f"Its floating inputs are cast to {short(amp.compute_dtype)}.")
+            already = "" if casts_in else " (they already are: no cast needed)"
+            text.append(f"Its floating inputs are cast to {short(amp.compute_dtype)}{already}.")
     else:
         text.append(f"It is not reclassified: {amp.detail}.")
-    casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
     if casts_in:
         text.append(
             "Casts feeding it: "
@@ -273,8 +274,9 @@ def explain(compiled: fx.GraphModule, node_name: str) -> Explanation:
             + "."
         )
     if amp.role is Role.OP:
+        other = "low" if amp.rule is Rule.DENY else "fp32"
         text.append(
-            f"To change it: Policy.override(nodes={{'{node.name}': 'fp32'}}) or an op, "
+            f"To change it: Policy.override(nodes={{'{node.name}': '{other}'}}) or an op, "
             "module type or module path override (priority: default < op tables < op "
             "< module type < module path < node)."
         )

@@ -1,0 +1,415 @@
+"""The ``amp-graph`` command (also ``python -m amp_graph``).
+
+::
+
+    amp-graph inspect MODEL --input-shape 8,3,32,32 [--dtype bf16] [--policy O1]
+                      [--html out.html] [--svg out.svg]
+    amp-graph explain MODEL --input-shape 8,3,32,32 NODE
+    amp-graph demo [ARGS...]
+
+``MODEL`` is ``path/to/file.py:Name`` or ``package.module:Name``, where ``Name`` is an
+``nn.Module`` subclass (built with no arguments), a function returning a module, or a
+module instance. Example inputs of the given shapes (random floats, or zeros for integer
+dtypes) are checked by running the model on FakeTensors, so nothing is computed, then
+compiled. Mistakes (a missing file or name, a bad shape, a model that fails on those
+shapes) are reported in one line on stderr with exit status 2; ``--debug`` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PROG = "amp-graph"
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+}
+INPUT_DTYPES = (
+    "float32",
+    "float",
+    "fp32",
+    "float16",
+    "fp16",
+    "bfloat16",
+    "bf16",
+    "float64",
+    "long",
+    "int64",
+    "int",
+    "int32",
+    "bool",
+)
+EXIT_USAGE, EXIT_FAILED = 2, 1
+
+
+class UsageError(Exception):
+    """Something the user gave is wrong; the message says what (exit status 2)."""
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"8,3,32,32"`` -> ``(8, 3, 32, 32)``; a UsageError naming the bad part otherwise."""
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    if not text.strip() or any(not p.isdigit() or int(p) == 0 for p in parts):
+        raise UsageError(
+            f"bad --input-shape {text!r}: give positive integer sizes separated by commas, "
+            "e.g. --input-shape 8,3,32,32 (repeat --input-shape for each input)"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    aliases = {
+        "float": "float32",
+        "fp32": "float32",
+        "fp16": "float16",
+        "bf16": "bfloat16",
+        "long": "int64",
+        "int": "int64",
+    }
+    return getattr(torch, aliases.get(name, name))
+
+
+def _load_module(where: str) -> Any:
+    """The Python module named by the part of MODEL before the colon."""
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise UsageError(f"no such file: {where}")
+        spec = importlib.util.spec_from_file_location(f"amp_graph_cli_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise UsageError(f"cannot load {where} as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.resolve().parent))  # so that it can import its neighbours
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            raise UsageError(f"{where} failed to run: {type(error).__name__}: {error}") from error
+        finally:
+            sys.path.pop(0)
+        return module
+    try:
+        return importlib.import_module(where)
+    except ImportError as error:
+        raise UsageError(f"cannot import {where!r}: {error}") from error
+
+
+def load_model(spec: str) -> Any:
+    """The ``nn.Module`` named by ``FILE.py:Name`` or ``package.module:Name``."""
+    import torch.nn as nn
+
+    from amp_graph.policy import nearest
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise UsageError(
+            f"MODEL is FILE.py:Name or package.module:Name, e.g. models.py:ResNet; got {spec!r}"
+        )
+    module = _load_module(where)
+    if not hasattr(module, name):
+        candidates = [
+            k
+            for k, v in vars(module).items()
+            if not k.startswith("_")
+            and (
+                isinstance(v, nn.Module)
+                or (isinstance(v, type) and issubclass(v, nn.Module))
+                or (callable(v) and getattr(v, "__module__", None) == module.__name__)
+            )
+        ]
+        raise UsageError(
+            f"{where} has no attribute {name!r}.{nearest(name, candidates)}"
+            + (f" Models and factories there: {', '.join(candidates)}." if candidates else "")
+        )
+    target = getattr(module, name)
+    if isinstance(target, nn.Module):
+        return target
+    if not callable(target):
+        raise UsageError(
+            f"{spec} is not a model, a module class or a factory: it is "
+            f"{type(target).__name__} {target!r:.40}"
+        )
+    try:
+        model = target()
+    except TypeError as error:
+        raise UsageError(
+            f"cannot build {name}(): {error}. The CLI calls it with no arguments; add a "
+            f"factory function to {where} that builds the model you want"
+        ) from error
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{name}() returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def example_inputs(shapes: list[str], dtypes: list[str] | None) -> tuple[Any, ...]:
+    """One tensor per ``--input-shape``: random floats, or zeros for integer dtypes."""
+    import torch
+
+    sizes = [parse_shape(s) for s in shapes]
+    names = dtypes or ["float32"]
+    if len(names) == 1:
+        names = names * len(sizes)
+    if len(names) != len(sizes):
+        raise UsageError(
+            f"{len(sizes)} --input-shape but {len(names)} --input-dtype; give one "
+            "--input-dtype for all inputs or one per input"
+        )
+    inputs = []
+    for size, name in zip(sizes, names, strict=True):
+        dtype = _torch_dtype(name)
+        inputs.append(
+            torch.randn(size, dtype=dtype)
+            if dtype.is_floating_point
+            else torch.zeros(size, dtype=dtype)
+        )
+    return tuple(inputs)
+
+
+def check_runs(model: Any, inputs: tuple[Any, ...]) -> None:
+    """Run the model on FakeTensors of the inputs' shapes: shape errors, no computation.
+
+    A model whose Python code reads tensor values (``if x.sum() > 0``) cannot run on
+    FakeTensors; it is run once on the real inputs instead.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = {k: mode.from_tensor(v) for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    fakes = [mode.from_tensor(x) for x in inputs]
+    shapes = ", ".join(str(tuple(x.shape)) for x in inputs)
+    try:
+        try:
+            with mode, torch.no_grad():
+                torch.func.functional_call(model, state, tuple(fakes))
+        except DataDependentOutputException:
+            with torch.no_grad():
+                model(*inputs)
+    except Exception as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UsageError(
+            f"{type(model).__name__} fails on inputs of shape {shapes}: "
+            f"{type(error).__name__}: {message}"
+        ) from error
+
+
+def compile_model(args: argparse.Namespace) -> Any:
+    """Load, check and compile the model the arguments name."""
+    import torch
+
+    import amp_graph
+
+    model = load_model(args.model)
+    inputs = example_inputs(args.input_shape, args.input_dtype)
+    check_runs(model, inputs)
+    policy: Any = args.policy
+    if args.keep_fp32:
+        policy = amp_graph.Policy.preset(args.policy).override(
+            modules={path: "fp32" for path in args.keep_fp32}
+        )
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    return amp_graph.compile(model, policy, dtype, example_inputs=inputs)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import amp_graph
+    from amp_graph import inspect
+
+    compiled = compile_model(args)
+    report = amp_graph.report(compiled)
+    flow = inspect.dataflow(compiled, depth=args.depth)
+    print(report if not args.summary else report.totals())
+    print()
+    print(flow)
+    if args.svg or args.html:
+        svg = inspect.draw(
+            compiled,
+            collapse_modules=args.collapse or False,
+            focus=args.focus,
+            max_nodes=args.max_nodes,
+        )
+        if args.svg:
+            svg.save(args.svg)
+            print(f"\nwrote {args.svg} ({svg.nodes} boxes, drawn by {svg.renderer})")
+        if args.html:
+            _write_html(args.html, args.model, compiled, report, flow, svg)
+            print(f"wrote {args.html}")
+    return 0
+
+
+def _write_html(path: str, title: str, compiled: Any, report: Any, flow: Any, svg: Any) -> None:
+    from amp_graph import inspect
+    from amp_graph.inspect.html import legend_html, page, report_summary_html
+
+    change = inspect.diff(compiled)
+    html = page(
+        f"amp_graph: {title}",
+        [
+            ("Summary", report_summary_html(report)),
+            ("Data flow per module", flow._repr_html_()),
+            ("The compiled graph", legend_html() + svg.text),
+            ("What the passes changed", change._repr_html_()),
+            ("Every node", report._repr_html_()),
+        ],
+    )
+    Path(path).write_text(html, encoding="utf-8")
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import amp_graph
+
+    compiled = compile_model(args)
+    try:
+        print(amp_graph.explain(compiled, args.node))
+    except KeyError as error:
+        raise UsageError(error.args[0]) from error
+    return 0
+
+
+def run_demo(argv: list[str]) -> int:
+    """``amp_graph.demo.main(argv)``, imported only now."""
+    try:
+        from amp_graph.demo import main as demo_main
+    except ImportError as error:
+        print(f"{PROG} demo: error: the demo is not available: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    return int(demo_main(argv) or 0)
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="FILE.py:Name or package.module:Name; Name is a module class, a "
+        "factory function or a module instance",
+    )
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        required=True,
+        metavar="SHAPE",
+        help="shape of an example input, e.g. 8,3,32,32 (repeat for each input)",
+    )
+    parser.add_argument(
+        "--input-dtype",
+        action="append",
+        choices=INPUT_DTYPES,
+        metavar="DTYPE",
+        help="dtype of the example inputs (one for all, or one per input): "
+        "float32 (default), long, bool, ...",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="the low-precision dtype (default: bf16 on CPU, as torch.autocast)",
+    )
+    parser.add_argument(
+        "--policy",
+        default="O1",
+        choices=("O0", "O1", "O2", "O3", "autocast"),
+        help="precision policy preset (default O1)",
+    )
+    parser.add_argument(
+        "--keep-fp32",
+        action="append",
+        metavar="MODULE",
+        help="keep a module path (glob) in float32, e.g. --keep-fp32 head",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Automatic mixed precision as a torch.fx graph pass: see "
+        "what it does to a model.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    inspect_cmd = commands.add_parser(
+        "inspect",
+        help="compile a model; print its report and data flow; write a drawing",
+        description="Compile MODEL with example inputs of the given shapes, print the report "
+        "and the per-module data flow, and optionally write the drawing and an "
+        "HTML page.",
+    )
+    _model_arguments(inspect_cmd)
+    inspect_cmd.add_argument("--svg", metavar="FILE", help="write the drawing (SVG) here")
+    inspect_cmd.add_argument(
+        "--html", metavar="FILE", help="write a page with the report, data flow, drawing and diff"
+    )
+    inspect_cmd.add_argument(
+        "--collapse",
+        type=int,
+        metavar="DEPTH",
+        help="fold modules this deep into one box each in the drawing",
+    )
+    inspect_cmd.add_argument(
+        "--focus", metavar="NODE_OR_MODULE", help="draw only around this node or this module"
+    )
+    inspect_cmd.add_argument("--max-nodes", type=int, metavar="N", help="draw at most N nodes")
+    inspect_cmd.add_argument(
+        "--depth",
+        type=int,
+        metavar="DEPTH",
+        help="group the data flow by modules this deep (default: innermost)",
+    )
+    inspect_cmd.add_argument(
+        "--summary", action="store_true", help="print the totals instead of the per-node table"
+    )
+    inspect_cmd.set_defaults(run=cmd_inspect)
+    explain_cmd = commands.add_parser(
+        "explain",
+        help="why one node of the compiled graph has its dtype",
+        description="Compile MODEL as `inspect` does and explain one node's dtype.",
+    )
+    _model_arguments(explain_cmd)
+    explain_cmd.add_argument("node", metavar="NODE", help="a node name, as the report lists them")
+    explain_cmd.set_defaults(run=cmd_explain)
+    demo_cmd = commands.add_parser(
+        "demo",
+        help="run amp_graph's demo (what `make demo` runs)",
+        description="Run amp_graph.demo: the arguments after `demo` are passed to it "
+        "(`amp-graph demo -- --help` for its own options).",
+    )
+    demo_cmd.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the demo")
+    demo_cmd.set_defaults(run=lambda args: run_demo(args.args), debug=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``amp-graph``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"] and argv[1:2] not in (["-h"], ["--help"]):
+        rest = argv[1:]  # the demo parses its own options
+        return run_demo(rest[1:] if rest[:1] == ["--"] else rest)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as error:
+        if args.debug:
+            raise
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as error:  # compile failures: say what failed, without the traceback
+        if args.debug:
+            raise
+        print(
+            f"{PROG} {args.command}: error: {type(error).__name__}: {error}\n"
+            "(run again with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+
+
+__all__ = ["build_parser", "load_model", "main", "parse_shape"]

@@ -1,0 +1,237 @@
+"""The amp-graph CLI: end to end on tests/sample_model.py, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import types
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from amp_graph.cli import UsageError, main, parse_shape
+
+SAMPLE = str(Path(__file__).with_name("sample_model.py"))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "amp_graph", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_inspect_end_to_end(tmp_path):
+    svg, html = tmp_path / "net.svg", tmp_path / "net.html"
+    done = run(
+        "inspect",
+        f"{SAMPLE}:SmallNet",
+        "--input-shape",
+        "2,3,16,16",
+        "--policy",
+        "O1",
+        "--svg",
+        str(svg),
+        "--html",
+        str(html),
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.splitlines()[0].split()[:3] == ["node", "op", "module"]
+    assert "conv_weight_bf16" in out and "casts inserted 6" in out
+    assert "casts fwd" in out and "backward:" in out  # the data-flow summary
+    root = ET.fromstring(svg.read_text())
+    titles = {
+        g.find("{http://www.w3.org/2000/svg}title").text
+        for g in root.iter("{http://www.w3.org/2000/svg}g")
+        if "cast" in g.get("class", "").split()
+    }
+    assert titles == {
+        "x_bf16",
+        "conv_weight_bf16",
+        "conv_bias_bf16",
+        "head_weight_bf16",
+        "head_bias_bf16",
+        "head_fp32",
+    }
+    page = html.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<table" in page
+    assert "What the passes changed" in page
+    assert "Traceback" not in done.stderr
+
+
+def test_explain_end_to_end():
+    done = run("explain", f"{SAMPLE}:SmallNet", "--input-shape", "2,3,16,16", "softmax")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("'softmax' (F.softmax) returns fp32.")
+    assert "deny" in done.stdout
+
+
+def test_bad_input_in_a_subprocess_gives_one_line_and_status_2():
+    done = run("inspect", "missing_model.py:Net", "--input-shape", "2,3")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "amp-graph inspect: error: no such file: missing_model.py"
+    assert done.stdout == ""
+
+
+@pytest.mark.skipif(
+    shutil.which("amp-graph") is None and not (Path(sys.executable).parent / "amp-graph").exists(),
+    reason="the amp-graph console script is not installed",
+)
+def test_console_script():
+    script = shutil.which("amp-graph") or str(Path(sys.executable).parent / "amp-graph")
+    done = subprocess.run([script, "--help"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "inspect" in done.stdout and "explain" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "nope.py:Net", "--input-shape", "2"], "no such file: nope.py"),
+        (
+            ["inspect", f"{SAMPLE}:SmallNett", "--input-shape", "2"],
+            "has no attribute 'SmallNett'. Did you mean 'SmallNet'?",
+        ),
+        (
+            ["inspect", f"{SAMPLE}:SmallNet", "--input-shape", "2,a,16"],
+            "bad --input-shape '2,a,16'",
+        ),
+        (["inspect", f"{SAMPLE}:SmallNet", "--input-shape", "2,0"], "bad --input-shape '2,0'"),
+        (
+            ["inspect", f"{SAMPLE}:SmallNet", "--input-shape", "2,5,16,16"],
+            "SmallNet fails on inputs of shape (2, 5, 16, 16): RuntimeError",
+        ),
+        (["inspect", f"{SAMPLE}:not_a_model", "--input-shape", "2"], "is not a model"),
+        (
+            ["inspect", f"{SAMPLE}:NeedsArguments", "--input-shape", "2,4"],
+            "cannot build NeedsArguments()",
+        ),
+        (["inspect", SAMPLE, "--input-shape", "2"], "MODEL is FILE.py:Name"),
+        (["inspect", "amp_graph.no_such_module:Net", "--input-shape", "2"], "cannot import"),
+        (
+            [
+                "inspect",
+                f"{SAMPLE}:SmallNet",
+                "--input-shape",
+                "2,3,8,8",
+                "--input-shape",
+                "2",
+                "--input-dtype",
+                "long",
+                "--input-dtype",
+                "long",
+                "--input-dtype",
+                "long",
+            ],
+            "2 --input-shape but 3 --input-dtype",
+        ),
+        (
+            ["explain", f"{SAMPLE}:SmallNet", "--input-shape", "2,3,8,8", "sofmax"],
+            "no node named 'sofmax' in the compiled graph. Did you mean 'softmax'?",
+        ),
+    ],
+)
+def test_bad_input_names_what_is_wrong(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_model_that_cannot_be_captured_fails_with_the_reason(capsys):
+    assert main(["inspect", f"{SAMPLE}:Untraceable", "--input-shape", "2,4"]) == 1
+    err = capsys.readouterr().err
+    assert "CaptureError" in err and "sample_model.py" in err and "if x.sum() > 0" in err
+    assert "Traceback" not in err
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(UsageError, match="no such file"):
+        main(["inspect", "nope.py:Net", "--input-shape", "2", "--debug"])
+
+
+def test_argparse_rejects_unknown_policies(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", f"{SAMPLE}:SmallNet", "--input-shape", "2", "--policy", "O5"])
+    assert exit_info.value.code == 2 and "invalid choice: 'O5'" in capsys.readouterr().err
+
+
+def test_factories_integer_inputs_and_keep_fp32(capsys):
+    assert (
+        main(
+            [
+                "inspect",
+                f"{SAMPLE}:make_tagger",
+                "--input-shape",
+                "2,7",
+                "--input-dtype",
+                "long",
+                "--summary",
+            ]
+        )
+        == 0
+    )
+    assert "casts inserted 3" in capsys.readouterr().out
+    assert (
+        main(
+            [
+                "explain",
+                f"{SAMPLE}:SmallNet",
+                "--input-shape",
+                "2,3,8,8",
+                "--keep-fp32",
+                "head",
+                "head",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "returns fp32" in out and "module path override 'head'" in out
+
+
+def test_several_inputs_and_a_package_module(capsys):
+    assert (
+        main(
+            [
+                "inspect",
+                "amp_graph.models:GPTWithLoss",
+                "--input-shape",
+                "2,8",
+                "--input-shape",
+                "2,8",
+                "--input-dtype",
+                "long",
+                "--depth",
+                "1",
+                "--summary",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "gpt" in out and "casts fwd" in out
+
+
+def test_demo_help_and_forwarding(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0 and "amp_graph.demo" in capsys.readouterr().out
+    seen = []
+    fake = types.ModuleType("amp_graph.demo")
+    fake.main = lambda argv=None: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "amp_graph.demo", fake)
+    assert main(["demo", "--", "--steps", "3"]) == 0
+    assert main(["demo", "--steps", "3", "--batch", "8"]) == 0
+    assert seen == [["--steps", "3"], ["--steps", "3", "--batch", "8"]]
+
+
+def test_parse_shape():
+    assert parse_shape("8,3,32,32") == (8, 3, 32, 32)
+    assert parse_shape(" 4 ") == (4,)
