@@ -8,6 +8,7 @@ torch.float32
 """
 
 from amp_graph import inspect, passes
+from amp_graph.backend import AmpGraphBackend, backend, captured_graphs
 from amp_graph.compiler import CaptureError, compile
 from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "KEEP_FP32",
     "PRESETS",
+    "AmpGraphBackend",
     "CaptureError",
     "GradScaler",
     "Graph",
@@ -29,6 +31,8 @@ __all__ = [
     "Report",
     "Rule",
     "StaticGradScaler",
+    "backend",
+    "captured_graphs",
     "cast_if_castable",
     "compile",
     "dataflow",

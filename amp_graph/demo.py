@@ -143,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             step(x, y)
             times.append(time.perf_counter() - start)
-            if graph is not None and graph._scaler is not None:
-                scales.append(graph._scaler.get_scale())
+            if graph is not None and graph.grad_scaler is not None:
+                scales.append(graph.grad_scaler.get_scale())
         eval_dtype = None if label == "fp32 eager" else dtype  # O2 weights are low precision
         acc = accuracy(model, test_split, eval_dtype)
-        skipped = graph._scaler.skipped_steps if graph is not None and graph._scaler else None
+        skipped = (
+            graph.grad_scaler.skipped_steps if graph is not None and graph.grad_scaler else None
+        )
         results[label] = (acc, statistics.median(times[5:] or times), scales, skipped)
 
     print("\nCast report of the Graph's build (policy O1):")

@@ -191,6 +191,13 @@ class Graph:
         return self._last.get_submodule("build") if self.training else self._last
 
     @property
+    def grad_scaler(self) -> GradScaler | None:
+        """The scaler the step graph uses: the one set with :meth:`set_grad_scaler`, or, where
+        loss scaling does not apply (bfloat16, AMP off), a fixed scale of 1 that still skips
+        steps with inf/nan gradients. None before the first call of a training graph."""
+        return self._scaler_in_use
+
+    @property
     def steps(self) -> int:
         """Calls made so far (the step counter in state_dict)."""
         return self._step

@@ -1,0 +1,467 @@
+"""``torch.compile(model, backend="amp_graph")``: the AMP passes on the graphs dynamo captures.
+
+Dynamo captures a model as one or more FX graphs (it splits the model at graph breaks) and
+hands each graph to a backend together with example inputs. For every graph, this backend:
+
+1. attaches an example value to each placeholder (``meta["val"]``: dynamo's own fake
+   tensor, else a fake of the example input), so every dtype is proven by FakeTensor
+   propagation, exactly as ``amp_graph.compile(..., example_inputs=...)`` does;
+2. runs the same passes as :func:`amp_graph.compile` (:func:`amp_graph.passes.run_passes`);
+3. stores a :class:`~amp_graph.compiler.CompileRecord` on the graph
+   (``gm.meta["amp_graph"]``), so :func:`amp_graph.report` and :func:`amp_graph.explain`
+   work on it, and keeps the graph for :func:`captured_graphs`;
+4. hands a copy of the rewritten graph to the inner backend (inductor by default), which
+   compiles forward and, through AOTAutograd, backward.
+
+Guarantees: the user's module is never modified (casts read parameters, gradients flow back
+to them in their own dtype); each graph is rewritten on its own, from the dtypes its inputs
+really have, so values that cross a graph break carry the dtype the next graph was traced
+with; a pass failure raises (dynamo reports it) rather than running the model unconverted.
+
+Example::
+
+    >>> import torch, amp_graph
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+    >>> compiled = torch.compile(model, backend=amp_graph.backend(inner="eager"))
+    >>> compiled(torch.randn(2, 4)).dtype
+    torch.float32
+    >>> [gm] = amp_graph.captured_graphs(compiled)
+    >>> amp_graph.report(gm).ops_by_dtype
+    {'bf16': 1, 'fp32': 1}
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from amp_graph.compiler import (
+    COMPILE_META,
+    CompileRecord,
+    _copy_graph_module,
+    check_dtype,
+    default_dtype,
+)
+from amp_graph.passes import AMP, Role, run_passes
+from amp_graph.passes.classify import normalize_module_path
+from amp_graph.passes.meta import VAL, short
+from amp_graph.policy import PRESETS, Policy, nearest, resolve_policy
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "amp_graph"
+BUILTIN_INNERS = ("inductor", "eager", "aot_eager")
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+EXAMPLE_VALUE = "example_value"  # dynamo's key for a node's fake value
+
+InnerBackend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
+
+
+class AmpGraphBackend:
+    """A dynamo backend: the AMP passes on each captured graph, then ``inner``.
+
+    Make one with :func:`backend`. Pass it to ``torch.compile(model, backend=...)``; every
+    graph it rewrites is kept, in compile order, in :attr:`graphs`.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str,
+        dtype: torch.dtype | None,
+        inner: str | InnerBackend,
+        *,
+        check_each_pass: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.dtype = dtype
+        self.inner = inner
+        self.check_each_pass = check_each_pass
+        self._graphs: list[fx.GraphModule] = []
+        self._seen_paths: set[str] = set()
+        self._seen_nodes: set[str] = set()
+        self._warned: set[str] = set()
+
+    @property
+    def graphs(self) -> list[fx.GraphModule]:
+        """The rewritten graphs, in the order dynamo handed them over (a new list)."""
+        return list(self._graphs)
+
+    def __repr__(self) -> str:
+        policy = self.policy if isinstance(self.policy, str) else self.policy.name
+        dtype = "device default" if self.dtype is None else short(self.dtype)
+        inner = (
+            self.inner
+            if isinstance(self.inner, str)
+            else getattr(self.inner, "__name__", "callable")
+        )
+        return f"amp_graph.backend(policy={policy!r}, dtype={dtype}, inner={inner!r})"
+
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], **inner_kwargs: Any
+    ) -> Callable:
+        """Rewrite ``gm`` in place for mixed precision and return the inner backend's callable.
+
+        ``inner_kwargs`` are ``mode=`` and ``options=`` from ``torch.compile``; they configure
+        inductor (as config patches) and are refused for other inner backends.
+        """
+        start = time.perf_counter()
+        device_type = graph_device_type(gm, example_inputs)
+        dtype = default_dtype(device_type) if self.dtype is None else self.dtype
+        policy = resolve_policy(self.policy, device_type)
+        missing = attach_example_values(gm, example_inputs)
+        attached = time.perf_counter()
+        original = _copy_graph_module(gm)
+        copied = time.perf_counter()
+        result = run_passes(gm, policy, dtype, check_each=self.check_each_pass)
+        finished = time.perf_counter()
+        sync_example_values(gm)
+        handed = _copy_graph_module(gm)  # inductor's pre-grad passes edit the graph they get
+        seconds = {  # everything amp_graph does here, so their sum is its share of the compile
+            "attach_example_values": attached - start,
+            "copy_original": copied - attached,
+            **result.seconds,
+            "copy_for_inner": time.perf_counter() - finished,
+        }
+        record = CompileRecord(
+            policy,
+            dtype,
+            device_type,
+            result.stats,
+            seconds,
+            exact=not missing and bool(result.stats.get("exact_dtypes")),
+            original=original,
+        )
+        gm.meta[COMPILE_META] = record
+        self._graphs.append(gm)
+        self._check_overrides(policy, gm)
+        log.info("%s", _summary(gm, record, len(self._graphs)))
+        return self._compile_inner(handed, example_inputs, inner_kwargs)
+
+    def _compile_inner(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Callable:
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = _inductor_config_patches(**kwargs)
+            if patches:
+                return compile_fx(gm, list(example_inputs), config_patches=patches)
+            return compile_fx(gm, list(example_inputs))
+        if kwargs:
+            raise TypeError(
+                f"torch.compile's {sorted(kwargs)} configure inductor, but this amp_graph "
+                f"backend hands its graphs to {self.inner!r}; drop them or use inner='inductor'"
+            )
+        if isinstance(self.inner, str):
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend(self.inner)(gm, list(example_inputs))
+        return self.inner(gm, list(example_inputs))
+
+    def _check_overrides(self, policy: Policy, gm: fx.GraphModule) -> None:
+        """Warn once about module path / node overrides that match nothing captured so far.
+
+        Dynamo may split a model over several graphs, so an override cannot be checked
+        against the whole model (as ``amp_graph.compile`` does) when one graph arrives.
+        """
+        if not (policy.modules or policy.nodes):
+            return
+        for node in gm.graph.nodes:
+            self._seen_nodes.add(node.name)
+            for value in (node.meta.get("nn_module_stack") or {}).values():
+                self._seen_paths.add(normalize_module_path(value[0]))
+        try:
+            policy.validate_for(self._seen_paths, self._seen_nodes)
+        except ValueError as error:
+            if str(error) not in self._warned:
+                self._warned.add(str(error))
+                log.warning(
+                    "%s (checked against the %d graph(s) dynamo has captured so far; "
+                    "a later graph may still match)",
+                    error,
+                    len(self._graphs),
+                )
+
+
+def backend(
+    policy: Policy | str = "O1",
+    dtype: torch.dtype | None = None,
+    inner: str | InnerBackend = "inductor",
+    *,
+    check_each_pass: bool = False,
+) -> AmpGraphBackend:
+    """A configured ``torch.compile`` backend: the AMP passes, then ``inner``.
+
+    Args:
+        policy: a preset name (``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"autocast"``) or an
+            :class:`amp_graph.Policy`. ``"autocast"`` uses torch.autocast's lists for the
+            device of each graph's inputs.
+        dtype: ``torch.float16`` or ``torch.bfloat16``; by default torch.autocast's for the
+            graph's device (float16 on CUDA, bfloat16 elsewhere).
+        inner: what compiles the rewritten graphs: ``"inductor"``, ``"eager"``,
+            ``"aot_eager"``, another registered dynamo backend name, or a backend callable
+            ``(gm, example_inputs) -> callable``.
+        check_each_pass: run the verifier after every pass (slower; for tests).
+
+    Returns:
+        An :class:`AmpGraphBackend`; ``torch.compile(model, backend=amp_graph.backend())``.
+        Its graphs: :func:`captured_graphs`.
+
+    Raises:
+        ValueError: an unknown preset, dtype or inner backend name (naming the nearest one).
+        TypeError: a policy, dtype or inner of the wrong type.
+    """
+    if isinstance(policy, str):
+        Policy.preset(policy)  # raises ValueError naming the nearest preset
+    elif not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy is a preset name {list(PRESETS)} or an amp_graph.Policy; "
+            f"got {policy!r} of type {type(policy).__name__}"
+        )
+    if dtype is not None:
+        check_dtype(dtype)
+    return AmpGraphBackend(policy, dtype, _check_inner(inner), check_each_pass=check_each_pass)
+
+
+def _check_inner(inner: Any) -> str | InnerBackend:
+    if not isinstance(inner, str):
+        if callable(inner):
+            return inner
+        raise TypeError(
+            f"inner is a dynamo backend name such as 'inductor' or a backend callable; "
+            f"got {inner!r} of type {type(inner).__name__}"
+        )
+    if inner == BACKEND_NAME:
+        raise ValueError(
+            "inner is the backend amp_graph hands its rewritten graphs to; "
+            "'amp_graph' would run the passes twice. Use 'inductor' or 'eager'."
+        )
+    if inner in BUILTIN_INNERS:
+        return inner
+    from torch._dynamo import list_backends
+
+    names = [n for n in list_backends(exclude_tags=()) if n != BACKEND_NAME]
+    if inner not in names:
+        raise ValueError(
+            f"unknown inner backend {inner!r}; use one of {list(BUILTIN_INNERS)}, "
+            f"a name in torch._dynamo.list_backends(), or a backend callable."
+            f"{nearest(inner, [*BUILTIN_INNERS, *names])}"
+        )
+    return inner
+
+
+def _inductor_config_patches(
+    mode: str | None = None, options: dict[str, Any] | None = None, **unknown: Any
+) -> dict[str, Any]:
+    """``torch.compile(mode=..., options=...)`` as inductor config patches."""
+    if unknown:
+        raise TypeError(
+            f"the amp_graph backend got unexpected arguments {sorted(unknown)} from "
+            "torch.compile; it understands mode= and options="
+        )
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        if mode not in INDUCTOR_MODES:
+            raise ValueError(
+                f"unknown torch.compile mode {mode!r}; use one of "
+                f"{list(INDUCTOR_MODES)}.{nearest(str(mode), INDUCTOR_MODES)}"
+            )
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode))
+    patches.update(options or {})
+    return patches
+
+
+def graph_device_type(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """The device autocast would use for this graph: the first non-CPU tensor's, else cpu."""
+    tensors = [*gm.parameters(), *gm.buffers(), *example_inputs]
+    for value in tensors:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device.type
+    return "cpu"
+
+
+def attach_example_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Give each placeholder ``meta["val"]``, the fake value it is compiled for; return how
+    many are left without one.
+
+    The example inputs are the truth: dynamo calls the backend with the values the graph
+    will get. A fake example input is used as is (DDPOptimizer passes the fake outputs of
+    the previous, already rewritten, piece; the placeholder's own ``example_value``, copied
+    from the unsplit graph, predates the rewrite). For a real example input, the
+    placeholder's ``example_value`` (or ``val``) is kept when it agrees on dtype, device and
+    rank, since dynamo's carries symbolic sizes; otherwise the input is faked. All fakes
+    come from one fake mode, so that propagation never mixes modes.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    known = [n.meta.get(VAL, n.meta.get(EXAMPLE_VALUE)) for n in placeholders]
+    modes = [v.fake_mode for v in (*example_inputs, *known) if isinstance(v, FakeTensor)]
+    mode = modes[0] if modes else None
+    for node, value, meta_value in zip(placeholders, example_inputs, known, strict=False):
+        if isinstance(value, FakeTensor):
+            node.meta[VAL] = value
+        elif not isinstance(value, torch.Tensor):  # a size: keep dynamo's SymInt if it has one
+            node.meta[VAL] = (
+                value if meta_value is None or isinstance(value, torch.SymInt) else meta_value
+            )
+        elif _agrees(meta_value, value):
+            node.meta[VAL] = meta_value
+        else:
+            mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+            node.meta[VAL] = mode.from_tensor(value, static_shapes=True)
+    return sum(VAL not in n.meta for n in placeholders)
+
+
+def _agrees(meta_value: Any, value: torch.Tensor) -> bool:
+    return (
+        isinstance(meta_value, torch.Tensor)
+        and meta_value.dtype == value.dtype
+        and meta_value.device.type == value.device.type
+        and meta_value.dim() == value.dim()
+    )
+
+
+def sync_example_values(gm: fx.GraphModule) -> None:
+    """Make dynamo's ``meta["example_value"]`` agree with the rewritten graph's dtypes.
+
+    Inductor's pre-grad passes read it; after the passes it would describe the graph as
+    captured (e.g. a float32 linear that now returns bfloat16). A node whose value the
+    passes could not propagate loses the stale entry.
+    """
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if VAL in node.meta:
+            node.meta[EXAMPLE_VALUE] = node.meta[VAL]
+        else:
+            node.meta.pop(EXAMPLE_VALUE, None)
+
+
+def _summary(gm: fx.GraphModule, record: CompileRecord, index: int) -> str:
+    casts = sum(n.meta[AMP].role is Role.CAST for n in gm.graph.nodes)
+    ops = sum(n.meta[AMP].role is Role.OP for n in gm.graph.nodes)
+    return (
+        f"amp_graph backend: graph {index} ({ops} ops), policy {record.policy.name}, "
+        f"{short(record.dtype)}: casts kept {casts}; passes took "
+        f"{1000 * sum(record.seconds.values()):.1f} ms"
+    )
+
+
+_DEFAULT = AmpGraphBackend("O1", None, "inductor")
+
+
+def amp_graph_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+    """The backend registered as ``"amp_graph"``: policy O1, the device's default dtype
+    (float16 on CUDA, bfloat16 on CPU), then inductor.
+
+    Every ``torch.compile(..., backend="amp_graph")`` shares it, so :func:`captured_graphs`
+    of any of them lists the graphs of all of them; use ``backend=amp_graph.backend()`` for
+    a backend of one's own.
+    """
+    return _DEFAULT(gm, example_inputs, **kwargs)
+
+
+def captured_graphs(compiled: Any) -> list[fx.GraphModule]:
+    """The rewritten graphs of a ``torch.compile`` result, in the order they were compiled.
+
+    ``compiled`` is what ``torch.compile`` returned (a module or a function) or the backend
+    object itself. The graphs are those of its backend object: each :func:`backend` call
+    makes a new one; ``backend="amp_graph"`` uses one shared by every such compile. Graphs
+    appear once dynamo has compiled them, i.e. after the first call; a recompilation (new
+    shapes or dtypes) appends another. :func:`amp_graph.report` and
+    :func:`amp_graph.explain` take any of them.
+
+    Raises:
+        TypeError: ``compiled`` was not compiled with an amp_graph backend.
+    """
+    found = _find_backend(compiled)
+    if found is None:
+        raise TypeError(
+            f"{type(compiled).__name__} was not compiled with the amp_graph backend; pass what "
+            "torch.compile(model, backend='amp_graph' or amp_graph.backend(...)) returned"
+        )
+    return found.graphs
+
+
+def _find_backend(obj: Any) -> AmpGraphBackend | None:
+    """From a compiled module or function to our backend object: find its dynamo context,
+    then follow the chain of backend wrappers (convert-frame callbacks, dynamo's debug
+    wrapper, torch.compile's backend wrapper) that dynamo links by attribute."""
+    if isinstance(obj, AmpGraphBackend):
+        return obj
+    item = getattr(_dynamo_context(obj), "callback", None)
+    links = (
+        "_torchdynamo_orig_backend",
+        "_torchdynamo_orig_callable",
+        "compiler_fn",
+        "__wrapped__",
+    )
+    for _ in range(16):
+        if isinstance(item, AmpGraphBackend):
+            return item
+        if item is amp_graph_backend:
+            return _DEFAULT
+        item = next((getattr(item, name) for name in links if _has_attr(item, name)), None)
+    return None
+
+
+def _dynamo_context(obj: Any) -> Any:
+    """The ``_TorchDynamoContext`` of ``torch.compile``'s result: an ``OptimizedModule``'s
+    ``dynamo_ctx``, or the context a compiled function's wrapper closes over."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    if isinstance(getattr(obj, "dynamo_ctx", None), _TorchDynamoContext):
+        return obj.dynamo_ctx
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            if isinstance(cell.cell_contents, _TorchDynamoContext):
+                return cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return None
+
+
+def _has_attr(obj: Any, name: str) -> bool:
+    try:
+        return getattr(obj, name, None) is not None
+    except Exception:  # properties of arbitrary objects may raise
+        return False
+
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    target = f"{__name__}:amp_graph_backend"
+    return any(
+        ep.name == BACKEND_NAME and ep.value == target
+        for ep in entry_points(group="torch_dynamo_backends")
+    )
+
+
+def register() -> None:
+    """Make ``backend="amp_graph"`` known to dynamo; runs when this module is imported.
+
+    An installed package declares the ``torch_dynamo_backends`` entry point, which dynamo
+    loads on first use, so nothing is needed (registering too would make dynamo's own
+    entry-point registration fail as a duplicate). From a source tree without the entry
+    point, the backend is registered here.
+    """
+    if _entry_point_installed():
+        return
+    from torch._dynamo import list_backends, register_backend
+
+    if BACKEND_NAME not in list_backends(exclude_tags=()):
+        register_backend(amp_graph_backend, name=BACKEND_NAME)
+
+
+register()
+
+__all__ = ["AmpGraphBackend", "amp_graph_backend", "backend", "captured_graphs"]
