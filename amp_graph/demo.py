@@ -57,7 +57,7 @@ class DigitsStep(amp_graph.Graph):
         self.add_optimizer(optimizer)
         self.config.enable_amp(True, policy=policy, dtype=dtype)
         if dtype == torch.float16:
-            self.set_grad_scaler(amp_graph.GradScaler(init_scale=2.0**16, growth_interval=100))
+            self.set_grad_scaler(amp_graph.GradScaler(init_scale=2.0**16, growth_interval=50))
 
     def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(self.model(x).float(), y)
@@ -98,6 +98,28 @@ def accuracy(model: nn.Module, split: Split, dtype: torch.dtype | None) -> float
         return (model(split.x).float().argmax(1) == split.y).float().mean().item()
 
 
+def loss_scaling_run(train_split: Split, steps: int, batch: int) -> None:
+    """float16 with dynamic loss scaling, on an MLP: one corrupted batch shows a skipped step."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    graph = DigitsStep(model, torch.optim.Adam(model.parameters(), lr=3e-3), "O1", torch.float16)
+    scales, bad_step = [], steps // 2
+    for i, (x, y) in enumerate(
+        progress(batches(train_split, batch, steps), steps, "fp16 Graph O1")
+    ):
+        if i == bad_step:
+            x = x.clone()
+            x[0, 0, 0, 0] = float("inf")  # a corrupted pixel: inf/nan gradients
+        graph(x, y)
+        scales.append(graph.grad_scaler.get_scale())
+    scaler = graph.grad_scaler
+    print(f"  loss scale: {scale_trajectory(scales)}")
+    print(
+        f"  skipped steps: {scaler.skipped_steps} (a corrupted batch at step {bad_step}; "
+        "its non-finite gradients never reached the weights)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="amp-graph demo",
@@ -110,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        default="fp16",
-        help="low-precision dtype (fp16 shows loss scaling at work)",
+        default="bf16",
+        help="low-precision dtype of the comparison (bf16: torch.autocast's CPU default)",
     )
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]
@@ -155,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nCast report of the Graph's build (policy O1):")
     o1 = runs["amp_graph.Graph O1"][2]
     assert o1 is not None and o1.build_graph is not None
-    report = amp_graph.report(o1.build_graph)
-    print(report.totals())
+    print(amp_graph.report(o1.build_graph))
     print("\nThe O1 training step, as one graph:")
     print(o1.step_graph.code.strip())
 
@@ -170,16 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     for label, (_, _, scales, skipped) in results.items():
         if scales:
-            print(f"\n{label}: loss scale {scale_trajectory(scales)}; skipped steps: {skipped}")
+            note = "" if dtype == torch.float16 else " (bf16 needs no loss scaling: fixed at 1)"
+            print(f"{label}: loss scale {scale_trajectory(scales)}{note}; skipped steps: {skipped}")
     fp32_acc = results["fp32 eager"][0]
     print(
-        "\naccuracy vs fp32: "
+        "accuracy vs fp32: "
         + ", ".join(
             f"{label} {acc - fp32_acc:+.3f}"
             for label, (acc, *_) in results.items()
             if label != "fp32 eager"
         )
     )
+    if dtype != torch.float16:
+        print("\nLoss scaling at work: float16, MLP, Graph O1 with amp_graph.GradScaler")
+        loss_scaling_run(train_split, steps=200, batch=64)
     return 0
 
 
