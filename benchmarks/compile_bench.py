@@ -5,7 +5,8 @@ For the GPT-style decoder and the ConvNet, in bf16 on this CPU:
     torch.autocast, for fp32 eager, torch.autocast eager, amp_graph O1 and amp_graph with
     policy="autocast" (the like-for-like comparison: the same dtypes as autocast);
   * casts executed per train step (aten ``_to_copy``, counted with a TorchDispatchMode);
-  * peak resident memory of a process that runs only that variant (``ru_maxrss``);
+  * peak memory allocated during one train step, above what existed before it (the
+    profiler's allocation events, summed in order);
 and the passes' time on graphs of about 1k and 10k nodes, per node.
 
     python benchmarks/compile_bench.py            # the full run recorded in BENCHMARKS.md
@@ -18,8 +19,6 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -107,17 +106,21 @@ def time_steps(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, 
     return times
 
 
-def peak_rss_mb(workload_name: str, variant: str, quick: bool) -> float:
-    """Peak RSS of a fresh process running 3 steps of one variant."""
-    code = (
-        "import sys, resource; sys.argv=['x'];"
-        "import benchmarks.compile_bench as b;"
-        f"m, i, l = b.workload({workload_name!r}, {quick});"
-        f"s = b.make_step({variant!r}, m, i, l); [s() for _ in range(3)];"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+def peak_step_mb(step: Callable[[], None]) -> float:
+    """Peak of the bytes allocated during one step (activations, casts, gradients), from the
+    profiler's allocation and free events in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    live = peak = 0
+    for event in events:
+        live += event.cpu_memory_usage
+        peak = max(peak, live)
+    return peak / 2**20
 
 
 def bench_workload(name: str, repeats: int, quick: bool) -> dict[str, Any]:
@@ -131,8 +134,8 @@ def bench_workload(name: str, repeats: int, quick: bool) -> dict[str, Any]:
         casts[variant] = counter.casts
     times = time_steps(steps, repeats)
     medians = {v: statistics.median(t) for v, t in times.items()}
-    rss = {v: peak_rss_mb(name, v, quick) for v in VARIANTS}
-    return {"medians": medians, "casts": casts, "rss": rss}
+    peak = {v: peak_step_mb(step) for v, step in steps.items()}
+    return {"medians": medians, "casts": casts, "peak_mb": peak}
 
 
 def pass_scaling(quick: bool) -> list[tuple[int, float, float]]:
@@ -170,13 +173,13 @@ def main() -> int:
         print(f"== {name}: train step (forward + backward + Adam)")
         print(
             f"{'variant':<20} {'median ms':>10} {'vs fp32':>8} {'vs autocast':>12} "
-            f"{'casts/step':>11} {'peak RSS MB':>12}"
+            f"{'casts/step':>11} {'peak MB':>8}"
         )
         for v in VARIANTS:
             print(
                 f"{v:<20} {med[v] * 1e3:>10.2f} {med[v] / med['fp32 eager']:>8.2f} "
                 f"{med[v] / med['autocast eager']:>12.2f} {result['casts'][v]:>11} "
-                f"{result['rss'][v]:>12.0f}"
+                f"{result['peak_mb'][v]:>8.1f}"
             )
         print()
     print("== pass time vs graph size (amp_graph.compile, O1, with example inputs)")

@@ -1,14 +1,17 @@
 """amp_graph.Graph's training step against a hand-written torch.autocast loop, in one run.
 
-On the GPT-style decoder, on this CPU:
-  * bf16: a hand-written ``torch.autocast`` + Adam loop vs ``amp_graph.Graph`` (O1 and O2);
-  * fp16: the same with ``torch.amp.GradScaler`` vs ``amp_graph.GradScaler``;
+On the GPT-style decoder (fused Adam everywhere):
+  * a hand-written ``torch.autocast`` loop (with ``torch.amp.GradScaler`` in fp16) vs
+    ``amp_graph.Graph`` O1 and O2 (with ``amp_graph.GradScaler`` in fp16);
+  * by default bf16 on a CPU and fp16 on a GPU (``--dtypes bf16,fp16`` for both; fp16 on a
+    CPU without fp16 arithmetic is very slow);
 median step times and ratios (interleaved repeats), host reads of device values per step
 (aten ``_local_scalar_dense``: on a GPU each is a synchronization), and the bytes held by
 parameters and gradients (plus O2's float32 master weights) right after backward.
 
     python benchmarks/graph_bench.py          # the run recorded in BENCHMARKS.md
     python benchmarks/graph_bench.py --quick
+    python benchmarks/graph_bench.py --device cuda --dtypes fp16
 """
 
 from __future__ import annotations
@@ -46,13 +49,13 @@ class GPTStep(Graph):
         return loss
 
 
-def handwritten(model: torch.nn.Module, dtype: torch.dtype) -> Callable:
+def handwritten(model: torch.nn.Module, dtype: torch.dtype, device: str) -> Callable:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**12, enabled=dtype == torch.float16)
 
     def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype):
+        with torch.autocast(device, dtype):
             loss = model(idx, targets)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -93,7 +96,12 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtypes", default=None, help="comma-separated: bf16,fp16")
     args = parser.parse_args()
+    device = args.device
+    names = args.dtypes or ("fp16" if device == "cuda" else "bf16")
+    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[n] for n in names.split(",")]
     repeats = args.repeats or (4 if args.quick else 20)
     batch, seq, dim, layers = (4, 32, 64, 2) if args.quick else (16, 128, 256, 4)
     torch.manual_seed(0)
@@ -105,10 +113,10 @@ def main() -> int:
         f"dim {dim}, batch {batch}x{seq}; {repeats} interleaved repeats, medians\n"
     )
 
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in dtypes:
         variants: dict[str, tuple[Callable, torch.nn.Module, Graph | None]] = {}
         model = copy.deepcopy(base)
-        variants["hand-written autocast"] = (handwritten(model, dtype), model, None)
+        variants["hand-written autocast"] = (handwritten(model, dtype, device), model, None)
         for policy in ("O1", "O2"):
             model = copy.deepcopy(base)
             opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
@@ -125,8 +133,12 @@ def main() -> int:
         times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(repeats):
             for name, (step, _, _) in variants.items():
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 start = time.perf_counter()
                 step(idx, targets)
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
         ref = med["hand-written autocast"]
