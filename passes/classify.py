@@ -206,81 +206,76 @@ def _explicit_dtype(node: fx.Node) -> bool:
     return any(isinstance(arg, torch.dtype) for arg in given)
 
 
-def _decide(policy: Policy, facts: OpFacts) -> Decision:
-    return policy.decide(facts)
+_INPLACE_DETAIL = "in-place op: it writes into its first argument, so amp_graph never casts it"
+_USER_CAST_DETAIL = "a cast written in the model: kept as written"
 
 
-def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
-    paths, types = module_stack(node, gm)
-    innermost = paths[-1]
-    base = AmpInfo(role=Role.OP, module_path=innermost)
+def _fixed_role(node: fx.Node, gm: fx.GraphModule) -> tuple[Role, str, str] | None:
+    """(role, op, detail) for nodes no policy reclassifies, else None.
 
-    def fixed(role: Role, detail: str, op: str) -> AmpInfo:
-        base.role, base.op, base.rule, base.source, base.detail = (
-            role,
-            op,
-            Rule.FOLLOW,
-            "fixed",
-            detail,
-        )
-        return base
-
+    Attribute reads, in-place ops, the model's own casts, ``backward`` and methods that
+    return no tensor keep their inputs as they are, whatever the policy says.
+    """
     target = node.target
     if node.op == "call_function":
         if target is builtins.getattr:
-            return fixed(Role.OTHER, "attribute access: not computed, not cast", "getattr")
+            return Role.OTHER, "getattr", "attribute access: not computed, not cast"
         if _is_inplace_call(node, target):
-            return fixed(
-                Role.INPLACE,
-                "in-place op: it writes into its first argument, "
-                "so amp_graph never casts that argument",
-                op_key_name(target),
-            )
-        display, keys, aten = _function_facts(target, node)
-        if display.endswith(".to") or target in (torch.Tensor.to, torch.Tensor.type):
-            return fixed(Role.USER_CAST, "a cast written in the model: kept as written", display)
-    elif node.op == "call_method":
+            return Role.INPLACE, op_key_name(target), _INPLACE_DETAIL
+        if target in (torch.Tensor.to, torch.Tensor.type):
+            return Role.USER_CAST, op_key_name(target), _USER_CAST_DETAIL
+        return None
+    if node.op == "call_method":
+        op = f"Tensor.{target}"
         if target in python_ops.CAST_METHODS:
-            return fixed(
-                Role.USER_CAST, "a cast written in the model: kept as written", f"Tensor.{target}"
-            )
+            return Role.USER_CAST, op, _USER_CAST_DETAIL
         if target in _STEP_METHODS:
-            return fixed(Role.STEP, "backward pass of the training step", f"Tensor.{target}")
+            return Role.STEP, op, "backward pass of the training step"
         if target in _NON_TENSOR_METHODS:
-            return fixed(Role.OTHER, "returns no tensor: not cast", f"Tensor.{target}")
+            return Role.OTHER, op, "returns no tensor: not cast"
         if _is_inplace_call(node, target):
-            return fixed(
-                Role.INPLACE,
-                "in-place op: it writes into its first argument, "
-                "so amp_graph never casts that argument",
-                f"Tensor.{target}",
-            )
+            return Role.INPLACE, op, _INPLACE_DETAIL
+        return None
+    module = gm.get_submodule(target)
+    if getattr(module, "inplace", False) is True:
+        return Role.INPLACE, op_key_name(type(module)), "in-place module: never cast"
+    return None
+
+
+def _module_candidates(module: nn.Module, node: fx.Node) -> tuple[str, ...]:
+    for cls in type(module).__mro__:
+        if cls in python_ops.MODE_DEPENDENT_MODULES:
+            return python_ops.MODE_DEPENDENT_MODULES[cls](module, _input_rank(node))
+        if cls in python_ops.MODULES:
+            return python_ops.MODULES[cls]
+    return ()
+
+
+def _op_facts(node: fx.Node, gm: fx.GraphModule) -> OpFacts:
+    """What the policy looks up: the op's keys, aten candidates and enclosing modules."""
+    paths, types = module_stack(node, gm)
+    target = node.target
+    if node.op == "call_function":
+        display, keys, aten = _function_facts(target, node)
+    elif node.op == "call_method":
         display = f"Tensor.{target}"
         keys = tuple(k for k in (getattr(torch.Tensor, target, None),) if k is not None)
         aten = _method_aten(target)
-    else:  # call_module
+    else:  # call_module: the module itself is the innermost enclosing module
         module = gm.get_submodule(target)
-        mtype = type(module)
-        display = op_key_name(mtype)
-        if getattr(module, "inplace", False) is True:
-            return fixed(Role.INPLACE, "in-place module: never cast", display)
-        keys = tuple(cls for cls in mtype.__mro__ if issubclass(cls, nn.Module))
-        aten = ()
-        for cls in mtype.__mro__:
-            if cls in python_ops.MODE_DEPENDENT_MODULES:
-                aten = python_ops.MODE_DEPENDENT_MODULES[cls](module, _input_rank(node))
-                break
-            if cls in python_ops.MODULES:
-                aten = python_ops.MODULES[cls]
-                break
-        paths = (*paths, target) if paths[-1] != target else paths
-        types = (*types, mtype) if len(types) < len(paths) else types
-        innermost = target
+        display = op_key_name(type(module))
+        keys = tuple(cls for cls in type(module).__mro__ if issubclass(cls, nn.Module))
+        aten = _module_candidates(module, node)
+        if paths[-1] != target:
+            paths, types = (*paths, target), (*types, type(module))
+    return OpFacts(node.name, display, keys, aten, paths, types)
 
-    facts = OpFacts(node.name, display, keys, aten, paths, types)
-    decision = _decide(policy, facts)
+
+def _refine(decision: Decision, node: fx.Node, facts: OpFacts, gm: fx.GraphModule) -> Decision:
+    """The few cases where the table's answer would be wrong for this particular call."""
+    aten = facts.aten[0] if facts.aten else None
     if decision.source == "table" and decision.rule is Rule.DENY and _explicit_dtype(node):
-        decision = Decision(
+        return Decision(
             Rule.FOLLOW,
             "fixed",
             "the call sets dtype= itself; autocast leaves such calls alone, and so does amp_graph",
@@ -288,33 +283,51 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
     if (
         node.op != "call_module"
         and decision.rule is Rule.ALLOW
-        and aten
-        and aten[0] in _STATEFUL_NORM_FUNCTIONS
+        and aten in _STATEFUL_NORM_FUNCTIONS
     ):
-        decision = Decision(
+        return Decision(
             Rule.FOLLOW,
             "fixed",
-            f"{decision.detail}; but {aten[0]} updates "
-            "running statistics in place and takes low-precision input with "
-            "float32 statistics, so amp_graph casts none of its inputs",
+            f"{decision.detail}; but {aten} updates running "
+            "statistics in place and takes low-precision input with float32 "
+            "statistics, so amp_graph casts none of its inputs",
         )
+    opaque_module = node.op == "call_module" and aten is None
     if (
-        node.op == "call_module"
-        and not aten
+        opaque_module
         and decision.source == "default"
         and decision.rule is Rule.FOLLOW
-        and _has_float_state(gm.get_submodule(target))
+        and _has_float_state(gm.get_submodule(node.target))
     ):
-        decision = Decision(
+        return Decision(
             Rule.DENY,
             "default",
-            f"{display} is not in amp_graph's module "
+            f"{facts.display} is not in amp_graph's module "
             "table and has floating parameters; its inputs are cast to fp32 so "
             "that it runs as in fp32 (override to change)",
         )
-    base.op, base.aten, base.module_path = display, (aten[0] if aten else None), innermost
-    base.rule, base.source, base.detail = decision.rule, decision.source, decision.detail
-    return base
+    return decision
+
+
+def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
+    paths, _ = module_stack(node, gm)
+    fixed = _fixed_role(node, gm)
+    if fixed is not None:
+        role, op, detail = fixed
+        return AmpInfo(
+            role=role, op=op, module_path=paths[-1], rule=Rule.FOLLOW, source="fixed", detail=detail
+        )
+    facts = _op_facts(node, gm)
+    decision = _refine(policy.decide(facts), node, facts, gm)
+    return AmpInfo(
+        role=Role.OP,
+        op=facts.display,
+        aten=facts.aten[0] if facts.aten else None,
+        module_path=facts.module_paths[-1],
+        rule=decision.rule,
+        source=decision.source,
+        detail=decision.detail,
+    )
 
 
 def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
