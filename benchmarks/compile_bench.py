@@ -108,17 +108,17 @@ def time_steps(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, 
 
 def peak_step_mb(step: Callable[[], None]) -> float:
     """Peak of the bytes allocated during one step (activations, casts, gradients), from the
-    profiler's allocation and free events in time order."""
+    profiler: each event's own allocations minus frees, summed in time order (op granularity)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted(
-        (e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start
+        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
     )
     live = peak = 0
     for event in events:
-        live += event.cpu_memory_usage
+        live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return peak / 2**20
 

@@ -105,11 +105,12 @@ def main() -> int:
     repeats = args.repeats or (4 if args.quick else 20)
     batch, seq, dim, layers = (4, 32, 64, 2) if args.quick else (16, 128, 256, 4)
     torch.manual_seed(0)
-    base = models.GPTWithLoss(vocab=512, block=seq, dim=dim, heads=8, layers=layers)
-    idx = torch.randint(0, 512, (batch, seq))
-    targets = torch.randint(0, 512, (batch, seq))
+    base = models.GPTWithLoss(vocab=512, block=seq, dim=dim, heads=8, layers=layers).to(device)
+    idx = torch.randint(0, 512, (batch, seq), device=device)
+    targets = torch.randint(0, 512, (batch, seq), device=device)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; GPT {layers} layers, "
+        f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads; "
+        f"GPT {layers} layers, "
         f"dim {dim}, batch {batch}x{seq}; {repeats} interleaved repeats, medians\n"
     )
 
