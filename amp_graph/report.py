@@ -38,6 +38,22 @@ class NodeRow:
     casts_in: list[str] = field(default_factory=list)
     casts_out: list[str] = field(default_factory=list)
 
+    def cells(self) -> tuple[str, ...]:
+        """The row as the report's table shows it (columns: :data:`COLUMNS`)."""
+        return (
+            self.name,
+            self.op,
+            self.module or "-",
+            self.rule,
+            self.decided_by,
+            self.compute,
+            self.out,
+            ", ".join(self.casts_in) or "-",
+        )
+
+
+COLUMNS = ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in")
+
 
 @dataclass
 class Report:
@@ -76,20 +92,8 @@ class Report:
         )
 
     def __str__(self) -> str:
-        headers = ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in")
-        table = [headers] + [
-            (
-                r.name,
-                r.op,
-                r.module or "-",
-                r.rule,
-                r.decided_by,
-                r.compute,
-                r.out,
-                ", ".join(r.casts_in) or "-",
-            )
-            for r in self.rows
-        ]
+        headers = COLUMNS
+        table = [headers] + [r.cells() for r in self.rows]
         widths = [max(len(str(line[i])) for line in table) for i in range(len(headers))]
         lines = [
             "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()

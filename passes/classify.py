@@ -330,6 +330,15 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
     )
 
 
+# Nodes that compute nothing: graph inputs, model state, the output. (role, op, detail)
+_STRUCTURAL: dict[str, tuple[Role, str, str]] = {
+    "state": (Role.PARAM, "input", "a parameter or buffer of the model, passed as a graph input"),
+    "placeholder": (Role.INPUT, "input", "a graph input"),
+    "get_attr": (Role.PARAM, "get_attr", "a parameter, buffer or constant of the model"),
+    "output": (Role.OUTPUT, "output", "the graph's output"),
+}
+
+
 def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """Record each node's rule under ``meta["amp"]``; the graph is not changed.
 
@@ -341,38 +350,10 @@ def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and is_model_state(node):
-            amp = AmpInfo(
-                role=Role.PARAM,
-                op="input",
-                rule=Rule.FOLLOW,
-                source="fixed",
-                detail="a parameter or buffer of the model, passed as a graph input",
-            )
-        elif node.op == "placeholder":
-            amp = AmpInfo(
-                role=Role.INPUT,
-                op="input",
-                rule=Rule.FOLLOW,
-                source="fixed",
-                detail="a graph input",
-            )
-        elif node.op == "get_attr":
-            amp = AmpInfo(
-                role=Role.PARAM,
-                op="get_attr",
-                rule=Rule.FOLLOW,
-                source="fixed",
-                detail="a parameter, buffer or constant of the model",
-            )
-        elif node.op == "output":
-            amp = AmpInfo(
-                role=Role.OUTPUT,
-                op="output",
-                rule=Rule.FOLLOW,
-                source="fixed",
-                detail="the graph's output",
-            )
+        kind = "state" if node.op == "placeholder" and is_model_state(node) else node.op
+        if kind in _STRUCTURAL:
+            role, op, detail = _STRUCTURAL[kind]
+            amp = AmpInfo(role=role, op=op, rule=Rule.FOLLOW, source="fixed", detail=detail)
         else:
             amp = _op_info(node, gm, policy)
         node.meta[AMP] = amp

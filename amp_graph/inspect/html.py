@@ -6,6 +6,8 @@ import re
 from html import escape
 from typing import TYPE_CHECKING
 
+from amp_graph.report import COLUMNS
+
 from .style import DTYPE_CLASSES, STROKE
 from .tables import badge, html_table
 
@@ -45,20 +47,8 @@ def report_summary_html(report: Report) -> str:
 def report_html(report: Report) -> str:
     """The report as a notebook shows it: totals, then the per-node table (folded when
     long); dtypes as badges, inserted casts on a gold background."""
-    headers = ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in")
-    rows = [
-        (
-            r.name,
-            r.op,
-            r.module or "-",
-            r.rule,
-            r.decided_by,
-            r.compute,
-            r.out,
-            ", ".join(r.casts_in) or "-",
-        )
-        for r in report.rows
-    ]
+    headers = COLUMNS
+    rows = [r.cells() for r in report.rows]
 
     def render(column: int, value: object) -> str:
         text = str(value)
