@@ -249,6 +249,11 @@ def explain(compiled: fx.GraphModule, node_name: str) -> Explanation:
             f"({short(source.meta[AMP].out_dtype)}) to {short(node.args[1])} for "
             f"{', '.join(repr(c) for c in amp.cast_for)}.\n{amp.detail}."
         )
+    if amp.role is Role.STEP:
+        return Explanation(
+            f"'{node.name}' ({amp.op}) is a node of the training step, not a precision "
+            f"decision: {amp.detail}."
+        )
     text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
     casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
     if amp.role is Role.OP and amp.rule is not None:

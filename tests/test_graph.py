@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import amp_graph
 from amp_graph import models
 from amp_graph.data import batches, load_digits
 from amp_graph.graph import Graph
@@ -85,6 +86,8 @@ def test_step_graph_has_the_expected_nodes_in_order():
     ]
     build = [n.name for n in g.build_graph.graph.nodes]
     assert build.index("loss_fn_scaled") < build.index("backward")
+    explanation = amp_graph.explain(g.build_graph, "loss_fn_scaled")
+    assert "node of the training step" in explanation and "loss scale" in explanation
     text = repr(g)
     for name in (
         "step graph:",
