@@ -99,6 +99,14 @@ def capture(model: nn.Module) -> fx.GraphModule:
         ).with_traceback(None) from error
 
 
+def drop_string_annotations(gm: fx.GraphModule) -> None:
+    """Forget annotations that are strings (``from __future__ import annotations``): as
+    globals of the generated code they make the GraphModule unpicklable."""
+    for node in gm.graph.nodes:
+        if isinstance(node.type, str):
+            node.type = None
+
+
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of ``gm``'s graph, sharing its submodules and tensors."""
     graph = fx.Graph(owning_module=None)
@@ -202,11 +210,7 @@ def compile(
             f"the graph of {type(model).__name__} has no inputs, so there is nothing whose "
             "precision could change; amp_graph needs a model called with tensors"
         )
-    for node in gm.graph.nodes:
-        if isinstance(
-            node.type, str
-        ):  # a postponed annotation; as a code global it breaks pickling
-            node.type = None
+    drop_string_annotations(gm)
     if example_inputs is not None:
         _attach_example_inputs(gm, example_inputs)
     policy.validate_for(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import keyword
 import logging
+import operator
 import warnings
 from collections import OrderedDict
 from typing import Any
@@ -47,6 +48,8 @@ from amp_graph.compiler import (
     _copy_graph_module,
     check_dtype,
     default_dtype,
+    drop_string_annotations,
+    model_device_type,
 )
 from amp_graph.master_weights import MasterWeights
 from amp_graph.passes import run_passes
@@ -233,13 +236,6 @@ class Graph:
                     f"by {n}"
                 )
 
-    def _low_dtype(self, args: tuple) -> torch.dtype:
-        if self.config.dtype is not None:
-            return self.config.dtype
-        devices = [p.device.type for m in self._modules.values() for p in m.parameters()]
-        devices += [a.device.type for a in args if isinstance(a, torch.Tensor)]
-        return default_dtype(devices[0] if devices else "cpu")
-
     def _active_scaler(self, dtype: torch.dtype) -> GradScaler:
         """The scaler the step uses. Scaling only matters for float16; otherwise a fixed
         scale of 1 still keeps steps with non-finite gradients off the weights."""
@@ -286,9 +282,7 @@ class Graph:
                 "build must be traceable (no Python control flow on tensor values)."
             ) from error
         gm = fx.GraphModule(root, graph, class_name=f"{type(self).__name__}Build")
-        for node in gm.graph.nodes:
-            if isinstance(node.type, str):
-                node.type = None
+        drop_string_annotations(gm)
         return gm
 
     def _compile(self, args: tuple) -> fx.GraphModule:
@@ -308,18 +302,16 @@ class Graph:
                 f"{type(self).__name__}.build calls backward() but no optimizer is registered; "
                 "add one with self.add_optimizer(...) or remove the backward call"
             )
-        dtype = self._low_dtype(args)
+        # the device autocast would use: the parameters', else the inputs'
+        device = model_device_type(root, args)
+        dtype = self.config.dtype or default_dtype(device)
         if self.config.amp:
-            policy = resolve_policy(
-                self.config.policy,
-                "cuda" if dtype == torch.float16 and torch.cuda.is_available() else "cpu",
-            )
+            policy = resolve_policy(self.config.policy, device)
             if policy.name.startswith("O2") and self.training and self._master is None:
                 self._master = MasterWeights.create(self._modules, self._optimizers, dtype)
             _attach_example_inputs(build, list(args))
             original = _copy_graph_module(build)
             result = run_passes(build, policy, dtype)
-            device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
             build.meta[COMPILE_META] = CompileRecord(
                 policy,
                 dtype,
@@ -362,7 +354,7 @@ class Graph:
             state = module.state_dict()
             if self._master is not None:
                 for key in list(state):
-                    master = self._master.master_of(_resolve(module, key))
+                    master = self._master.master_of(operator.attrgetter(key)(module))
                     if master is not None:
                         state[key] = master.detach()
             modules[name] = state
@@ -393,7 +385,7 @@ class Graph:
             module_state = dict(state["modules"][name])
             if self._master is not None:
                 for key, value in list(module_state.items()):
-                    param = _resolve(module, key)
+                    param = operator.attrgetter(key)(module)
                     master = self._master.master_of(param)
                     if master is not None:
                         with torch.no_grad():
@@ -422,10 +414,3 @@ class Graph:
         if self.training:
             parts += ["build graph:", self._last.get_submodule("build").code.strip()]
         return "\n".join(parts)
-
-
-def _resolve(module: nn.Module, key: str) -> Any:
-    obj: Any = module
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj

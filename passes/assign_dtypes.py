@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from .meta import (
     DtypeFact,
     Role,
     is_castable,
+    tensor_facts,
 )
 from .result import PassResult
 
@@ -76,19 +78,6 @@ def fact(value: Any) -> DtypeFact:
     if isinstance(value, dict):
         return {k: fact(v) for k, v in value.items()}
     return NOT_TENSOR
-
-
-def tensor_leaves(value: Any) -> list[DtypeFact]:
-    found: list[DtypeFact] = []
-
-    def visit(v: Any) -> Any:
-        f = fact(v)
-        if f is not NOT_TENSOR and not isinstance(f, (tuple, list, dict)):
-            found.append(f)
-        return v
-
-    map_aggregate(value, visit)
-    return found
 
 
 def promote_dtype(facts: list[DtypeFact], low: torch.dtype) -> torch.dtype | None:
@@ -201,7 +190,7 @@ class _Planner:
         if node.op == "placeholder":
             return self._placeholder(node, amp)
         if node.op == "get_attr":
-            attr = self._attr(node.target)
+            attr = operator.attrgetter(node.target)(self.gm)
             return (
                 self.fake(attr)
                 if isinstance(attr, torch.Tensor) and self.fake_mode
@@ -215,7 +204,7 @@ class _Planner:
             return args[0]
         if not self.plan:
             return self._evaluate(node, amp, args, kwargs)
-        facts = tensor_leaves((args, kwargs))
+        facts = tensor_facts(fact((args, kwargs)))
         rule = self._effective_rule(node, amp)
         amp.compute_dtype = (
             compute_dtype_for(rule, facts, self.low) if amp.role is Role.OP else None
@@ -246,12 +235,6 @@ class _Planner:
             amp.detail = "a graph input, cast to low precision at entry (policy cast_inputs)"
             value = cast_value(value, self.low)
         return value
-
-    def _attr(self, target: str) -> Any:
-        obj: Any = self.gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return obj
 
     def _effective_rule(self, node: fx.Node, amp: AmpInfo) -> Rule:
         rule = amp.rule or Rule.FOLLOW

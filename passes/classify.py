@@ -314,9 +314,7 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
     fixed = _fixed_role(node, gm)
     if fixed is not None:
         role, op, detail = fixed
-        return AmpInfo(
-            role=role, op=op, module_path=paths[-1], rule=Rule.FOLLOW, source="fixed", detail=detail
-        )
+        return AmpInfo.fixed(role, op, detail, module_path=paths[-1])
     facts = _op_facts(node, gm)
     decision = _refine(policy.decide(facts), node, facts, gm)
     return AmpInfo(
@@ -353,7 +351,7 @@ def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
         kind = "state" if node.op == "placeholder" and is_model_state(node) else node.op
         if kind in _STRUCTURAL:
             role, op, detail = _STRUCTURAL[kind]
-            amp = AmpInfo(role=role, op=op, rule=Rule.FOLLOW, source="fixed", detail=detail)
+            amp = AmpInfo.fixed(role, op, detail)
         else:
             amp = _op_info(node, gm, policy)
         node.meta[AMP] = amp

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from amp_graph.policy import base_name
 
-from .meta import NOT_TENSOR, UNKNOWN, AmpInfo, DtypeFact, Role
+from .meta import NOT_TENSOR, UNKNOWN, AmpInfo, DtypeFact, Role, tensor_facts
 
 # Output dtype is the first argument's, whatever it is (views, indexing, copies).
 FIRST_ARG = frozenset(
@@ -192,14 +192,6 @@ _CAST_METHODS = {
 }
 
 
-def _leaves(value: Any) -> list[DtypeFact]:
-    if isinstance(value, (tuple, list)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    return [value]
-
-
 def user_cast_dtype(node: fx.Node, input_facts: list[DtypeFact]) -> DtypeFact:
     """The dtype a cast written in the model produces, or UNKNOWN."""
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
@@ -217,8 +209,7 @@ def user_cast_dtype(node: fx.Node, input_facts: list[DtypeFact]) -> DtypeFact:
 
 def rule_out_dtype(node: fx.Node, amp: AmpInfo, args_facts: Any) -> DtypeFact:
     """The output dtype of ``node`` given its (already cast) input facts, or UNKNOWN."""
-    leaves = _leaves(args_facts)
-    tensors = [f for f in leaves if f is not NOT_TENSOR]
+    tensors = tensor_facts(args_facts)
     if amp.role is Role.OTHER:
         tensor_attrs = ("T", "mT", "H", "mH", "data")
         if node.target is builtins.getattr and node.args[1] in tensor_attrs and tensors:

@@ -107,12 +107,10 @@ def _needs_parameter_casts(module: nn.Module, rule: Rule | None, low: torch.dtyp
 
 def _param_node(graph: fx.Graph, qualified: str, tensor: torch.Tensor, path: str) -> fx.Node:
     node = graph.get_attr(qualified)
-    node.meta[AMP] = AmpInfo(
-        role=Role.PARAM,
-        op="get_attr",
-        rule=Rule.FOLLOW,
-        source="fixed",
-        detail="a parameter of the model",
+    node.meta[AMP] = AmpInfo.fixed(
+        Role.PARAM,
+        "get_attr",
+        "a parameter of the model",
         module_path=path,
         out_dtype=tensor.dtype,
         exact=True,
@@ -150,13 +148,8 @@ def expose_parameters(gm: fx.GraphModule, low_dtype: torch.dtype) -> PassResult:
                 target, args = emit(node.args[0], module, params)
             else:
                 owner = gm.graph.get_attr(node.target)
-                owner.meta[AMP] = AmpInfo(
-                    role=Role.OTHER,
-                    op="get_attr",
-                    rule=Rule.FOLLOW,
-                    source="fixed",
-                    detail="the module whose forward runs",
-                    module_path=node.target,
+                owner.meta[AMP] = AmpInfo.fixed(
+                    Role.OTHER, "get_attr", "the module whose forward runs", module_path=node.target
                 )
                 target = torch.func.functional_call
                 args = (owner, params, tuple(node.args), dict(node.kwargs))

@@ -80,6 +80,11 @@ class AmpInfo:
     cast_for: tuple[str, ...] = field(default_factory=tuple)  # CAST: the consumers it feeds
     conditional: bool = False  # CAST: input dtype unknown, cast only if castable at run time
 
+    @classmethod
+    def fixed(cls, role: Role, op: str, detail: str = "", **fields: Any) -> AmpInfo:
+        """A node no policy reclassifies: rule FOLLOW, decided by its kind ("fixed")."""
+        return cls(role=role, op=op, rule=Rule.FOLLOW, source="fixed", detail=detail, **fields)
+
 
 def info(node: fx.Node) -> AmpInfo:
     """The node's AmpInfo; a clear error if classify has not run on this graph."""
@@ -115,19 +120,10 @@ def short(dtype: DtypeFact) -> str:
     return "-"
 
 
-def fact_of_value(value: Any) -> DtypeFact:
-    """The dtype fact of a concrete or fake value (tensors, pytrees of them, scalars)."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype
-    if isinstance(value, list):
-        return [fact_of_value(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(fact_of_value(v) for v in value)
-    return NOT_TENSOR
-
-
 def tensor_facts(fact: DtypeFact) -> list[DtypeFact]:
-    """The leaves of a fact pytree that may be tensors."""
+    """The leaves of a fact pytree (tuples, lists, dicts) that may be tensors."""
+    if isinstance(fact, dict):
+        fact = list(fact.values())
     if isinstance(fact, (tuple, list)):
         return [leaf for f in fact for leaf in tensor_facts(f)]
     return [] if fact is NOT_TENSOR else [fact]

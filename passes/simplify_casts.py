@@ -12,6 +12,7 @@ node receives is bit-for-bit what it received before the pass.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -31,12 +32,6 @@ class _Context:
         self.gm = gm
         self.first_cast: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}
         self.first_attr: dict[int, fx.Node] = {}
-
-    def attr(self, target: str) -> object:
-        obj: object = self.gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return obj
 
 
 def _source(cast: fx.Node) -> fx.Node:
@@ -89,7 +84,7 @@ def one_node_per_parameter(node: fx.Node, ctx: _Context) -> fx.Node | None:
     """get_attr a.weight, get_attr b.weight of one tensor (tied weights)  ->  the first"""
     if node.op != "get_attr" or node.meta[AMP].role is not Role.PARAM:
         return None
-    tensor = ctx.attr(node.target)
+    tensor = operator.attrgetter(node.target)(ctx.gm)
     if not isinstance(tensor, torch.Tensor):
         return None
     first = ctx.first_attr.setdefault(id(tensor), node)

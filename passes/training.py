@@ -97,7 +97,7 @@ def build_step_graph(root: nn.Module, micro_step: fx.GraphModule, plan: StepPlan
     inputs = []
     for name in plan.inputs:
         node = graph.placeholder(name)
-        node.meta[AMP] = AmpInfo(role=Role.INPUT, op="input", rule=Rule.FOLLOW, source="fixed")
+        node.meta[AMP] = AmpInfo.fixed(Role.INPUT, "input")
         inputs.append(node)
     optimizers = [attr(o) for o in plan.optimizers]
     for i, opt in enumerate(optimizers):
@@ -147,6 +147,6 @@ def build_step_graph(root: nn.Module, micro_step: fx.GraphModule, plan: StepPlan
     for i, name in enumerate(plan.schedulers):
         call(step_ops.scheduler_step, (attr(name),), f"lr_step_{i}", "advance the LR schedule")
     out = graph.output(result)
-    out.meta[AMP] = AmpInfo(role=Role.OUTPUT, op="output", rule=Rule.FOLLOW, source="fixed")
+    out.meta[AMP] = AmpInfo.fixed(Role.OUTPUT, "output")
     gm = fx.GraphModule(root, graph, class_name="TrainStep")
     return gm

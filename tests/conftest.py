@@ -22,6 +22,14 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Compile from scratch: no cached frames, no recompile limit carried over between tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def compile_checked(
     model: torch.nn.Module,
     policy: Any = "O1",

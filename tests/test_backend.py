@@ -32,12 +32,7 @@ backend_module = importlib.import_module("amp_graph.backend")
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Every test compiles from scratch: no cached frames, no recompile limit carried over."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def checked(policy="O1", inner="eager", dtype=BF16) -> AmpGraphBackend:

@@ -18,11 +18,7 @@ from amp_graph.backend import backend, captured_graphs
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 FRESH_INTERPRETER = textwrap.dedent("""
