@@ -1,6 +1,9 @@
 # amp_graph: two commands on a fresh machine.
 #   make demo   creates .venv, installs amp_graph and runs the demo
 #   make test   same venv, runs the test suite
+# and on a machine with an NVIDIA GPU:
+#   make gpu-check   every CUDA test and the GPU benchmarks (< 10 minutes); writes the figures
+#                    into BENCHMARKS.md's GPU table. Fails at once, saying so, without a GPU.
 #
 # torch: if the Python that creates the venv already has torch (say a CUDA build), the venv
 # sees it (--system-site-packages) and nothing is downloaded; otherwise TORCH_SPEC is
@@ -13,7 +16,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench install clean gpu-check
 
 $(STAMP): pyproject.toml
 	@if [ ! -x $(BIN)/python ]; then \
@@ -38,6 +41,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compile_bench.py
+
+# The venv's Python when there is one, else $(PYTHON) (a GPU machine's own torch, with amp_graph
+# installed into it: `pip install --no-deps --no-build-isolation -e .` works offline).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,14 +7,14 @@
 torch.float32
 """
 
-from amp_graph import inspect, passes
+from amp_graph import fp8, inspect, passes
 from amp_graph.backend import AmpGraphBackend, backend, captured_graphs
-from amp_graph.compiler import CaptureError, compile
+from amp_graph.compiler import CaptureError, CompiledModule, compile
 from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
-from amp_graph.passes.insert_casts import cast_if_castable
+from amp_graph.inspect.report import Report, explain, report
+from amp_graph.passes.insert_casts import cast_if_castable, cast_tree, widest_castable_dtype
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
-from amp_graph.report import Report, explain, report
 from amp_graph.scaler import GradScaler, StaticGradScaler
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "PRESETS",
     "AmpGraphBackend",
     "CaptureError",
+    "CompiledModule",
     "GradScaler",
     "Graph",
     "GraphConfig",
@@ -34,12 +35,15 @@ __all__ = [
     "backend",
     "captured_graphs",
     "cast_if_castable",
+    "cast_tree",
     "compile",
     "dataflow",
     "diff",
     "draw",
     "explain",
+    "fp8",
     "inspect",
     "passes",
     "report",
+    "widest_castable_dtype",
 ]

@@ -40,14 +40,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.compiler import (
-    COMPILE_META,
-    CompileRecord,
-    _copy_graph_module,
-    check_dtype,
-    default_dtype,
-)
-from amp_graph.passes import AMP, Role, run_passes
+from amp_graph.capture import capture_graph
+from amp_graph.compiler import CompileRecord, check_dtype, copy_graph_module, resolve_dtype, rewrite
+from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.meta import VAL, short
 from amp_graph.policy import PRESETS, Policy, nearest, resolve_policy
@@ -104,42 +99,34 @@ class AmpGraphBackend:
     def __call__(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], **inner_kwargs: Any
     ) -> Callable:
-        """Rewrite ``gm`` in place for mixed precision and return the inner backend's callable.
+        """Capture ``gm`` down to aten ops, rewrite it for mixed precision and return the inner
+        backend's callable.
 
         ``inner_kwargs`` are ``mode=`` and ``options=`` from ``torch.compile``; they configure
         inductor (as config patches) and are refused for other inner backends.
         """
         start = time.perf_counter()
         device_type = graph_device_type(gm, example_inputs)
-        dtype = default_dtype(device_type) if self.dtype is None else self.dtype
         policy = resolve_policy(self.policy, device_type)
-        missing = attach_example_values(gm, example_inputs)
-        attached = time.perf_counter()
-        original = _copy_graph_module(gm)
-        copied = time.perf_counter()
-        result = run_passes(gm, policy, dtype, check_each=self.check_each_pass)
-        finished = time.perf_counter()
-        sync_example_values(gm)
-        handed = _copy_graph_module(gm)  # inductor's pre-grad passes edit the graph they get
-        seconds = {  # everything amp_graph does here, so their sum is its share of the compile
-            "attach_example_values": attached - start,
-            "copy_original": copied - attached,
-            **result.seconds,
-            "copy_for_inner": time.perf_counter() - finished,
-        }
-        record = CompileRecord(
+        dtype = resolve_dtype(policy, self.dtype, device_type)
+        aten_gm = capture_graph(gm, example_inputs)
+        missing = attach_example_values(aten_gm, example_inputs)
+        record = rewrite(
+            aten_gm,
             policy,
             dtype,
             device_type,
-            result.stats,
-            seconds,
-            exact=not missing and bool(result.stats.get("exact_dtypes")),
-            original=original,
+            check_each_pass=self.check_each_pass,
+            seconds={"capture": time.perf_counter() - start},
         )
-        gm.meta[COMPILE_META] = record
-        self._graphs.append(gm)
-        self._check_overrides(policy, gm)
-        log.info("%s", _summary(gm, record, len(self._graphs)))
+        record.exact = record.exact and not missing
+        finished = time.perf_counter()
+        sync_example_values(aten_gm)
+        handed = copy_graph_module(aten_gm)  # inductor's pre-grad passes edit the graph they get
+        record.seconds["copy_for_inner"] = time.perf_counter() - finished
+        self._graphs.append(aten_gm)
+        self._check_overrides(policy, aten_gm)
+        log.info("%s", _summary(aten_gm, record, len(self._graphs)))
         return self._compile_inner(handed, example_inputs, inner_kwargs)
 
     def _compile_inner(
@@ -224,7 +211,13 @@ def backend(
             f"got {policy!r} of type {type(policy).__name__}"
         )
     if dtype is not None:
-        check_dtype(dtype)
+        fp8 = resolve_policy(policy, "cpu").fp8 is not None
+        if fp8:
+            from amp_graph.fp8 import check_fp8_low_dtype
+
+            check_fp8_low_dtype(dtype)
+        else:
+            check_dtype(dtype)
     return AmpGraphBackend(policy, dtype, _check_inner(inner), check_each_pass=check_each_pass)
 
 

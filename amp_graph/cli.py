@@ -10,19 +10,27 @@
 ``MODEL`` is ``path/to/file.py:Name`` or ``package.module:Name``, where ``Name`` is an
 ``nn.Module`` subclass (built with no arguments), a function returning a module, or a
 module instance. Example inputs of the given shapes (random floats, or zeros for integer
-dtypes) are checked by running the model on FakeTensors, so nothing is computed, then
-compiled. Mistakes (a missing file or name, a bad shape, a model that fails on those
-shapes) are reported in one line on stderr with exit status 2; ``--debug`` shows the
-traceback instead.
+dtypes) are checked by running the model on FakeTensors, so nothing is computed; then
+``amp_graph.compile(model, ..., example_inputs=...)`` captures the model with
+``torch.export`` and rewrites it, and the commands inspect the resulting graph (aten ops
+named by export: ``linear``, ``softmax``...). Mistakes (a missing file or name, a bad
+shape, a model that fails on those shapes, a ``--keep-fp32`` path that names no module, a
+node name that is not in the graph) are reported in one line on stderr with exit status 2.
+A model that cannot be captured exits with status 1 and amp_graph's ``CaptureError``,
+which names the construct and what to do. ``--debug`` shows tracebacks, and torch's own
+warnings, instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,8 +212,48 @@ def check_runs(model: Any, inputs: tuple[Any, ...]) -> None:
         ) from error
 
 
+def build_policy(args: argparse.Namespace, model: Any) -> Any:
+    """The preset, with ``--keep-fp32`` paths as module overrides checked against the model."""
+    import amp_graph
+
+    if not args.keep_fp32:
+        return args.policy
+    policy = amp_graph.Policy.preset(args.policy).override(
+        modules={path: "fp32" for path in args.keep_fp32}
+    )
+    try:
+        policy.validate_modules([name for name, _ in model.named_modules()])
+    except ValueError as error:
+        raise UsageError(f"--keep-fp32: {error}") from error
+    return policy
+
+
+@contextlib.contextmanager
+def quiet_torch(debug: bool) -> Iterator[None]:
+    """Keep torch's noise about a failed capture off stderr, unless ``debug``.
+
+    When ``torch.export`` fails it logs warnings about its symbols and prints the partial
+    graph to stderr; amp_graph's CaptureError already names the construct and the way out.
+    What is written to stderr during a capture that succeeds is passed on. (The command is
+    the application, so it may set torch's log level; it restores it.)
+    """
+    if debug:
+        yield
+        return
+    logger = logging.getLogger("torch")
+    level, buffer = logger.level, io.StringIO()
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        logger.setLevel(level)
+    sys.stderr.write(buffer.getvalue())
+
+
 def compile_model(args: argparse.Namespace) -> Any:
-    """Load, check and compile the model the arguments name."""
+    """Load, check and compile the model the arguments name: an ``amp_graph.CompiledModule``
+    captured with the example inputs."""
     import torch
 
     import amp_graph
@@ -213,13 +261,10 @@ def compile_model(args: argparse.Namespace) -> Any:
     model = load_model(args.model)
     inputs = example_inputs(args.input_shape, args.input_dtype)
     check_runs(model, inputs)
-    policy: Any = args.policy
-    if args.keep_fp32:
-        policy = amp_graph.Policy.preset(args.policy).override(
-            modules={path: "fp32" for path in args.keep_fp32}
-        )
+    policy = build_policy(args, model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    return amp_graph.compile(model, policy, dtype, example_inputs=inputs)
+    with quiet_torch(args.debug):
+        return amp_graph.compile(model, policy, dtype, example_inputs=inputs)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -374,7 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile MODEL as `inspect` does and explain one node's dtype.",
     )
     _model_arguments(explain_cmd)
-    explain_cmd.add_argument("node", metavar="NODE", help="a node name, as the report lists them")
+    explain_cmd.add_argument(
+        "node",
+        metavar="NODE",
+        help="a node name, as `inspect` lists them: aten ops named by torch.export "
+        "(linear, linear_1, softmax), parameters (model_fc_weight), casts (linear_fp32)",
+    )
     explain_cmd.set_defaults(run=cmd_explain)
     demo_cmd = commands.add_parser(
         "demo",

@@ -1,20 +1,30 @@
-"""``amp_graph.compile``: capture a model as an FX graph and rewrite it for mixed precision."""
+"""``amp_graph.compile``: capture a model as an FX graph and rewrite it for mixed precision.
+
+Every entry point (``compile``, the ``torch.compile`` backend, ``Graph``) runs the same
+two steps: a capture (:mod:`amp_graph.capture`) that yields an aten-level GraphModule
+with an example value on every placeholder, then :func:`rewrite`, which runs the AMP
+passes on it and records what they did. ``compile`` adds what is specific to it: capture
+at the first call (or at once with ``example_inputs``) and again when the inputs change
+structure, dtype or rank, behind :class:`CompiledModule`.
+"""
 
 from __future__ import annotations
 
-import linecache
 import logging
-import traceback
+import time
+import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
-from amp_graph.passes import AMP, Role, run_passes
+from amp_graph.capture import Captured, CaptureError, capture_module
+from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.meta import VAL, short
 from amp_graph.policy import Policy, resolve_policy
 
@@ -22,23 +32,30 @@ log = logging.getLogger(__name__)
 
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 COMPILE_META = "amp_graph"
-
-
-class CaptureError(RuntimeError):
-    """torch.fx.symbolic_trace could not capture the model."""
+MAX_GRAPHS_PER_SIGNATURE = 8  # static captures of one input structure before warning
 
 
 @dataclass
 class CompileRecord:
-    """What ``compile`` did, kept on ``compiled.meta["amp_graph"]`` for reports."""
+    """What the passes did to one graph, kept on ``graph_module.meta["amp_graph"]``."""
 
     policy: Policy
     dtype: torch.dtype
     device_type: str
     stats: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-    exact: bool = False  # dtypes come from example inputs (FakeTensor propagation)
-    original: fx.GraphModule | None = None  # the captured graph before the passes, for diffs
+    exact: bool = False  # dtypes come from example values (FakeTensor propagation)
+    # the captured graph before the passes, for diffs: a GraphModule, or (graph, root) that
+    # becomes one when first asked for (generating its code costs as much as a pass)
+    _original: Any = field(default=None, repr=False)
+
+    @property
+    def original(self) -> fx.GraphModule | None:
+        """The graph as captured, before the passes (a GraphModule sharing the model's state)."""
+        if isinstance(self._original, tuple):
+            graph, root = self._original
+            self._original = _graph_module_over(root, graph)
+        return self._original
 
 
 def default_dtype(device_type: str) -> torch.dtype:
@@ -61,42 +78,27 @@ def check_dtype(dtype: Any) -> torch.dtype:
     )
 
 
+def resolve_dtype(policy: Policy, dtype: Any, device_type: str) -> torch.dtype:
+    """The low dtype a policy computes in on a device, checked: torch.autocast's default
+    (float16 on CUDA, else bfloat16), bfloat16 for fp8 policies, whose float8 matmuls
+    this device must run (a clear error otherwise)."""
+    if policy.fp8 is not None:
+        from amp_graph.fp8 import check_fp8_low_dtype, require_fp8_matmul
+
+        dtype = check_fp8_low_dtype(torch.bfloat16 if dtype is None else dtype)
+        require_fp8_matmul(device_type, policy.fp8.recipe)
+        return dtype
+    return check_dtype(default_dtype(device_type) if dtype is None else dtype)
+
+
 def model_device_type(model: nn.Module, example_inputs: Sequence[Any] | None) -> str:
     """The device autocast would use: the model's parameters', else the inputs', else cpu."""
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device.type
-    for value in example_inputs or ():
+    for value in pytree.tree_leaves(example_inputs or ()):
         if isinstance(value, torch.Tensor):
             return value.device.type
     return "cpu"
-
-
-def _user_frame(error: BaseException) -> str:
-    """``file.py:12: `if x.sum() > 0:``` for the innermost frame outside torch."""
-    frames = traceback.extract_tb(error.__traceback__)
-    torch_root = torch.__file__.rsplit("/", 2)[0]
-    for frame in reversed(frames):
-        if not frame.filename.startswith(torch_root) and frame.filename != __file__:
-            code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-            return f"{frame.filename}:{frame.lineno}: `{code}`"
-    return "an unknown location"
-
-
-def capture(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace(model)``, with errors that say what to do instead."""
-    try:
-        return fx.symbolic_trace(model)
-    except Exception as error:
-        where = _user_frame(error)
-        raise CaptureError(
-            f"torch.fx.symbolic_trace cannot capture {type(model).__name__}: "
-            f"{type(error).__name__}: "
-            f"{error}\n  The failing construct is at {where}.\n  Symbolic tracing cannot follow "
-            "Python control flow or calls that depend on tensor values. Use "
-            "torch.compile(model, backend='amp_graph'), which splits the model at such "
-            "constructs, or capture the graph with another tracer and pass the "
-            "torch.fx.GraphModule to amp_graph.compile."
-        ).with_traceback(None) from error
 
 
 def drop_string_annotations(gm: fx.GraphModule) -> None:
@@ -107,46 +109,84 @@ def drop_string_annotations(gm: fx.GraphModule) -> None:
             node.type = None
 
 
-def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph, sharing its submodules and tensors."""
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     graph = fx.Graph(owning_module=None)
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
+    return graph
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph, sharing its submodules and tensors."""
+    return _graph_module_over(gm, _copy_graph(gm))
+
+
+def _graph_module_over(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     copied.meta.update(getattr(gm, "meta", {}))
+    for name, child in gm.named_children():  # read the same modules, not copies of parts
+        if hasattr(copied, name):
+            setattr(copied, name, child)
     return copied
 
 
-def _attach_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+_copy_graph_module = copy_graph_module  # the name the inspection modules import
+
+
+def rewrite(
+    gm: fx.GraphModule,
+    policy: Policy,
+    dtype: torch.dtype,
+    device_type: str,
+    *,
+    check_each_pass: bool = False,
+    seconds: dict[str, float] | None = None,
+) -> CompileRecord:
+    """Run the AMP passes on a captured ``gm`` in place and record what they did.
+
+    The one rewrite every entry point runs. ``gm``'s placeholders should carry example
+    values (``meta["val"]``) so that every dtype is exact; ``seconds`` adds the capture's
+    own timings to the record.
+    """
+    drop_string_annotations(gm)
+    inline_regions(gm)  # the graph as captured, in the form the passes and the diffs read
+    original = (_copy_graph(gm), gm)
+    result = run_passes(gm, policy, dtype, check_each=check_each_pass)
+    record = CompileRecord(
+        policy,
+        dtype,
+        device_type,
+        result.stats,
+        {**(seconds or {}), **result.seconds},
+        bool(result.stats.get("exact_dtypes")),
+        original,
+    )
+    gm.meta[COMPILE_META] = record
+    return record
+
+
+def attach_example_values(gm: fx.GraphModule, values: Sequence[Any]) -> None:
+    """Fake copies of ``values`` as the placeholders' ``meta["val"]`` (in order; a
+    placeholder beyond them gets its default)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not isinstance(example_inputs, (tuple, list)):
-        raise TypeError(
-            "example_inputs is a tuple of the forward's arguments, e.g. (x,); "
-            f"got {type(example_inputs).__name__}"
-        )
-    if len(example_inputs) > len(placeholders):
+    if len(values) > len(placeholders):
         raise ValueError(
-            f"{len(example_inputs)} example inputs for a graph with {len(placeholders)} inputs "
+            f"{len(values)} example inputs for a graph with {len(placeholders)} inputs "
             f"({', '.join(p.name for p in placeholders)})"
         )
-    if not any(isinstance(v, torch.Tensor) for v in example_inputs):
-        raise ValueError(
-            "none of example_inputs is a tensor; pass the tensors the model is called with"
-        )
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    for node, value in zip(placeholders, example_inputs, strict=False):
-        node.meta[VAL] = (
-            mode.from_tensor(value, static_shapes=True)
-            if isinstance(value, torch.Tensor)
-            else value
-        )
-    for node in placeholders[len(example_inputs) :]:
-        default = node.args[0] if node.args else None
-        if isinstance(default, torch.Tensor):
-            default = mode.from_tensor(default, static_shapes=True)
-        node.meta[VAL] = default
+
+    def fake(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return mode.from_tensor(value, static_shapes=True)
+        return value
+
+    for node, value in zip(placeholders, values, strict=False):
+        node.meta[VAL] = pytree.tree_map(fake, value)
+    for node in placeholders[len(values) :]:
+        node.meta[VAL] = fake(node.args[0] if node.args else None)
 
 
 def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
@@ -157,11 +197,268 @@ def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
     )
     casts = sum(n.meta[AMP].role is Role.CAST for n in gm.graph.nodes)
     per_dtype = ", ".join(f"{count} {name}" for name, count in sorted(dtypes.items()))
+    capture = record.seconds.get("capture")
+    took = f"; capture {capture:.2f} s" if capture is not None else ""
     return (
         f"amp_graph.compile: policy {record.policy.name}, {short(record.dtype)}: ops by output "
         f"dtype {{{per_dtype}}}; casts inserted {record.stats.get('casts_inserted', 0)}, removed "
-        f"{record.stats.get('casts_removed', 0)}, kept {casts}"
+        f"{record.stats.get('casts_removed', 0)}, kept {casts}{took}"
     )
+
+
+def _describe(value: Any) -> Any:
+    """What a capture is specialized on, for one input: a tensor's dtype, device and rank
+    (not its sizes), a Python value itself; containers element by element."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device.type, value.dim())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_describe(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _describe(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", type(value).__name__, id(value))
+    return ("value", type(value).__name__, value)
+
+
+def _shapes(leaves: Sequence[Any]) -> tuple:
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in leaves)
+
+
+@dataclass
+class _Signature:
+    """The graphs captured for one input signature: one per static shape, or one dynamic."""
+
+    static: dict[tuple, Captured] = field(default_factory=dict)
+    dynamic: Captured | None = None
+    tried_dynamic: bool = False
+
+
+CaptureFn = Callable[[tuple, dict, bool], Captured]
+
+
+class CaptureCache:
+    """Captured graphs by input signature: the structure of ``(args, kwargs)``, each
+    tensor's dtype, device and rank, each Python value, and the ``training`` flag of every
+    module. Within a signature, the first sizes get a static capture; other sizes get one
+    capture with symbolic sizes, which then serves every size it accepts (a model that
+    needs static sizes gets one graph per size).
+
+    ``capture(args, kwargs, dynamic)`` makes a :class:`Captured`; ``flatten=False`` keys a
+    GraphModule the user brought by its own positional inputs.
+    """
+
+    def __init__(
+        self, capture: CaptureFn, modules: Sequence[nn.Module], what: str, flatten: bool = True
+    ) -> None:
+        self._capture_fn, self._modules, self._what = capture, modules, what
+        self._flatten = flatten
+        self._signatures: dict[tuple, _Signature] = {}
+        self.captures: list[Captured] = []
+
+    def get(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
+        """The graph for these inputs (capturing it if needed) and the flat inputs."""
+        if self._flatten:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+        else:
+            leaves, spec = [*args, *kwargs.values()], ("positional", tuple(kwargs))
+        key = (
+            spec,
+            tuple(_describe(v) for v in leaves),
+            tuple(m.training for m in self._modules),
+        )
+        return self._lookup(key, leaves) or self._capture(key, args, kwargs, leaves), leaves
+
+    def _lookup(self, key: tuple, leaves: list) -> Captured | None:
+        found = self._signatures.get(key)
+        if found is None:
+            return None
+        if found.dynamic is not None and found.dynamic.accepts(leaves):
+            return found.dynamic
+        return found.static.get(_shapes(leaves))
+
+    def _capture(self, key: tuple, args: tuple, kwargs: dict, leaves: list) -> Captured:
+        signature = self._signatures.setdefault(key, _Signature())
+        if self.captures:
+            log.info("amp_graph: new input signature or sizes for %s; capturing again", self._what)
+        if signature.static and not signature.tried_dynamic:
+            signature.tried_dynamic = True  # sizes vary: one graph with symbolic sizes
+            captured = None
+            try:
+                captured = self._capture_fn(args, kwargs, True)
+            except CaptureError as error:
+                log.info("capture with symbolic sizes failed (%s); capturing per size", error)
+            if captured is not None and captured.accepts(leaves):
+                signature.dynamic = captured
+                self.captures.append(captured)
+                return captured
+        if len(signature.static) >= MAX_GRAPHS_PER_SIGNATURE:
+            warnings.warn(
+                f"amp_graph has captured {len(signature.static)} graphs for the input sizes "
+                f"of {self._what} and captures another: it could not be captured with "
+                "symbolic sizes. Pad inputs to a few sizes.",
+                stacklevel=4,
+            )
+        captured = self._capture_fn(args, kwargs, False)
+        if captured.guard is None:  # a GraphModule the user brought serves any size
+            signature.dynamic = captured
+        else:
+            signature.static[_shapes(leaves)] = captured
+        self.captures.append(captured)
+        return captured
+
+
+class CompiledModule(nn.Module):
+    """What :func:`amp_graph.compile` returns: the model, captured and rewritten per input
+    signature, behind the model's own call signature.
+
+    The first call (or ``example_inputs``) captures the model with those inputs as fake
+    tensors and rewrites the graph; later calls with the same structure, dtypes, devices,
+    ranks and ``training`` flags reuse it. A second set of sizes captures once more with
+    symbolic sizes, which then serves every size. ``print(compiled)``, ``.code``,
+    ``.graph`` and ``.graph_module`` show the graph of the last call; ``graph_modules``
+    lists all of them. Parameters and buffers are the model's own (the graph reads them from
+    the model at every call).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: Policy,
+        dtype: torch.dtype,
+        device_type: str,
+        *,
+        check_each_pass: bool = False,
+    ) -> None:
+        super().__init__()
+        self._orig_mod = model
+        self.policy, self.dtype, self.device_type = policy, dtype, device_type
+        self.check_each_pass = check_each_pass
+        self._cache = self._new_cache()
+        self._last: Captured | None = None
+        self._warned_autocast = False
+
+    # ---- the graphs --------------------------------------------------------------------
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The rewritten GraphModule of the last call."""
+        if self._last is None:
+            raise RuntimeError(
+                f"{type(self._orig_mod).__name__} has not been captured yet: amp_graph captures "
+                "it at the first call. Call the compiled module once, or pass example_inputs "
+                "to amp_graph.compile."
+            )
+        return self._last.graph_module
+
+    def _new_cache(self) -> CaptureCache:
+        model = self._orig_mod
+        flat = not isinstance(model, fx.GraphModule)  # a GraphModule keeps its own signature
+        return CaptureCache(self._capture_new, list(model.modules()), type(model).__name__, flat)
+
+    @property
+    def graph_modules(self) -> list[fx.GraphModule]:
+        """Every rewritten GraphModule, in capture order."""
+        return [c.graph_module for c in self._cache.captures]
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def code(self) -> str:
+        return self.graph_module.code
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.graph_module.meta
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's module (its parameters are the graph's)."""
+        return self._orig_mod
+
+    def __repr__(self) -> str:
+        head = (
+            f"amp_graph.CompiledModule({type(self._orig_mod).__name__}, policy="
+            f"{self.policy.name}, dtype={short(self.dtype)}, graphs={len(self.graph_modules)})"
+        )
+        if self._last is None:
+            return f"{head}\n  (not captured yet: the first call captures it)"
+        return f"{head}\n{self._last.graph_module.code.strip()}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the model and the policy; the graphs are captured again after loading
+        (they hold fake values and shape symbols tied to this process)."""
+        state = self.__dict__.copy()
+        state["_cache"], state["_last"] = self._new_cache(), None
+        return state
+
+    # ---- calling ---------------------------------------------------------------------
+
+    def capture(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
+        """Capture and rewrite for these example inputs now (nothing is computed); return the
+        rewritten GraphModule. Calling the module does this on its own."""
+        return self._captured_for(args, kwargs)[0].graph_module
+
+    def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
+        captured, leaves = self._cache.get(args, kwargs)
+        self._last = captured
+        return captured, leaves
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        captured, leaves = self._captured_for(args, kwargs)
+        if torch.is_autocast_enabled(self.device_type):
+            self._warn_autocast()
+            with torch.autocast(self.device_type, enabled=False):
+                return self._run(captured, args, kwargs, leaves)
+        return self._run(captured, args, kwargs, leaves)
+
+    def _run(self, captured: Captured, args: tuple, kwargs: dict, leaves: list) -> Any:
+        if captured.in_spec is None:  # a GraphModule the user brought: its own signature
+            return captured.graph_module(*args, **kwargs)
+        return captured.call(leaves)
+
+    def _warn_autocast(self) -> None:
+        if not self._warned_autocast:
+            self._warned_autocast = True
+            warnings.warn(
+                "an amp_graph compiled module was called inside torch.autocast: its graph "
+                "already computes each op at the dtype its policy decides, so autocast is "
+                "disabled inside it. Call it outside torch.autocast to silence this.",
+                stacklevel=3,
+            )
+
+    def _capture_new(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
+        model = self._orig_mod
+        if isinstance(model, fx.GraphModule):
+            start = time.perf_counter()
+            gm = copy_graph_module(model)
+            attach_example_values(gm, list(args) + list(kwargs.values()))
+            captured = Captured(gm, None, None, seconds=time.perf_counter() - start)
+        else:
+            autocast_dtype = None if self.policy.casts_nothing else self.dtype
+            captured = capture_module(
+                model,
+                args,
+                kwargs,
+                device_type=self.device_type,
+                autocast_dtype=autocast_dtype,
+                dynamic=dynamic,
+            )
+        gm = captured.graph_module
+        self.policy.validate_nodes([n.name for n in gm.graph.nodes])
+        record = rewrite(
+            gm,
+            self.policy,
+            self.dtype,
+            self.device_type,
+            check_each_pass=self.check_each_pass,
+            seconds={"capture": captured.seconds},
+        )
+        log.info("%s", _summary(gm, record))
+        return captured
 
 
 def compile(
@@ -170,29 +467,32 @@ def compile(
     dtype: torch.dtype | None = None,
     *,
     example_inputs: Sequence[Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,
-) -> fx.GraphModule:
+) -> CompiledModule:
     """Rewrite ``model`` so that each op computes at the dtype ``policy`` gives it.
 
     Args:
-        model: an ``nn.Module`` (captured with ``torch.fx.symbolic_trace``) or a
-            ``torch.fx.GraphModule`` (used as is: bring graphs from other tracers).
-        policy: a preset name (``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"autocast"``) or an
-            :class:`amp_graph.Policy`.
+        model: an ``nn.Module``, captured with ``torch.export`` (non-strict) down to aten
+            ops, so every op inside every module gets the policy's decision; or a
+            ``torch.fx.GraphModule``, used as it is (bring graphs from other tracers).
+        policy: a preset name (``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"autocast"``,
+            ``"fp8"``) or an :class:`amp_graph.Policy`.
         dtype: the low-precision dtype, ``torch.float16`` or ``torch.bfloat16``; by default
-            what torch.autocast uses on the model's device (float16 on CUDA, else bfloat16).
-        example_inputs: the forward's arguments (a tuple). With them every dtype is proven
-            by FakeTensor propagation and reports show bytes; without them, inputs' dtypes
-            are unknown and casts of values derived only from them test the dtype at run
-            time, exactly as torch.autocast does.
+            what torch.autocast uses on the model's device (float16 on CUDA, else bfloat16;
+            bfloat16 for ``"fp8"``, whose linears compute in float8).
+        example_inputs / example_kwargs: the forward's arguments. Given, the model is
+            captured now; otherwise at the first call, from that call's inputs. Either way
+            they are used as fake tensors, so every dtype is exact and nothing is computed.
         check_each_pass: run the verifier after every pass (slower; the tests use it).
 
     Returns:
-        A ``torch.fx.GraphModule`` sharing parameters and buffers with ``model``; ``model``
-        itself is not modified. Print it, or see :func:`amp_graph.report`.
+        A :class:`CompiledModule`: call it as the model. It shares the model's parameters
+        and buffers (an optimizer over ``model.parameters()`` trains it; gradients arrive
+        in float32) and never modifies ``model``. ``print(compiled)`` shows the graph.
 
     Raises:
-        CaptureError: symbolic tracing failed; the message names the construct.
+        CaptureError: the model could not be captured; the message names the construct.
         ValueError / TypeError: bad policy, dtype, overrides or example inputs.
     """
     if not isinstance(model, nn.Module):
@@ -200,46 +500,83 @@ def compile(
             "amp_graph.compile takes an nn.Module or a torch.fx.GraphModule; "
             f"got {type(model).__name__}"
         )
-    device_type = model_device_type(model, example_inputs)
-    dtype = check_dtype(default_dtype(device_type) if dtype is None else dtype)
-    policy = resolve_policy(policy, device_type)
-    gm = _copy_graph_module(model) if isinstance(model, fx.GraphModule) else capture(model)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not placeholders:
-        raise ValueError(
-            f"the graph of {type(model).__name__} has no inputs, so there is nothing whose "
-            "precision could change; amp_graph needs a model called with tensors"
-        )
-    drop_string_annotations(gm)
-    if example_inputs is not None:
-        _attach_example_inputs(gm, example_inputs)
-    policy.validate_for(
-        [name for name, _ in model.named_modules()], [n.name for n in gm.graph.nodes]
-    )
-    original = _copy_graph_module(gm)
-    result = run_passes(gm, policy, dtype, check_each=check_each_pass)
-    exact = bool(result.stats.get("exact_dtypes"))
-    record = CompileRecord(
-        policy, dtype, device_type, result.stats, result.seconds, exact, original
-    )
-    gm.meta[COMPILE_META] = record
-    log.info("%s", _summary(gm, record))
-    return gm
-
-
-def compile_record(compiled: nn.Module) -> CompileRecord:
-    """The record ``compile`` left on a compiled module; a clear error for other modules."""
-    record = (
-        getattr(compiled, "meta", {}).get(COMPILE_META)
-        if isinstance(compiled, fx.GraphModule)
-        else None
-    )
-    if record is None:
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
         raise TypeError(
-            f"{type(compiled).__name__} was not produced by amp_graph.compile (or by the "
-            "amp_graph backend); pass the module amp_graph.compile returned"
+            "example_inputs is a tuple of the forward's arguments, e.g. (x,); "
+            f"got {type(example_inputs).__name__}"
         )
-    return record
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs is a dict; got {type(example_kwargs).__name__}")
+    examples = (*(example_inputs or ()), *(example_kwargs or {}).values())
+    if examples and not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(examples)):
+        raise ValueError(
+            "none of example_inputs is a tensor; pass the tensors the model is called with"
+        )
+    device_type = model_device_type(model, examples)
+    policy = resolve_policy(policy, device_type)
+    dtype = resolve_dtype(policy, dtype, device_type)
+    policy.validate_modules([name for name, _ in model.named_modules()])
+    compiled = CompiledModule(model, policy, dtype, device_type, check_each_pass=check_each_pass)
+    if example_inputs is not None or example_kwargs is not None:
+        args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+        _check_fits_forward(model, args, kwargs)
+        if isinstance(model, fx.GraphModule):
+            placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
+            if len(args) + len(kwargs) > len(placeholders):
+                raise ValueError(
+                    f"{len(args) + len(kwargs)} example inputs for a graph with "
+                    f"{len(placeholders)} inputs ({', '.join(p.name for p in placeholders)})"
+                )
+        compiled.capture(*args, **kwargs)
+    return compiled
 
 
-__all__ = ["CaptureError", "CompileRecord", "capture", "compile", "compile_record"]
+def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A clear error for example inputs the forward cannot take (before any tracing)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"example inputs do not fit {type(model).__name__}.forward{signature}: {error}"
+        ) from None
+
+
+def unwrap(compiled: Any) -> Any:
+    """A :class:`CompiledModule`'s current GraphModule; anything else as it is."""
+    return compiled.graph_module if isinstance(compiled, CompiledModule) else compiled
+
+
+def as_graph_module(compiled: Any) -> fx.GraphModule:
+    """The rewritten GraphModule behind what ``compile``, the backend or ``Graph`` made."""
+    if isinstance(compiled, CompiledModule):
+        return compiled.graph_module
+    if isinstance(compiled, fx.GraphModule) and COMPILE_META in getattr(compiled, "meta", {}):
+        return compiled
+    raise TypeError(
+        f"{type(compiled).__name__} was not produced by amp_graph.compile (or by the "
+        "amp_graph backend); pass the module amp_graph.compile returned"
+    )
+
+
+def compile_record(compiled: Any) -> CompileRecord:
+    """The record ``compile`` left on a compiled graph; a clear error for other modules."""
+    return as_graph_module(compiled).meta[COMPILE_META]
+
+
+__all__ = [
+    "CaptureCache",
+    "CaptureError",
+    "CompileRecord",
+    "CompiledModule",
+    "as_graph_module",
+    "compile",
+    "compile_record",
+    "rewrite",
+    "unwrap",
+]

@@ -1,15 +1,20 @@
 """``make demo`` / ``amp-graph demo``: amp_graph's training Graph on a real dataset.
 
-Trains a small ResNet-style ConvNet on scikit-learn's handwritten digits (shipped inside
-the scikit-learn wheel) from one initialization on the same batches, four ways:
+Trains a small ResNet-style ConvNet (with BatchNorm) on scikit-learn's handwritten digits
+(shipped inside the scikit-learn wheel) from one initialization on the same batches, with
+fused AdamW, four ways:
 
 * float32, a plain eager loop;
-* a hand-written ``torch.autocast`` + ``torch.amp.GradScaler`` loop;
-* ``amp_graph.Graph`` with policy O1 (the whole step as one graph, with amp_graph's scaler);
+* a hand-written ``torch.autocast`` (+ ``torch.amp.GradScaler`` for float16) loop;
+* ``amp_graph.Graph`` with policy O1 (the whole step as one graph);
 * ``amp_graph.Graph`` with policy O2 (low-precision weights, float32 master weights);
 
-then prints test accuracy, median step time and its ratio to fp32 and to torch.autocast,
-the loss-scale trajectory and skipped steps of the Graph runs, and the cast report of O1.
+and with ``--compile`` two more: ``torch.compile`` + ``torch.autocast`` by hand, and the O2
+Graph with ``config.enable_compile()`` (inductor). The runs take their steps in turn (step
+1 of every run, then step 2, ...), so that their times are measured side by side. Then it
+prints test accuracy, median step time and its ratio to fp32 and to torch.autocast, the
+bytes of parameters, gradients and master weights, the skipped steps, and the cast report
+of O1.
 """
 
 from __future__ import annotations
@@ -50,7 +55,12 @@ class DigitsStep(amp_graph.Graph):
     """The training step, OneFlow style: AMP, scaler and optimizer are part of the graph."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: str, dtype: torch.dtype
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        policy: str,
+        dtype: torch.dtype,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
@@ -58,6 +68,8 @@ class DigitsStep(amp_graph.Graph):
         self.config.enable_amp(True, policy=policy, dtype=dtype)
         if dtype == torch.float16:
             self.set_grad_scaler(amp_graph.GradScaler(init_scale=2.0**16, growth_interval=50))
+        if compile:
+            self.config.enable_compile()
 
     def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(self.model(x).float(), y)
@@ -65,15 +77,21 @@ class DigitsStep(amp_graph.Graph):
         return loss
 
 
-def eager_step(model: nn.Module, dtype: torch.dtype | None) -> Callable:
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """Fused AdamW: it skips a step on the device when a gradient is inf/nan (no host read)."""
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+
+
+def eager_step(model: nn.Module, dtype: torch.dtype | None, compile: bool = False) -> Callable:
     """fp32 (dtype None) or a hand-written torch.autocast + torch.amp.GradScaler step."""
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    opt = optimizer(model)
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16, growth_interval=100)
+    forward = torch.compile(model) if compile else model
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = F.cross_entropy(model(x).float(), y)
+            loss = F.cross_entropy(forward(x).float(), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -102,7 +120,7 @@ def loss_scaling_run(train_split: Split, steps: int, batch: int) -> None:
     """float16 with dynamic loss scaling, on an MLP: one corrupted batch shows a skipped step."""
     torch.manual_seed(0)
     model = models.MLP()
-    graph = DigitsStep(model, torch.optim.Adam(model.parameters(), lr=3e-3), "O1", torch.float16)
+    graph = DigitsStep(model, optimizer(model), "O1", torch.float16)
     scales, bad_step = [], steps // 2
     for i, (x, y) in enumerate(
         progress(batches(train_split, batch, steps), steps, "fp16 Graph O1")
@@ -112,10 +130,9 @@ def loss_scaling_run(train_split: Split, steps: int, batch: int) -> None:
             x[0, 0, 0, 0] = float("inf")  # a corrupted pixel: inf/nan gradients
         graph(x, y)
         scales.append(graph.grad_scaler.get_scale())
-    scaler = graph.grad_scaler
     print(f"  loss scale: {scale_trajectory(scales)}")
     print(
-        f"  skipped steps: {scaler.skipped_steps} (a corrupted batch at step {bad_step}; "
+        f"  skipped steps: {graph.skipped_steps} (a corrupted batch at step {bad_step}; "
         "its non-finite gradients never reached the weights)"
     )
 
@@ -135,15 +152,20 @@ def main(argv: list[str] | None = None) -> int:
         default="bf16",
         help="low-precision dtype of the comparison (bf16: torch.autocast's CPU default)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also torch.compile + autocast by hand and a compiled O2 Graph (needs a C++ compiler)",
+    )
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]
 
     torch.manual_seed(0)
     train_split, test_split = load_digits()
     print(
-        f"amp_graph demo: ConvNet (width {args.channels}) on scikit-learn digits "
-        f"({len(train_split.y)} train / {len(test_split.y)} test images), {args.steps} Adam "
-        f"steps of {args.batch}, low precision {dtype}; torch {torch.__version__}, "
+        f"amp_graph demo: ConvNet (width {args.channels}, BatchNorm) on scikit-learn digits "
+        f"({len(train_split.y)} train / {len(test_split.y)} test images), {args.steps} fused "
+        f"AdamW steps of {args.batch}, low precision {dtype}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads\n"
     )
     base = models.ConvNet(channels=args.channels)
@@ -155,24 +177,34 @@ def main(argv: list[str] | None = None) -> int:
     runs["torch.autocast eager"] = (model, eager_step(model, dtype), None)
     for policy in ("O1", "O2"):
         model = copy.deepcopy(base)
-        graph = DigitsStep(model, torch.optim.Adam(model.parameters(), lr=3e-3), policy, dtype)
+        graph = DigitsStep(model, optimizer(model), policy, dtype)
         runs[f"amp_graph.Graph {policy}"] = (model, graph, graph)
+    if args.compile:
+        model = copy.deepcopy(base)
+        runs["torch.compile + autocast"] = (model, eager_step(model, dtype, compile=True), None)
+        model = copy.deepcopy(base)
+        graph = DigitsStep(model, optimizer(model), "O2", dtype, compile=True)
+        runs["amp_graph.Graph O2 compiled"] = (model, graph, graph)
 
-    results = {}
-    for label, (model, step, graph) in runs.items():
-        times, scales = [], []
-        for x, y in progress(batches(train_split, args.batch, args.steps), args.steps, label):
+    # every run takes the same batches, in turn: step i of each run before step i + 1
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    scales: dict[str, list[float]] = {label: [] for label in runs}
+    data = list(batches(train_split, args.batch, args.steps))
+    for x, y in progress(iter(data), args.steps, "all runs, in turn"):
+        for label, (_, step, graph) in runs.items():
             start = time.perf_counter()
             step(x, y)
-            times.append(time.perf_counter() - start)
+            times[label].append(time.perf_counter() - start)
             if graph is not None and graph.grad_scaler is not None:
-                scales.append(graph.grad_scaler.get_scale())
+                scales[label].append(graph.grad_scaler.get_scale())
+
+    results = {}
+    for label, (model, _, graph) in runs.items():
         eval_dtype = None if label == "fp32 eager" else dtype  # O2 weights are low precision
         acc = accuracy(model, test_split, eval_dtype)
-        skipped = (
-            graph.grad_scaler.skipped_steps if graph is not None and graph.grad_scaler else None
-        )
-        results[label] = (acc, statistics.median(times[5:] or times), scales, skipped)
+        skipped = graph.skipped_steps if graph is not None else None
+        step_time = statistics.median(times[label][5:] or times[label])
+        results[label] = (acc, step_time, scales[label], skipped, parameter_bytes(model, graph))
 
     print("\nCast report of the Graph's build (policy O1):")
     o1 = runs["amp_graph.Graph O1"][2]
@@ -183,16 +215,22 @@ def main(argv: list[str] | None = None) -> int:
 
     fp32_time = results["fp32 eager"][1]
     autocast_time = results["torch.autocast eager"][1]
-    print(f"\n{'run':<24} {'test acc':>9} {'median step':>12} {'vs fp32':>8} {'vs autocast':>12}")
-    for label, (acc, step_time, _, _) in results.items():
+    print(
+        f"\n{'run':<28} {'test acc':>9} {'median step':>12} {'vs fp32':>8} {'vs autocast':>12} "
+        f"{'params+grads(+masters)':>23}"
+    )
+    for label, (acc, step_time, _, _, nbytes) in results.items():
         print(
-            f"{label:<24} {acc:>9.3f} {step_time * 1e3:>9.2f} ms {step_time / fp32_time:>7.2f}x "
-            f"{step_time / autocast_time:>11.2f}x"
+            f"{label:<28} {acc:>9.3f} {step_time * 1e3:>9.2f} ms {step_time / fp32_time:>7.2f}x "
+            f"{step_time / autocast_time:>11.2f}x {nbytes / 2**10:>19.1f} KiB"
         )
-    for label, (_, _, scales, skipped) in results.items():
-        if scales:
-            note = "" if dtype == torch.float16 else " (bf16 needs no loss scaling: fixed at 1)"
-            print(f"{label}: loss scale {scale_trajectory(scales)}{note}; skipped steps: {skipped}")
+    for label, (_, _, run_scales, skipped, _) in results.items():
+        if skipped is None:
+            continue
+        if run_scales:
+            print(f"{label}: loss scale {scale_trajectory(run_scales)}; skipped steps: {skipped}")
+        else:
+            print(f"{label}: no loss scaling ({dtype} needs none); skipped steps: {skipped}")
     fp32_acc = results["fp32 eager"][0]
     print(
         "accuracy vs fp32: "
@@ -206,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\nLoss scaling at work: float16, MLP, Graph O1 with amp_graph.GradScaler")
         loss_scaling_run(train_split, steps=200, batch=64)
     return 0
+
+
+def parameter_bytes(model: nn.Module, graph: amp_graph.Graph | None) -> int:
+    """Bytes of the parameters and gradients after a step, plus O2's float32 masters and theirs."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    if graph is not None and graph._master is not None:
+        tensors += [t for _, _, m in graph._master.pairs for t in (m, m.grad) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,17 @@
     loss = g(x, y)   # captured and compiled on the first call; one training step per call
     print(g)         # the step graph: casts, loss scaling, unscale/check, step, update
 
-The first call traces ``build`` with ``torch.fx`` (``loss.backward()`` included), runs the AMP
-passes on it, scales each loss before its backward, and wraps it into a step graph whose
-nodes zero the gradients, run the micro-batches, unscale and check the gradients (the
-scaler's fused kernel), clip, step every optimizer (skipped on overflow), update the scale
-and step the schedulers. A Graph without ``add_optimizer`` is an evaluation graph: no
-backward, no scaler, run under ``torch.no_grad()``.
+The first call captures ``build`` with the same front end as :func:`amp_graph.compile`
+(``torch.export``, aten ops, under torch.autocast): ``loss.backward()`` is recorded, not run,
+so the captured graph is the forward and returns each loss. The AMP passes rewrite it, and a
+step graph wraps it whose nodes zero the gradients, run the micro-batches, scale each loss
+and run its backward, unscale and check the gradients (the scaler's fused kernel), clip,
+step every optimizer (skipped on overflow), update the scale and step the schedulers.
+Without loss scaling (bfloat16, fp8, AMP off) a
+:class:`~amp_graph.grad_check.NonFiniteGuard` checks the gradients instead: no unscale, no
+scale to update, the same skips. ``config.enable_compile()`` hands the build graph to
+``torch.compile``. A Graph without ``add_optimizer`` is an evaluation graph: no backward,
+no scaler, run under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -40,28 +45,34 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
+from amp_graph.capture import Captured, capture_module
 from amp_graph.compiler import (
     COMPILE_META,
-    CompileRecord,
-    _attach_example_inputs,
-    _copy_graph_module,
+    CaptureCache,
     check_dtype,
-    default_dtype,
-    drop_string_annotations,
     model_device_type,
+    resolve_dtype,
+    rewrite,
 )
+from amp_graph.grad_check import NonFiniteGuard
 from amp_graph.master_weights import MasterWeights
-from amp_graph.passes import run_passes
-from amp_graph.passes.training import StepPlan, backward_nodes, build_step_graph, scale_losses
-from amp_graph.policy import Policy, resolve_policy
-from amp_graph.scaler import GradScaler, StaticGradScaler
+from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
+from amp_graph.policy import Policy, nearest, resolve_policy
+from amp_graph.scaler import GradScaler
+from amp_graph.step_graph import StepPlan, build_step_graph
 
 log = logging.getLogger(__name__)
 
 
+# What enable_compile passes on: torch.compile's keyword arguments.
+COMPILE_OPTIONS = tuple(p for p in inspect.signature(torch.compile).parameters if p != "model")
+
+
 class GraphConfig:
-    """``graph.config``: AMP, gradient clipping and accumulation, as in OneFlow."""
+    """``graph.config``: AMP, gradient clipping and accumulation, compilation, as in OneFlow."""
 
     def __init__(self) -> None:
         self.amp = False
@@ -69,17 +80,21 @@ class GraphConfig:
         self.dtype: torch.dtype | None = None
         self.clip_max_norm: float | None = None
         self.accumulation_steps = 1
+        self.compile = False
+        self.compile_options: dict[str, Any] = {}
 
     def enable_amp(
         self, mode: bool = True, *, policy: Policy | str = "O1", dtype: torch.dtype | None = None
     ) -> None:
         """Compute per ``policy`` (O1 by default) in ``dtype`` (the device default if None)."""
-        if isinstance(policy, str):
-            Policy.preset(policy)  # unknown names fail here, naming the nearest
-        elif not isinstance(policy, Policy):
-            raise TypeError(f"policy is a preset name or an amp_graph.Policy; got {policy!r}")
+        resolved = resolve_policy(policy, "cpu")  # unknown names fail here, naming the nearest
         if dtype is not None:
-            check_dtype(dtype)
+            if resolved.fp8 is not None:
+                from amp_graph.fp8 import check_fp8_low_dtype
+
+                check_fp8_low_dtype(dtype)
+            else:
+                check_dtype(dtype)
         self.amp, self.policy, self.dtype = bool(mode), policy, dtype
 
     def set_gradient_clipping(self, max_norm: float | None) -> None:
@@ -96,11 +111,29 @@ class GraphConfig:
             raise ValueError(f"gradient accumulation steps is a positive int; got {steps!r}")
         self.accumulation_steps = steps
 
+    def enable_compile(self, mode: bool = True, **options: Any) -> None:
+        """Hand the build graph (forward, casts and backward) to ``torch.compile`` (inductor
+        unless ``backend=`` says otherwise), as OneFlow's ``nn.Graph`` compiles its graph.
+
+        ``options`` are torch.compile's keyword arguments (``backend``, ``mode``,
+        ``dynamic``, ``fullgraph``, ``options``, ...). The step around the build (gradient
+        check, optimizer step, master weights) stays eager, as in a hand-written loop.
+        Takes effect at the next capture (the first call).
+        """
+        for name in options:
+            if name not in COMPILE_OPTIONS:
+                raise TypeError(
+                    f"enable_compile got an unknown option {name!r}; torch.compile takes "
+                    f"{list(COMPILE_OPTIONS)}.{nearest(name, COMPILE_OPTIONS)}"
+                )
+        self.compile, self.compile_options = bool(mode), dict(options)
+
     def __repr__(self) -> str:
         amp = f"amp={self.amp}" + (f" ({self.policy}, {self.dtype})" if self.amp else "")
+        compiled = f", compile={self.compile_options or True}" if self.compile else ""
         return (
             f"GraphConfig({amp}, clip_max_norm={self.clip_max_norm}, "
-            f"accumulation_steps={self.accumulation_steps})"
+            f"accumulation_steps={self.accumulation_steps}{compiled})"
         )
 
 
@@ -108,17 +141,26 @@ class _Root(nn.Module):
     """The nn.Module that owns the Graph's modules during tracing and in the step graph."""
 
 
-def _signature(args: tuple) -> tuple:
-    """What a compiled step is specialized on: structure, dtypes and devices (not shapes)."""
+class _BackwardRecorder(TorchFunctionMode):
+    """Records the losses ``build`` calls ``backward`` on instead of running it, so that the
+    captured graph is the forward, returning those losses (the step graph runs backward)."""
 
-    def one(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return ("tensor", value.dtype, value.device.type, value.dim())
-        if isinstance(value, (tuple, list)):
-            return (type(value).__name__, tuple(one(v) for v in value))
-        return ("value", type(value).__name__)
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[torch.Tensor] = []
 
-    return tuple(one(a) for a in args)
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            # torch passes its defaults along: gradient=None, retain_graph=None, ...
+            if len(args) > 1 or any(v not in (None, False) for v in kwargs.values()):
+                raise TypeError(
+                    "in Graph.build, call loss.backward() without arguments: the step graph "
+                    "runs backward itself (scaling the loss where needed)"
+                )
+            self.losses.append(args[0])
+            return None
+        return func(*args, **kwargs)
 
 
 class Graph:
@@ -130,11 +172,13 @@ class Graph:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._schedulers: list[Any] = []
         self._scaler: GradScaler | None = None
-        self._compiled: dict[tuple, fx.GraphModule] = {}
+        self._cache: CaptureCache | None = None
+        self._steps: dict[int, fx.GraphModule] = {}  # by id of the Captured build
         self._last: fx.GraphModule | None = None
         self._master: MasterWeights | None = None
         self._step = 0
         self._scaler_in_use: GradScaler | None = None
+        self._guard = NonFiniteGuard()  # checks gradients when no loss is scaled
         self._init_called = True
 
     # ---- registration -----------------------------------------------------------------
@@ -188,17 +232,28 @@ class Graph:
 
     @property
     def build_graph(self) -> fx.GraphModule | None:
-        """The captured and rewritten ``build`` (forward, casts, scaled backward)."""
+        """The captured and rewritten ``build`` (forward and losses, with amp_graph's casts);
+        under :meth:`GraphConfig.enable_compile`, the graph handed to torch.compile."""
         if self._last is None:
             return None
-        return self._last.get_submodule("build") if self.training else self._last
+        build = self._last.get_submodule("build")
+        return getattr(build, "_orig_mod", build)
 
     @property
     def grad_scaler(self) -> GradScaler | None:
-        """The scaler the step graph uses: the one set with :meth:`set_grad_scaler`, or, where
-        loss scaling does not apply (bfloat16, AMP off), a fixed scale of 1 that still skips
-        steps with inf/nan gradients. None before the first call of a training graph."""
+        """The loss scaler the step graph uses (the one set with :meth:`set_grad_scaler`,
+        float16). None where no loss is scaled (bfloat16, AMP off): there a
+        :class:`~amp_graph.grad_check.NonFiniteGuard` still skips every step with inf/nan
+        gradients (see :attr:`skipped_steps`); and before the first call."""
         return self._scaler_in_use
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because a gradient was inf/nan (by the scaler or the guard).
+        Reading it synchronizes once."""
+        if self._scaler_in_use is not None:
+            return self._scaler_in_use.skipped_steps
+        return self._guard.skipped_steps
 
     @property
     def steps(self) -> int:
@@ -208,21 +263,23 @@ class Graph:
     def __call__(self, *args: Any) -> Any:
         if not self.__dict__.get("_init_called"):
             raise RuntimeError("call super().__init__() in your Graph's __init__")
-        key = _signature(args)
-        if key not in self._compiled:
-            if self._compiled:
-                log.info(
-                    "%s: inputs changed structure or dtype; capturing build again",
-                    type(self).__name__,
-                )
-            self._compiled[key] = self._compile(args)
-        self._last = self._compiled[key]
-        if not self.training:
-            with torch.no_grad():
-                return self._last(*args)
+        if self._cache is None:
+            root = self._root()
+            self._cache = CaptureCache(
+                lambda a, k, dynamic: self._capture(root, a, dynamic),
+                list(root.modules()),
+                f"{type(self).__name__}.build",
+            )
         if self.config.accumulation_steps > 1:
             self._check_divisible(args)
-        out = self._last(*args)
+        captured, leaves = self._cache.get(args, {})
+        if id(captured) not in self._steps:
+            self._steps[id(captured)] = self._step_graph(captured, args)
+        self._last = self._steps[id(captured)]
+        if not self.training:
+            with torch.no_grad():
+                return self._last(*leaves)
+        out = self._last(*leaves)
         self._step += 1
         return out
 
@@ -236,103 +293,125 @@ class Graph:
                     f"by {n}"
                 )
 
-    def _active_scaler(self, dtype: torch.dtype) -> GradScaler:
-        """The scaler the step uses. Scaling only matters for float16; otherwise a fixed
-        scale of 1 still keeps steps with non-finite gradients off the weights."""
+    def _active_scaler(self, dtype: torch.dtype, policy: Policy) -> GradScaler | None:
+        """The loss scaler the step uses, or None where scaling does not apply (anything but
+        float16: bfloat16, fp8 whose e5m2 gradients have the range, AMP off); then the step's
+        NonFiniteGuard keeps inf/nan gradients off the weights."""
         fp16 = self.config.amp and dtype == torch.float16
         if self._scaler is not None and not fp16:
+            why = "off" if not self.config.amp else f"on with {dtype}"
+            if policy.fp8 is not None:
+                why = "fp8, whose e5m2 gradients have the range"
             warnings.warn(
                 f"{type(self).__name__}: the GradScaler set with set_grad_scaler does nothing "
-                f"here (AMP {'on with ' + str(dtype) if self.config.amp else 'off'}): loss scaling "
-                "is for float16. Steps with inf/nan gradients are still skipped.",
-                stacklevel=3,
+                f"here (AMP {why}): loss scaling is for float16. Steps with inf/nan gradients "
+                "are still skipped.",
+                stacklevel=4,
             )
-            return StaticGradScaler(1.0)
-        if self._scaler is None:
-            return StaticGradScaler(1.0)
-        return self._scaler
+        return self._scaler if fp16 else None
 
-    def _capture(self, root: _Root, args: tuple) -> fx.GraphModule:
+    def _root(self) -> _Root:
+        """A module holding the Graph's modules, whose forward is ``build`` (with build's own
+        argument names, so the captured graph's inputs read like build) recording the losses
+        it calls ``backward`` on."""
         params = list(inspect.signature(self.build).parameters.values())
         if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
             raise TypeError("build(self, ...) takes positional arguments only (no *args/**kwargs)")
-        if len(params) != len(args):
-            raise TypeError(
-                f"build takes {len(params)} inputs; the graph was called with {len(args)}"
-            )
         names = [
             p.name if p.name.isidentifier() and not keyword.iskeyword(p.name) else f"arg{i}"
             for i, p in enumerate(params)
         ]
-        namespace: dict[str, Any] = {"__build": self.build}
-        exec(  # a forward with build's own argument names, so the graph reads like build
-            f"def forward(self, {', '.join(names)}):\n    return __build({', '.join(names)})\n",
+        build = self.build
+
+        def run(*args: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+            recorder = _BackwardRecorder()
+            with recorder:
+                out = build(*args)
+            return out, tuple(recorder.losses)
+
+        namespace: dict[str, Any] = {"__run": run}
+        exec(
+            f"def forward(self, {', '.join(names)}):\n    return __run({', '.join(names)})\n",
             namespace,
         )
-        # fx traces type(root).forward: give this root a class of its own with that forward
-        root.__class__ = type(
-            f"{type(self).__name__}Root", (_Root,), {"forward": namespace["forward"]}
-        )
-        tracer = fx.Tracer()
-        try:
-            graph = tracer.trace(root)
-        except Exception as error:
-            raise RuntimeError(
-                f"{type(self).__name__}.build could not be captured with torch.fx: {error}. "
-                "build must be traceable (no Python control flow on tensor values)."
-            ) from error
-        gm = fx.GraphModule(root, graph, class_name=f"{type(self).__name__}Build")
-        drop_string_annotations(gm)
-        return gm
-
-    def _compile(self, args: tuple) -> fx.GraphModule:
-        root = _Root()
+        cls = type(f"{type(self).__name__}Build", (_Root,), {"forward": namespace["forward"]})
+        root = cls()
         for name, module in self._modules.items():
             root.add_module(name, module)
-        build = self._capture(root, args)
-        backwards = backward_nodes(build)
-        if self.training and not backwards:
+        return root
+
+    def _policy(self, device: str) -> tuple[Policy, torch.dtype]:
+        policy = resolve_policy(self.config.policy if self.config.amp else "O0", device)
+        return policy, resolve_dtype(policy, self.config.dtype, device)
+
+    def _capture(self, root: _Root, args: tuple, dynamic: bool) -> Captured:
+        params = list(inspect.signature(self.build).parameters)
+        if len(params) != len(args):
+            raise TypeError(
+                f"build takes {len(params)} inputs; the graph was called with {len(args)}"
+            )
+        device = model_device_type(root, args)  # the parameters', else the inputs'
+        policy, dtype = self._policy(device)
+        if policy.name.startswith("O2") and self.training and self._master is None:
+            self._master = MasterWeights.create(self._modules, self._optimizers, dtype)
+        autocast_dtype = None if policy.casts_nothing else dtype
+        # The graph reads the Graph's modules as its own attributes (self.model.fc.weight),
+        # unless a module's name would shadow a GraphModule attribute (then self.root.model).
+        names = set(dict(root.named_children()))
+        attr = "root" if names & set(dir(fx.GraphModule)) else None
+        captured = capture_module(
+            root,
+            args,
+            {},
+            device_type=device,
+            autocast_dtype=autocast_dtype,
+            dynamic=dynamic,
+            model_attr=attr,
+        )
+        rewrite(captured.graph_module, policy, dtype, device, seconds={"capture": captured.seconds})
+        return captured
+
+    def _step_graph(self, captured: Captured, args: tuple) -> fx.GraphModule:
+        """The step graph around a captured build (see :mod:`amp_graph.step_graph`)."""
+        build = captured.graph_module
+        output_tree, losses = pytree.tree_unflatten(
+            list(range(captured.out_spec.num_leaves)), captured.out_spec
+        )
+        if self.training and not losses:
             raise RuntimeError(
                 f"{type(self).__name__}.build never calls loss.backward(), but an optimizer is "
                 "registered with add_optimizer; call loss.backward() in build (or register no "
                 "optimizer for an evaluation graph)"
             )
-        if not self.training and backwards:
+        if not self.training and losses:
             raise RuntimeError(
                 f"{type(self).__name__}.build calls backward() but no optimizer is registered; "
                 "add one with self.add_optimizer(...) or remove the backward call"
             )
-        # the device autocast would use: the parameters', else the inputs'
-        device = model_device_type(root, args)
-        dtype = self.config.dtype or default_dtype(device)
-        if self.config.amp:
-            policy = resolve_policy(self.config.policy, device)
-            if policy.name.startswith("O2") and self.training and self._master is None:
-                self._master = MasterWeights.create(self._modules, self._optimizers, dtype)
-            _attach_example_inputs(build, list(args))
-            original = _copy_graph_module(build)
-            result = run_passes(build, policy, dtype)
-            build.meta[COMPILE_META] = CompileRecord(
-                policy,
-                dtype,
-                device,
-                result.stats,
-                result.seconds,
-                bool(result.stats.get("exact_dtypes")),
-                original,
-            )
-        if not self.training:
-            return build
-        scaler = self._active_scaler(dtype)
-        build.scaler = scaler
-        scale_losses(build, "scaler", self.config.accumulation_steps)
+        output_positions, output_spec = pytree.tree_flatten(output_tree)
+        placeholders = [n for n in build.graph.nodes if n.op == "placeholder"]
+        record = build.meta[COMPILE_META]
+        scaler = self._active_scaler(record.dtype, record.policy) if self.training else None
         step_root = nn.Module()
-        step_root.scaler = scaler
+        if scaler is not None:
+            step_root.scaler = scaler
+        elif self.training:
+            step_root.guard = self._guard
         plan = StepPlan(
-            inputs=[n.name for n in build.graph.nodes if n.op == "placeholder"],
-            micro_batches=self.config.accumulation_steps,
+            inputs=[n.name for n in placeholders],
+            tensor_inputs=[isinstance(n.meta.get("val"), torch.Tensor) for n in placeholders],
+            output_positions=list(output_positions),
+            output_spec=output_spec,
+            loss_positions=list(losses),
+            micro_batches=self.config.accumulation_steps if self.training else 1,
             clip_max_norm=self.config.clip_max_norm,
+            scaler="scaler" if scaler is not None else None,
+            guard="guard" if scaler is None and self.training else None,
         )
+        if self.training and self.config.accumulation_steps > 1:
+            # cast each weight once per step, not once per micro-batch
+            _, plan.weight_casts = hoist_parameter_casts(build)
+            build.recompile()
         for i, optimizer in enumerate(self._optimizers):
             setattr(step_root, f"optimizer_{i}", optimizer)
             plan.optimizers.append(f"optimizer_{i}")
@@ -343,12 +422,16 @@ class Graph:
             step_root.master_weights = self._master
             plan.master = "master_weights"
         self._scaler_in_use = scaler
-        return build_step_graph(step_root, build, plan)
+        step = build_step_graph(step_root, build, plan)
+        if self.config.compile:
+            step.build = torch.compile(build, **self.config.compile_options)
+        return step
 
     # ---- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Modules (float32 masters under O2), optimizers, schedulers, scaler, step counter."""
+        """Modules (float32 masters under O2), optimizers, schedulers, scaler, step counter,
+        and the count of steps skipped without a scaler."""
         modules = {}
         for name, module in self._modules.items():
             state = module.state_dict()
@@ -364,6 +447,7 @@ class Graph:
             "optimizers": [o.state_dict() for o in self._optimizers],
             "schedulers": [s.state_dict() for s in self._schedulers],
             "scaler": scaler,
+            "nonfinite_guard": self._guard.state_dict(),
             "step": self._step,
         }
 
@@ -404,6 +488,8 @@ class Graph:
         scaler = getattr(self, "_scaler_in_use", None) or self._scaler
         if state.get("scaler") is not None and scaler is not None:
             scaler.load_state_dict(state["scaler"])
+        if state.get("nonfinite_guard") is not None:
+            self._guard.load_state_dict(state["nonfinite_guard"])
         self._step = int(state["step"])
 
     def __repr__(self) -> str:
@@ -412,5 +498,5 @@ class Graph:
             return f"{head}\n  (not compiled yet: the first call captures build)"
         parts = [head, "step graph:", self._last.code.strip()]
         if self.training:
-            parts += ["build graph:", self._last.get_submodule("build").code.strip()]
+            parts += ["build graph:", self.build_graph.code.strip()]
         return "\n".join(parts)

@@ -1,20 +1,27 @@
 """Low-precision parameter storage with float32 master weights (policy O2 in a Graph).
 
 The model keeps its parameters in the low-precision dtype (normalization layers excepted);
-the optimizers own float32 master copies. After backward, the low-precision gradients are
-moved onto the masters, the optimizer steps the masters, and the masters are copied back.
-The masters are the truth: ``state_dict`` reports them, ``load_state_dict`` writes them and
-re-derives the low-precision copies, so the two never drift apart.
+the optimizers own float32 master copies. Gradients accumulate in float32 on the model's
+parameters (``grad_dtype = torch.float32``: autograd casts each incoming low-precision
+gradient before adding it, so micro-batches never accumulate in low precision); after
+backward they are handed to the masters (no copy), the optimizer steps the masters, and the
+masters are copied back with one foreach copy. On a torch without ``grad_dtype``, a
+post-accumulate-grad hook moves each gradient onto its master (in float32) as backward
+produces it. The masters are the truth: ``state_dict`` reports them, ``load_state_dict``
+writes them and re-derives the low-precision copies, so the two never drift apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 from amp_graph.tables.python_ops import NORMALIZATION_MODULES
+
+# Newer torch (2.13 has it): a leaf whose gradients have another dtype than the leaf.
+HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 
 class MasterWeights:
@@ -23,6 +30,13 @@ class MasterWeights:
     def __init__(self, pairs: list[tuple[str, nn.Parameter, nn.Parameter]]) -> None:
         self.pairs = pairs  # (qualified name, model parameter (low), master parameter (fp32))
         self._by_model = {id(model): master for _, model, master in pairs}
+        self._models = [model for _, model, _ in pairs]
+        self._masters = [master for _, _, master in pairs]
+        for _, model, master in pairs:
+            if HAS_GRAD_DTYPE:
+                model.grad_dtype = torch.float32
+            elif model.requires_grad:
+                model.register_post_accumulate_grad_hook(_to_master_hook(master))
 
     @staticmethod
     def create(
@@ -67,20 +81,19 @@ class MasterWeights:
 
     @torch.no_grad()
     def grads_to_master(self) -> None:
+        """Hand the float32 gradients accumulated on the model's parameters to the masters."""
         for _, model, master in self.pairs:
-            if model.grad is None:
-                master.grad = None
-                continue
-            if master.grad is None:
-                master.grad = model.grad.to(torch.float32)
-            else:
-                master.grad.copy_(model.grad)
+            grad = model.grad
+            if grad is None:
+                continue  # unused this step, or already moved by the hook
+            master.grad = grad if grad.dtype == torch.float32 else grad.float()
             model.grad = None
 
     @torch.no_grad()
     def master_to_model(self) -> None:
-        for _, model, master in self.pairs:
-            model.copy_(master)
+        """Copy the masters into the low-precision parameters: one foreach copy (casting)."""
+        if self._models:
+            torch._foreach_copy_(self._models, self._masters)
 
     def parameter_bytes(self) -> dict[str, int]:
         """Bytes held by the model copies, the masters and their gradients right now."""
@@ -94,3 +107,17 @@ class MasterWeights:
             "model_grads": sum(size(m.grad) for _, m, _ in self.pairs),
             "master_grads": sum(size(w.grad) for _, _, w in self.pairs),
         }
+
+
+def _to_master_hook(master: nn.Parameter) -> Callable[[torch.Tensor], None]:
+    """Move each gradient onto ``master``, adding in float32 (torch without ``grad_dtype``)."""
+
+    @torch.no_grad()
+    def hook(param: torch.Tensor) -> None:
+        grad, param.grad = param.grad, None
+        if master.grad is None:
+            master.grad = grad.float()
+        else:
+            master.grad.add_(grad)
+
+    return hook

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from amp_graph.fp8.recipe import Fp8Config
 from amp_graph.tables import autocast_lists as lists
 from amp_graph.tables import python_ops
 
@@ -51,7 +52,7 @@ KEEP_FP32 = Rule.DENY
 """The explicit way to say "keep this in float32" in an override."""
 
 _RULE_ALIASES = {"low": Rule.ALLOW, "fp32": Rule.DENY, "float32": Rule.DENY}
-PRESETS = ("O0", "O1", "O2", "O3", "autocast")
+PRESETS = ("O0", "O1", "O2", "O3", "autocast", "fp8")
 
 OpKey = str | Callable | type
 """An op in a policy table: an aten op name (``"softmax"``), a torch callable
@@ -87,9 +88,15 @@ def autocast_tables(device_type: str) -> tuple[frozenset[str], frozenset[str], f
     )
 
 
+@functools.lru_cache(maxsize=1)
 def known_op_names() -> frozenset[str]:
-    """Every aten op name the tables know, for validating string op keys."""
-    names: set[str] = set()
+    """Every aten op name: those torch registers, and those the tables know (CUDA-only ops
+    included), for validating string op keys."""
+    names: set[str] = {
+        base_name(name.split("::", 1)[1])
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+    }
     for device in ("cpu", "cuda"):
         for table in autocast_tables(device):
             names |= table
@@ -97,6 +104,25 @@ def known_op_names() -> frozenset[str]:
         for candidates in table.values():
             names |= _bases(candidates)
     return frozenset(names) | python_ops.NORMALIZATION_OPS
+
+
+def _op_names(field_name: str, names: Any) -> frozenset[str]:
+    """A table of aten op names from any iterable of strings, each one checked."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"Policy {field_name} is a collection of aten op names, e.g. "
+            f"{field_name}=['softmax', 'layer_norm']; got {names!r}"
+        )
+    names = frozenset(names)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"Policy {field_name} holds aten op names (str); got {name!r}")
+        if base_name(name) not in known_op_names():
+            raise ValueError(
+                f"unknown op name {name!r} in Policy {field_name}; op names are aten op names "
+                f"such as 'softmax' or 'linear'.{nearest(name, known_op_names())}"
+            )
+    return names
 
 
 def nearest(word: str, options: Iterable[str]) -> str:
@@ -131,7 +157,8 @@ def op_key_name(key: OpKey) -> str:
     if isinstance(key, str):
         return key
     if isinstance(key, torch._ops.OpOverload):
-        return f"aten.{key._schema.name.split('::')[-1]}.{key._overloadname}"
+        overload = "" if key._overloadname == "default" else f".{key._overloadname}"
+        return f"aten.{key._schema.name.split('::')[-1]}{overload}"
     if isinstance(key, torch._ops.OpOverloadPacket):
         return f"aten.{key._qualified_op_name.split('::')[-1]}"
     if isinstance(key, type):
@@ -171,6 +198,48 @@ def _check_op_key(key: OpKey) -> None:
         )
 
 
+def _checked_ops(ops: Any) -> dict[OpKey, Rule]:
+    if not isinstance(ops, Mapping):
+        raise TypeError(f"Policy ops is a mapping of op -> rule; got {ops!r}")
+    for key in ops:
+        _check_op_key(key)
+    return {key: as_rule(rule) for key, rule in ops.items()}
+
+
+def _checked_module_types(types: Any) -> dict[type, Rule]:
+    if not isinstance(types, Mapping):
+        raise TypeError(
+            f"Policy module_types is a mapping of nn.Module type -> rule; got {types!r}"
+        )
+    for key in types:
+        if not (isinstance(key, type) and issubclass(key, nn.Module)):
+            raise TypeError(f"module_types keys are nn.Module subclasses; got {key!r}")
+    return {key: as_rule(rule) for key, rule in types.items()}
+
+
+def _checked_names(what: str, overrides: Any) -> dict[str, Rule]:
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"{what} overrides are a mapping of str -> rule; got {overrides!r}")
+    for key in overrides:
+        if not isinstance(key, str):
+            raise TypeError(f"module path and node name overrides are keyed by str; got {key!r}")
+    return {key: as_rule(rule) for key, rule in overrides.items()}
+
+
+def _checked_notes(notes: Any, nodes: Mapping[str, Rule]) -> dict[str, str]:
+    if not isinstance(notes, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in notes.items()
+    ):
+        raise TypeError(f"Policy notes are a mapping of node name -> str; got {notes!r}")
+    orphans = sorted(set(notes) - set(nodes))
+    if orphans:
+        raise ValueError(
+            f"Policy notes for nodes without a node override: {orphans}; a note explains a "
+            "node override, so add one (Policy.override(nodes=..., notes=...))"
+        )
+    return dict(notes)
+
+
 def _frozen(mapping: Mapping | None) -> Mapping:
     # A plain dict (picklable); Policy exposes no way to mutate it and override() copies.
     return dict(mapping or {})
@@ -204,7 +273,9 @@ class Policy:
     Attributes:
         name: for reports.
         allow, deny, promote: aten op names computing in low precision, in float32, and at
-            the widest floating input type. Every other op gets ``default``.
+            the widest floating input type.
+        follow: aten op names that take their inputs as they come (no casts), whatever
+            ``default`` says. Every op in no table gets ``default``.
         default: the rule for ops in no table: FOLLOW (O0, O1, autocast) or ALLOW (O2, O3).
         cast_inputs: cast floating graph inputs to low precision at entry (Apex O2/O3).
         ops: op-level overrides keyed by aten name, callable or module type.
@@ -212,25 +283,53 @@ class Policy:
         modules: overrides for every node inside a module whose path matches the glob
             (``"blocks.*.attn"``: ``*`` matches one path segment, ``**`` any number).
         nodes: overrides by FX node name.
+        notes: why a node override exists, by node name (``amp_graph.autopolicy`` records
+            the evidence for each demotion here); :func:`amp_graph.explain` quotes it.
+        fp8: run linear layers as float8 scaled matmuls (:mod:`amp_graph.fp8`) with this
+            configuration; everything else follows the tables. None: no fp8.
     """
 
     name: str
     allow: frozenset[str] = frozenset()
     deny: frozenset[str] = frozenset()
     promote: frozenset[str] = frozenset()
+    follow: frozenset[str] = frozenset()
     default: Rule = Rule.FOLLOW
     cast_inputs: bool = False
     ops: Mapping[OpKey, Rule] = field(default_factory=lambda: _frozen(None))
     module_types: Mapping[type, Rule] = field(default_factory=lambda: _frozen(None))
     modules: Mapping[str, Rule] = field(default_factory=lambda: _frozen(None))
     nodes: Mapping[str, Rule] = field(default_factory=lambda: _frozen(None))
+    fp8: Fp8Config | None = None
+    notes: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
+
+    def __post_init__(self) -> None:
+        """Validate and normalize every field, however the Policy was built (the
+        constructor, :meth:`preset`, :meth:`override`, ``dataclasses.replace``)."""
+        if not isinstance(self.name, str):
+            raise TypeError(f"Policy name is a str; got {self.name!r}")
+        for table in ("allow", "deny", "promote"):
+            object.__setattr__(self, table, _op_names(table, getattr(self, table)))
+        clash = (self.allow & self.deny) | (self.allow & self.promote) | (self.deny & self.promote)
+        if clash:
+            raise ValueError(f"op names in more than one Policy table: {sorted(clash)}")
+        object.__setattr__(self, "default", as_rule(self.default))
+        object.__setattr__(self, "ops", _checked_ops(self.ops))
+        object.__setattr__(self, "module_types", _checked_module_types(self.module_types))
+        object.__setattr__(self, "modules", _checked_names("module path", self.modules))
+        object.__setattr__(self, "nodes", _checked_names("node name", self.nodes))
+        object.__setattr__(self, "notes", _checked_notes(self.notes, self.nodes))
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise TypeError(f"Policy fp8 is an amp_graph.fp8.Fp8Config or None; got {self.fp8!r}")
 
     @staticmethod
     def preset(name: str, device_type: str = "cpu") -> Policy:
-        """One of ``O0``, ``O1``, ``O2``, ``O3``, ``autocast``.
+        """One of ``O0``, ``O1``, ``O2``, ``O3``, ``autocast``, ``fp8``.
 
         ``device_type`` only matters for ``autocast``, which uses torch.autocast's lists
-        for that device; ``O1`` uses the CUDA lists on every device.
+        for that device; ``O1`` uses the CUDA lists on every device. ``fp8`` is O1 with
+        linear layers as float8 scaled matmuls (tensorwise dynamic scaling; see
+        :meth:`with_fp8` for other recipes and layer filters).
         """
         if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(
@@ -239,16 +338,33 @@ class Policy:
             )
         if name == "O0":
             return Policy("O0")
+        if name == "fp8":
+            return replace(Policy.preset("O1"), name="fp8", fp8=Fp8Config())
         if name in ("O1", "autocast"):
             allow, deny, promote = autocast_tables("cuda" if name == "O1" else device_type)
             label = name if name == "O1" else f"autocast[{device_type}]"
             return Policy(label, allow=allow, deny=deny, promote=promote)
         if name == "O2":
             _, fp32, _ = autocast_tables("cuda")
+            mixed = python_ops.MIXED_PRECISION_NORM_OPS
             return Policy(
-                "O2", deny=fp32 | python_ops.NORMALIZATION_OPS, default=Rule.ALLOW, cast_inputs=True
+                "O2",
+                deny=fp32 | (python_ops.NORMALIZATION_OPS - mixed),
+                follow=mixed,
+                default=Rule.ALLOW,
+                cast_inputs=True,
             )
         return Policy("O3", default=Rule.ALLOW, cast_inputs=True)
+
+    def with_fp8(self, config: Fp8Config | None = None, **options: Any) -> Policy:
+        """A copy whose linear layers run in fp8: ``config``, or ``Fp8Config(**options)``
+        (``recipe="rowwise"``, ``module_filter=lambda module, path: path != "head"``,
+        ``auto_filter=True``)."""
+        if config is not None and options:
+            raise TypeError("pass an Fp8Config or its options (recipe=..., ...), not both")
+        config = config if config is not None else Fp8Config(**options)
+        name = self.name if self.name.startswith("fp8") else f"{self.name}+fp8"
+        return replace(self, name=name, fp8=config)
 
     def override(
         self,
@@ -257,21 +373,15 @@ class Policy:
         module_types: Mapping[type, Rule | str] | None = None,
         modules: Mapping[str, Rule | str] | None = None,
         nodes: Mapping[str, Rule | str] | None = None,
+        notes: Mapping[str, str] | None = None,
     ) -> Policy:
-        """A copy with more overrides; later calls win over earlier ones for the same key."""
-        for key in ops or {}:
-            _check_op_key(key)
-        for key in module_types or {}:
-            if not (isinstance(key, type) and issubclass(key, nn.Module)):
-                raise TypeError(f"module_types keys are nn.Module subclasses; got {key!r}")
-        for key in list(modules or {}) + list(nodes or {}):
-            if not isinstance(key, str):
-                raise TypeError(
-                    f"module path and node name overrides are keyed by str; got {key!r}"
-                )
+        """A copy with more overrides; later calls win over earlier ones for the same key.
+        ``notes`` says why a node override exists (``explain`` quotes it)."""
 
         def merged(old: Mapping, new: Mapping | None) -> Mapping:
-            return _frozen({**old, **{k: as_rule(v) for k, v in (new or {}).items()}})
+            if new is not None and not isinstance(new, Mapping):
+                raise TypeError(f"overrides are a mapping of key -> rule; got {new!r}")
+            return _frozen({**old, **(new or {})})
 
         name = self.name if self.name.endswith("+overrides") else f"{self.name}+overrides"
         return replace(
@@ -281,7 +391,25 @@ class Policy:
             module_types=merged(self.module_types, module_types),
             modules=merged(self.modules, modules),
             nodes=merged(self.nodes, nodes),
+            notes=merged(self.notes, notes),
         )
+
+    @functools.cached_property
+    def _ops_by_aten_name(self) -> dict[str, OpKey]:
+        """Callable and module-type op keys by the aten op they run (``F.gelu`` -> ``gelu``),
+        so that they also match the aten-level nodes of captured graphs."""
+        found: dict[str, OpKey] = {}
+        for key in self.ops:
+            if not isinstance(key, str):
+                name = python_ops.aten_name_of(key)
+                if name is not None:
+                    found.setdefault(name, key)
+        return found
+
+    @property
+    def casts_nothing(self) -> bool:
+        """No table and a FOLLOW default (O0): nothing is ever cast but by overrides."""
+        return not (self.allow or self.deny or self.promote) and self.default is Rule.FOLLOW
 
     # ---- lookup ---------------------------------------------------------------------
 
@@ -289,7 +417,9 @@ class Policy:
         """The rule for one node, following the documented priority order."""
         if facts.node_name in self.nodes:
             rule = self.nodes[facts.node_name]
-            return Decision(rule, "node", f"node override {facts.node_name!r} -> {rule}")
+            note = self.notes.get(facts.node_name)
+            why = f" ({note})" if note else ""
+            return Decision(rule, "node", f"node override {facts.node_name!r} -> {rule}{why}")
         for path in reversed(facts.module_paths):
             hits = {g: r for g, r in self.modules.items() if _glob_match(g, path)}
             if len(set(hits.values())) > 1:
@@ -322,6 +452,13 @@ class Policy:
             if key in self.ops:
                 rule = self.ops[key]
                 return Decision(rule, "op override", f"op override {op_key_name(key)} -> {rule}")
+        for aten in facts.aten[:1]:  # an aten-level node: a callable key names its aten op
+            key = self._ops_by_aten_name.get(base_name(aten))
+            if key is not None:
+                rule = self.ops[key]
+                return Decision(
+                    rule, "op override", f"op override {op_key_name(key)} (aten::{aten}) -> {rule}"
+                )
         for aten in facts.aten:
             if aten in self.ops or base_name(aten) in self.ops:
                 rule = self.ops.get(aten, self.ops.get(base_name(aten)))
@@ -332,6 +469,7 @@ class Policy:
                 (self.allow, Rule.ALLOW),
                 (self.deny, Rule.DENY),
                 (self.promote, Rule.PROMOTE),
+                (self.follow, Rule.FOLLOW),
             ):
                 if op in table:
                     return Decision(rule, "table", f"aten::{op} is in {self.name}'s {rule} table")
@@ -342,6 +480,11 @@ class Policy:
 
     def validate_for(self, module_paths: Iterable[str], node_names: Iterable[str]) -> None:
         """Raise ValueError for module path globs or node names the captured graph lacks."""
+        self.validate_modules(module_paths)
+        self.validate_nodes(node_names)
+
+    def validate_modules(self, module_paths: Iterable[str]) -> None:
+        """Raise ValueError for module path globs that match no module, or conflict."""
         paths = [p for p in module_paths if p]
         for glob in self.modules:
             if not any(_glob_match(glob, p) for p in paths):
@@ -356,6 +499,9 @@ class Policy:
                     f"module path overrides {sorted(rules)} all match module {path!r} with "
                     "different rules; make the globs disjoint or add a node override"
                 )
+
+    def validate_nodes(self, node_names: Iterable[str]) -> None:
+        """Raise ValueError for node overrides that name no node of the captured graph."""
         names = list(node_names)
         for name in self.nodes:
             if name not in names:

@@ -1,18 +1,27 @@
 """The operations a training-step graph calls: one function per node kind.
 
-``passes.training`` inserts calls to these into the step graph of an
+:mod:`amp_graph.step_graph` puts calls to these into the step graph of an
 :class:`amp_graph.Graph`, so that each stage of the step (zero the gradients, scale the
 loss, unscale and check, clip, step, update the scale, step the schedulers) is one
 readable node. They hold no state of their own.
+
+A step with a loss scaler (float16) uses ``unscale``/``unscale_and_clip``,
+``optimizer_step`` and ``update_scale``; a step without one (bfloat16, AMP off) uses
+``check_finite``/``clip_and_check_finite``, ``step_if_finite`` and ``end_step`` of a
+:class:`~amp_graph.grad_check.NonFiniteGuard`, which skip inf/nan steps just the same.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
 
+from amp_graph.grad_check import NonFiniteGuard
 from amp_graph.master_weights import MasterWeights
 from amp_graph.scaler import GradScaler
 
@@ -27,6 +36,34 @@ def scale_loss(scaler: GradScaler, loss: torch.Tensor, micro_batches: int) -> to
     if micro_batches != 1:
         loss = loss / micro_batches
     return scaler.scale(loss)
+
+
+def average_loss(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """The loss that ``backward`` sees without loss scaling: averaged over micro-batches."""
+    return loss / micro_batches
+
+
+def backward(loss: torch.Tensor) -> None:
+    """The backward pass ``build`` asked for with ``loss.backward()``."""
+    loss.backward()
+
+
+def build_output(leaves: Sequence[Any], output_spec: tuple[Sequence[int], Any]) -> Any:
+    """What ``build`` returned, rebuilt from the captured graph's flat outputs:
+    ``output_spec`` is (the positions of its leaves, its pytree spec)."""
+    positions, spec = output_spec
+    return pytree.tree_unflatten([leaves[i] for i in positions], spec)
+
+
+def cast_weights(
+    root: nn.Module, names: Sequence[str], dtypes: Sequence[torch.dtype]
+) -> list[torch.Tensor]:
+    """Cast each named parameter of ``root`` once for the whole step.
+
+    Every micro-batch reads these copies; each one's backward still flows through the cast
+    into the float32 ``.grad``, so gradients accumulate in float32.
+    """
+    return [operator.attrgetter(n)(root).to(d) for n, d in zip(names, dtypes, strict=True)]
 
 
 def master_grads(master: MasterWeights) -> None:
@@ -54,6 +91,28 @@ def optimizer_step(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> Any:
 def master_to_model(master: MasterWeights) -> None:
     """O2: copy the float32 master weights into the model's low-precision parameters."""
     master.master_to_model()
+
+
+def check_finite(guard: NonFiniteGuard, optimizer: torch.optim.Optimizer) -> None:
+    """Record whether a gradient is inf/nan (no loss scale to undo)."""
+    guard.check(optimizer)
+
+
+def clip_and_check_finite(
+    guard: NonFiniteGuard, optimizer: torch.optim.Optimizer, max_norm: float
+) -> torch.Tensor:
+    """Clip the total 2-norm; a non-finite norm records inf/nan (no separate check pass)."""
+    return guard.clip_and_check(optimizer, max_norm)
+
+
+def step_if_finite(guard: NonFiniteGuard, optimizer: torch.optim.Optimizer) -> Any:
+    """Step unless a gradient was inf/nan; on the device with a fused optimizer."""
+    return guard.step(optimizer)
+
+
+def end_step(guard: NonFiniteGuard) -> None:
+    """Count a skipped step and reset the inf/nan flag."""
+    guard.end_step()
 
 
 def update_scale(scaler: GradScaler) -> None:

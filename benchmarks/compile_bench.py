@@ -7,7 +7,10 @@ For the GPT-style decoder and the ConvNet, in bf16 on this CPU:
   * casts executed per train step (aten ``_to_copy``, counted with a TorchDispatchMode);
   * peak memory allocated during one train step, above what existed before it (the
     profiler's allocation events, summed in order);
-and the passes' time on graphs of about 1k and 10k nodes, per node.
+the first call (capture with torch.export + the passes + one forward) on the GPT-style
+decoder and on HF GPT-2 (when transformers is installed), beside torch.compile's first call
+(inductor, and the amp_graph backend); and the capture and pass times on graphs of about 1k
+to 10k nodes, per node.
 
     python benchmarks/compile_bench.py            # the full run recorded in BENCHMARKS.md
     python benchmarks/compile_bench.py --quick    # a smoke run
@@ -138,17 +141,67 @@ def bench_workload(name: str, repeats: int, quick: bool) -> dict[str, Any]:
     return {"medians": medians, "casts": casts, "peak_mb": peak}
 
 
-def pass_scaling(quick: bool) -> list[tuple[int, float, float]]:
-    """(nodes, seconds, microseconds per node) for growing GPTs, with example inputs."""
+def pass_scaling(quick: bool) -> list[tuple[int, float, float, float]]:
+    """(nodes, capture s, passes s, pass us per node) for growing GPTs, captured at once."""
     rows = []
-    for layers in (2, 8) if quick else (30, 300):
+    for layers in (2, 8) if quick else (30, 100, 200):
         model = models.GPT(vocab=64, block=16, dim=32, heads=2, layers=layers)
         idx = torch.randint(0, 64, (1, 16))
-        start = time.perf_counter()
         compiled = amp_graph.compile(model, "O1", DTYPE, example_inputs=(idx,))
-        seconds = time.perf_counter() - start
+        seconds = compiled.meta["amp_graph"].seconds
+        capture = seconds["capture"]
+        passes = sum(v for k, v in seconds.items() if k != "capture")
         nodes = len(compiled.graph.nodes)
-        rows.append((nodes, seconds, seconds / nodes * 1e6))
+        rows.append((nodes, capture, passes, passes / nodes * 1e6))
+    return rows
+
+
+def first_calls(quick: bool) -> list[tuple[str, str, float, str]]:
+    """(model, variant, seconds of the first call, detail) for fresh models."""
+    cases: list[tuple[str, Callable[[], tuple[torch.nn.Module, tuple, dict]]]] = []
+
+    def gpt() -> tuple[torch.nn.Module, tuple, dict]:
+        torch.manual_seed(0)
+        model = models.GPT(vocab=512, block=64, dim=128, heads=4, layers=2 if quick else 4)
+        return model, (torch.randint(0, 512, (4, 64)),), {}
+
+    cases.append(("GPT-style decoder", gpt))
+    try:
+        import transformers
+    except ImportError:
+        transformers = None
+    if transformers is not None:
+
+        def gpt2() -> tuple[torch.nn.Module, tuple, dict]:
+            torch.manual_seed(0)
+            config = transformers.GPT2Config(
+                vocab_size=512, n_positions=64, n_embd=128, n_layer=2 if quick else 4,
+                n_head=4, use_cache=False,
+            )  # fmt: skip
+            ids = torch.randint(0, 512, (4, 64))
+            return transformers.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
+
+        cases.append(("HF GPT-2", gpt2))
+    rows = []
+    for name, make in cases:
+        for variant in ("amp_graph.compile O1", "torch.compile (inductor)", "backend amp_graph"):
+            model, args, kwargs = make()
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            detail = ""
+            if variant == "amp_graph.compile O1":
+                compiled = amp_graph.compile(model, "O1", DTYPE)
+                compiled(*args, **kwargs)
+                seconds = compiled.meta["amp_graph"].seconds
+                passes = sum(v for k, v in seconds.items() if k != "capture")
+                detail = f"capture {seconds['capture']:.2f} s, passes {passes:.2f} s"
+            elif variant == "torch.compile (inductor)":
+                with torch.autocast("cpu", DTYPE):
+                    torch.compile(model)(*args, **kwargs)
+                detail = "under torch.autocast"
+            else:
+                torch.compile(model, backend=amp_graph.backend("O1", DTYPE))(*args, **kwargs)
+            rows.append((name, variant, time.perf_counter() - start, detail))
     return rows
 
 
@@ -182,12 +235,19 @@ def main() -> int:
                 f"{result['peak_mb'][v]:>8.1f}"
             )
         print()
-    print("== pass time vs graph size (amp_graph.compile, O1, with example inputs)")
-    print(f"{'nodes':>7} {'seconds':>9} {'us/node':>9}")
+    print("== first call: capture + passes + forward, against torch.compile's first call")
+    print(f"{'model':<20} {'variant':<26} {'seconds':>8}  detail")
+    calls = first_calls(args.quick)
+    for name, variant, seconds, detail in calls:
+        print(f"{name:<20} {variant:<26} {seconds:>8.2f}  {detail}")
+    report["first_calls"] = calls
+    print()
+    print("== capture and pass time vs graph size (amp_graph.compile, O1, with example inputs)")
+    print(f"{'nodes':>7} {'capture s':>10} {'passes s':>9} {'passes us/node':>15}")
     rows = pass_scaling(args.quick)
-    for nodes, seconds, per_node in rows:
-        print(f"{nodes:>7} {seconds:>9.2f} {per_node:>9.1f}")
-    print(f"per-node time ratio, largest/smallest graph: {rows[-1][2] / rows[0][2]:.2f}")
+    for nodes, capture, passes, per_node in rows:
+        print(f"{nodes:>7} {capture:>10.2f} {passes:>9.2f} {per_node:>15.1f}")
+    print(f"pass time per node, largest/smallest graph: {rows[-1][3] / rows[0][3]:.2f}")
     report["scaling"] = rows
     if args.json:
         with open(args.json, "w") as f:

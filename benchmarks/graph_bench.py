@@ -1,93 +1,389 @@
-"""amp_graph.Graph's training step against a hand-written torch.autocast loop, in one run.
+"""amp_graph.Graph's training step against hand-written torch.autocast loops, in one run.
 
-On the GPT-style decoder (fused Adam everywhere):
-  * a hand-written ``torch.autocast`` loop (with ``torch.amp.GradScaler`` in fp16) vs
-    ``amp_graph.Graph`` O1 and O2 (with ``amp_graph.GradScaler`` in fp16);
-  * by default bf16 on a CPU and fp16 on a GPU (``--dtypes bf16,fp16`` for both; fp16 on a
-    CPU without fp16 arithmetic is very slow);
-median step times and ratios (interleaved repeats), host reads of device values per step
-(aten ``_local_scalar_dense``: on a GPU each is a synchronization), and the bytes held by
-parameters and gradients (plus O2's float32 master weights) right after backward.
+Setups (bf16 on a CPU by default; fused optimizers everywhere, hand-written loops included):
 
-    python benchmarks/graph_bench.py          # the run recorded in BENCHMARKS.md
+* GPT-style decoder with SGD (momentum 0.9) and with AdamW; the demo's BatchNorm ConvNet
+  (width 32, 8x8 images, batch 128) with AdamW; ``--medium`` adds a larger GPT with AdamW.
+
+Sections:
+
+1. **Step time**: a hand-written ``torch.autocast`` loop (with ``torch.amp.GradScaler`` in
+   fp16) against ``amp_graph.Graph`` with policy ``"autocast"``, O1 and O2. Ratios are the
+   median over rounds of (variant / hand-written) within a round; rounds are interleaved.
+   Host reads per step: ``.item()``/``bool()`` (aten ``_local_scalar_dense``), ``.tolist()``,
+   ``.cpu()`` and ``.numpy()`` calls during one step (on a GPU each is a synchronization).
+   params+grads MB: parameters and gradients after a step, plus O2's float32 masters and
+   their gradients. GEMM share and rest: from a profile of 10 more steps, the share of CPU time
+   spent inside the matmul/convolution/attention kernels (which every variant runs alike, in
+   the low-precision dtype) and the time per step outside them, with its ratio to the
+   hand-written loop's: the part of the step an AMP implementation can change.
+2. **Compiled**: ``torch.compile(model)`` under ``torch.autocast`` by hand, against a Graph
+   with ``config.enable_compile()`` (inductor), with the first call's time (compilation; no
+   inductor cache, after inductor's one-time start-up).
+3. **Gradient accumulation (4 micro-batches)**: bytes that dtype casts read and write in one
+   step, split into weights (forward casts of parameters, O2's copy back), weight gradients
+   (backward casts of tensors shaped like a parameter) and the rest (activations), against
+   the hand-written loop that runs ``torch.autocast`` per micro-batch; and the step time.
+
+    python benchmarks/graph_bench.py                 # the run recorded in BENCHMARKS.md
     python benchmarks/graph_bench.py --quick
-    python benchmarks/graph_bench.py --device cuda --dtypes fp16
+    python benchmarks/graph_bench.py --device cuda --dtype fp16
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_graph import models
 from amp_graph.graph import Graph
 from amp_graph.scaler import GradScaler
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-class GPTStep(Graph):
+
+@dataclass
+class Setup:
+    name: str
+    model: torch.nn.Module
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    inputs: tuple[torch.Tensor, torch.Tensor]
+    gpt: bool  # the model returns its loss (GPTWithLoss); else cross-entropy of its logits
+    sections: frozenset[str] = frozenset({"step"})  # also "compiled", "accumulation"
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model(x, y) if self.gpt else F.cross_entropy(model(x).float(), y)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+
+def setups(device: str, quick: bool, medium: bool) -> list[Setup]:
+    torch.manual_seed(0)
+    out = []
+    all_sections = frozenset({"step", "compiled", "accumulation"})
+    gpts = {"GPT (2 layers, dim 64, 4x32 tokens)": (4, 32, 64, 2)}
+    if medium:
+        gpts["GPT (2 layers, dim 128, 8x64 tokens)"] = (8, 64, 128, 2)
+    for i, (name, (batch, seq, dim, layers)) in enumerate(gpts.items()):
+        base = models.GPTWithLoss(vocab=512, block=seq, dim=dim, heads=8, layers=layers)
+        idx = torch.randint(0, 512, (batch, seq), device=device)
+        targets = torch.randint(0, 512, (batch, seq), device=device)
+        for opt in [adamw] if i else [sgd, adamw]:
+            sections = all_sections if (i == 0 and opt is adamw) else frozenset({"step"})
+            out.append(
+                Setup(
+                    f"{name}, {opt.__name__}",
+                    base.to(device),
+                    opt,
+                    (idx, targets),
+                    True,
+                    sections,
+                )
+            )
+    batch = 32 if quick else 128
+    x = torch.randn(batch, 1, 8, 8, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    convnet = models.ConvNet(channels=32).to(device)
+    name = f"ConvNet (demo's, width 32, batch {batch}), adamw"
+    out.append(Setup(name, convnet, adamw, (x, y), False, frozenset({"step", "compiled"})))
+    return out
+
+
+class StepGraph(Graph):
     def __init__(
-        self, model: torch.nn.Module, opt: torch.optim.Optimizer, policy: str, dtype: torch.dtype
+        self, setup: Setup, model: torch.nn.Module, policy: str, dtype: torch.dtype
     ) -> None:
         super().__init__()
         self.model = model
-        self.add_optimizer(opt)
+        self.setup = setup
+        self.add_optimizer(setup.optimizer(model.parameters()))
         self.config.enable_amp(True, policy=policy, dtype=dtype)
         if dtype == torch.float16:
             self.set_grad_scaler(GradScaler(init_scale=2.0**12))
 
-    def build(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.model(idx, targets)
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.setup.loss(self.model, x, y)
         loss.backward()
         return loss
 
 
-def handwritten(model: torch.nn.Module, dtype: torch.dtype, device: str) -> Callable:
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+def handwritten(
+    setup: Setup, model: torch.nn.Module, dtype: torch.dtype, micro_batches: int = 1,
+    compiled: bool = False,
+) -> Callable:  # fmt: skip
+    """The loop one writes with torch.autocast (and torch.amp.GradScaler for fp16)."""
+    device = setup.inputs[0].device.type
+    opt = setup.optimizer(model.parameters())
     scaler = torch.amp.GradScaler(device, init_scale=2.0**12, enabled=dtype == torch.float16)
+    forward = torch.compile(model) if compiled else model
 
-    def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype):
-            loss = model(idx, targets)
-        scaler.scale(loss).backward()
+        losses = []
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+            with torch.autocast(device, dtype):
+                loss = setup.loss(forward, xs, ys)
+            scaler.scale(loss / micro_batches).backward()
+            losses.append(loss.detach())
         scaler.step(opt)
         scaler.update()
-        return loss
+        return torch.stack(losses).mean()
 
     return step
 
 
-class HostReads(TorchDispatchMode):
+# ---- measurements ----------------------------------------------------------------------------
+
+
+class _LocalScalars(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
-        if func.overloadpacket is torch.ops.aten._local_scalar_dense:
+        if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def host_reads() -> Iterator[list[int]]:
+    """Counts .item()/bool() (the dispatch mode) and .tolist()/.cpu()/.numpy() (patched)."""
+    counts = [0]
+    with contextlib.ExitStack() as stack:
+        for name in ("tolist", "cpu", "numpy"):
+            original = getattr(torch.Tensor, name)
+
+            def counting(self: torch.Tensor, *a: Any, _original: Any = original, **k: Any) -> Any:
+                counts[0] += 1
+                return _original(self, *a, **k)
+
+            stack.enter_context(mock.patch.object(torch.Tensor, name, counting))
+        mode = stack.enter_context(_LocalScalars())
+        yield counts
+        counts[0] += mode.count
+
+
+class CastBytes(TorchDispatchMode):
+    """Bytes read and written by dtype casts: _to_copy, and copy_/_foreach_copy_ between
+    dtypes. ``weights``: casts reading a parameter (or O2 master); ``weight grads``: casts in
+    backward of tensors shaped like a parameter; ``activations``: the rest."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr() for p in params}
+        self.shapes = {tuple(p.shape) for p in params}
+        self.bytes = {"weights": 0, "weight grads": 0, "activations": 0}
+
+    def _count(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.dtype == dst.dtype:
+            return
+        size = src.numel() * src.element_size() + dst.numel() * dst.element_size()
+        if src.untyped_storage().data_ptr() in self.storages:
+            kind = "weights"
+        elif torch._C._current_graph_task_id() != -1 and tuple(src.shape) in self.shapes:
+            kind = "weight grads"
+        else:
+            kind = "activations"
+        self.bytes[kind] += size
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            self._count(args[0], out)
+        elif func is torch.ops.aten.copy_.default:
+            self._count(args[1], args[0])
+        elif func is torch.ops.aten._foreach_copy_.default:
+            for dst, src in zip(args[0], args[1], strict=True):
+                self._count(src, dst)
+        return out
+
+
+# The kernels that do the arithmetic of matmuls, convolutions and attention (self time only).
+GEMM_KERNELS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_slow_conv2d_forward",
+        "aten::_slow_conv2d_backward",
+        "aten::mkldnn_convolution",
+        "aten::convolution_backward",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+)
+
+
+def gemm_split(step: Callable, inputs: tuple, steps: int = 10) -> tuple[float, float]:
+    """(share of CPU self time in GEMM_KERNELS, seconds per step outside them), profiled."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(*inputs)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_KERNELS)
+    return gemm / total, (total - gemm) / steps / 1e6
+
+
 def param_grad_bytes(model: torch.nn.Module, graph: Graph | None) -> int:
-    total = 0
-    for p in model.parameters():
-        total += p.numel() * p.element_size()
-        if p.grad is not None:
-            total += p.grad.numel() * p.grad.element_size()
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
     if graph is not None and graph._master is not None:
-        sizes = graph._master.parameter_bytes()
-        total += sizes["master"] + sizes["master_grads"]
-    return total
+        tensors += [t for _, _, m in graph._master.pairs for t in (m, m.grad) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved(
+    steps: dict[str, Callable], inputs: tuple, repeats: int, device: str
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            sync(device)
+            start = time.perf_counter()
+            step(*inputs)
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio(times: dict[str, list[float]], name: str, ref: str) -> float:
+    return statistics.median(a / b for a, b in zip(times[name], times[ref], strict=True))
+
+
+# ---- sections --------------------------------------------------------------------------------
+
+
+def step_time(setup: Setup, dtype: torch.dtype, repeats: int, device: str) -> None:
+    hand = "hand-written autocast"
+    variants: dict[str, tuple[Callable, torch.nn.Module, Graph | None]] = {}
+    model = copy.deepcopy(setup.model)
+    variants[hand] = (handwritten(setup, model, dtype), model, None)
+    for policy in ("autocast", "O1", "O2"):
+        model = copy.deepcopy(setup.model)
+        graph = StepGraph(setup, model, policy, dtype)
+        variants[f"Graph {policy}"] = (graph, model, graph)
+    reads, memory = {}, {}
+    for name, (step, model, graph) in variants.items():
+        step(*setup.inputs)  # capture / warm up
+        with host_reads() as counted:
+            step(*setup.inputs)
+        reads[name] = counted[0]
+        memory[name] = param_grad_bytes(model, graph)
+    times = interleaved({k: v[0] for k, v in variants.items()}, setup.inputs, repeats, device)
+    split = {name: gemm_split(v[0], setup.inputs) for name, v in variants.items()}
+    print(f"== {setup.name}: train step, {dtype}")
+    print(
+        f"{'variant':<24} {'median ms':>10} {'vs hand-written':>16} {'host reads/step':>16} "
+        f"{'params+grads MB':>16} {'GEMM share':>11} {'rest ms':>8} {'vs hand':>8}"
+    )
+    for name in variants:
+        share, rest = split[name]
+        print(
+            f"{name:<24} {statistics.median(times[name]) * 1e3:>10.2f} "
+            f"{ratio(times, name, hand):>16.3f} {reads[name]:>16} {memory[name] / 2**20:>16.2f} "
+            f"{share:>11.1%} {rest * 1e3:>8.2f} {rest / split[hand][1]:>8.2f}"
+        )
+    print()
+
+
+def compiled(setup: Setup, dtype: torch.dtype, repeats: int, device: str) -> None:
+    hand = "torch.compile + autocast"
+    steps: dict[str, Callable] = {}
+    first: dict[str, float] = {}
+    model = copy.deepcopy(setup.model)
+    steps[hand] = handwritten(setup, model, dtype, compiled=True)
+    for policy in ("autocast", "O2"):
+        model = copy.deepcopy(setup.model)
+        graph = StepGraph(setup, model, policy, dtype)
+        graph.config.enable_compile()
+        steps[f"Graph {policy} compiled"] = graph
+    # first-call times: inductor's one-time start-up paid before, no cache shared between them
+    torch._inductor.config.fx_graph_cache = False
+    torch.compile(lambda t: t * 2)(torch.ones(2, device=device))
+    for name, step in steps.items():
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        step(*setup.inputs)
+        first[name] = time.perf_counter() - start
+        step(*setup.inputs)
+    times = interleaved(steps, setup.inputs, repeats, device)
+    print(f"== {setup.name}: compiled train step (inductor), {dtype}")
+    print(f"{'variant':<26} {'median ms':>10} {'vs hand-written':>16} {'first call s':>13}")
+    for name in steps:
+        print(
+            f"{name:<26} {statistics.median(times[name]) * 1e3:>10.2f} "
+            f"{ratio(times, name, hand):>16.3f} {first[name]:>13.1f}"
+        )
+    print()
+
+
+def accumulation(setup: Setup, dtype: torch.dtype, repeats: int, device: str) -> None:
+    micro = 4
+    hand = "hand-written autocast"
+    steps: dict[str, Callable] = {}
+    casts: dict[str, dict[str, int]] = {}
+    model = copy.deepcopy(setup.model)
+    steps[hand] = handwritten(setup, model, dtype, micro_batches=micro)
+    params = {hand: list(model.parameters())}
+    for policy in ("autocast", "O2"):
+        model = copy.deepcopy(setup.model)
+        graph = StepGraph(setup, model, policy, dtype)
+        graph.config.set_gradient_accumulation_steps(micro)
+        steps[f"Graph {policy}"] = graph
+        params[f"Graph {policy}"] = list(model.parameters())
+    for name, step in steps.items():
+        step(*setup.inputs)
+        if isinstance(step, Graph) and step._master is not None:
+            params[name] += [m for _, _, m in step._master.pairs]
+        with CastBytes(params[name]) as counter:
+            step(*setup.inputs)
+        casts[name] = counter.bytes
+    times = interleaved(steps, setup.inputs, repeats, device)
+    print(f"== {setup.name}: {micro} micro-batches per step, {dtype}; MB cast per step")
+    print(
+        f"{'variant':<24} {'weights':>9} {'vs hand':>8} {'weight grads':>13} {'vs hand':>8} "
+        f"{'activations':>12} {'step ms':>9} {'vs hand':>8}"
+    )
+    ref = casts[hand]
+    for name in steps:
+        mb = {k: v / 2**20 for k, v in casts[name].items()}
+        print(
+            f"{name:<24} {mb['weights']:>9.2f} {casts[name]['weights'] / ref['weights']:>8.2f} "
+            f"{mb['weight grads']:>13.2f} "
+            f"{casts[name]['weight grads'] / max(ref['weight grads'], 1):>8.2f} "
+            f"{mb['activations']:>12.2f} {statistics.median(times[name]) * 1e3:>9.2f} "
+            f"{ratio(times, name, hand):>8.3f}"
+        )
+    print()
 
 
 def main() -> int:
@@ -95,66 +391,31 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--medium", action="store_true", help="add a larger GPT (slow on CPU)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled section")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtypes", default=None, help="comma-separated: bf16,fp16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = args.device
-    names = args.dtypes or ("fp16" if device == "cuda" else "bf16")
-    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[n] for n in names.split(",")]
+    dtype = DTYPES[args.dtype or ("fp16" if device == "cuda" else "bf16")]
     repeats = args.repeats or (4 if args.quick else 20)
-    batch, seq, dim, layers = (4, 32, 64, 2) if args.quick else (16, 128, 256, 4)
-    torch.manual_seed(0)
-    base = models.GPTWithLoss(vocab=512, block=seq, dim=dim, heads=8, layers=layers).to(device)
-    idx = torch.randint(0, 512, (batch, seq), device=device)
-    targets = torch.randint(0, 512, (batch, seq), device=device)
     print(
         f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads; "
-        f"GPT {layers} layers, "
-        f"dim {dim}, batch {batch}x{seq}; {repeats} interleaved repeats, medians\n"
+        f"{repeats} interleaved rounds, medians; fused SGD (momentum 0.9) / AdamW everywhere\n"
     )
-
-    for dtype in dtypes:
-        variants: dict[str, tuple[Callable, torch.nn.Module, Graph | None]] = {}
-        model = copy.deepcopy(base)
-        variants["hand-written autocast"] = (handwritten(model, dtype, device), model, None)
-        for policy in ("O1", "O2"):
-            model = copy.deepcopy(base)
-            opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
-            graph = GPTStep(model, opt, policy, dtype)
-            variants[f"amp_graph.Graph {policy}"] = (graph, model, graph)
-        reads, memory = {}, {}
-        for name, (step, model, graph) in variants.items():
-            step(idx, targets)  # compile / warm up
-            counter = HostReads()
-            with counter:
-                step(idx, targets)
-            reads[name] = counter.count
-            memory[name] = param_grad_bytes(model, graph)
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(repeats):
-            for name, (step, _, _) in variants.items():
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                step(idx, targets)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times[name].append(time.perf_counter() - start)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        ref = med["hand-written autocast"]
-        print(f"== {dtype}: train step")
-        print(
-            f"{'variant':<24} {'median ms':>10} {'vs hand-written':>16} {'host reads/step':>16} "
-            f"{'params+grads MB':>16}"
-        )
-        for name in variants:
-            print(
-                f"{name:<24} {med[name] * 1e3:>10.2f} {med[name] / ref:>16.2f} {reads[name]:>16} "
-                f"{memory[name] / 2**20:>16.2f}"
-            )
-        print()
-    _ = F  # keep the import for readers adapting the loss
+    all_setups = setups(device, args.quick, args.medium)
+    for setup in all_setups:
+        step_time(setup, dtype, repeats, device)
+    for setup in all_setups:
+        if "compiled" in setup.sections and not args.no_compile:
+            compiled(setup, dtype, repeats, device)
+    for setup in all_setups:
+        if "accumulation" in setup.sections:
+            accumulation(setup, dtype, repeats, device)
     return 0
 
 

@@ -8,6 +8,7 @@ Cases (on CUDA; a CPU run uses smaller sizes and says so):
 
 * ``1x1e8``: one tensor of 1e8 elements;
 * ``10000x1e4``: 10,000 tensors of 1e4 elements;
+* ``10000x1e3``: 10,000 small tensors of 1e3 elements (packed several per block by our kernel);
 * ``gpt2_mix``: the parameter shapes of GPT-2 small (148 tensors, 124M elements);
 
 each in float32, float16 and bfloat16, for three variants:
@@ -21,9 +22,12 @@ each in float32, float16 and bfloat16, for three variants:
 
 ``copy`` is a float32 ``copy_`` of a buffer as large as the gradients (reads and writes the same
 number of bytes): the practical bandwidth limit. GB/s counts the bytes each variant must move
-(unscale/norm: read + write; check: read). Times are medians over ``--reps`` runs, taken with
-CUDA events on a GPU. Gradients hold finite values and inv_scale is 1.0, so repeated runs leave
-them unchanged (torch's kernel still stores every element in that case).
+(unscale/norm: read + write; check: read). Ours, torch's and the copy are timed in interleaved
+rounds (one of each per round, CUDA events on a GPU); the figures are medians over ``--reps``
+rounds. Gradients hold finite values and inv_scale is 1.0, so repeated runs leave them unchanged
+(torch's kernel still stores every element in that case). The peak bandwidth comes from the
+device properties (memory clock x bus width x 2), else from a table of known GPUs, else
+``--peak-gbps``.
 """
 
 from __future__ import annotations
@@ -42,16 +46,18 @@ import torch
 from amp_graph.kernels import extension, ops
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Memory bandwidth (GB/s) of common GPUs, used when the device properties do not tell.
+# Memory bandwidth (GB/s) of common GPUs by a substring of their name, most specific first, for
+# when the device properties do not tell (CUDA 13 dropped the memory clock from them).
 KNOWN_PEAKS_GBPS = {
-    "H100 SXM": 3350.0,
+    "GH200": 4000.0,
+    "H200": 4800.0,
     "H100 NVL": 3900.0,
     "H100 PCIe": 2000.0,
-    "H200": 4800.0,
+    "H100 80GB HBM3": 3350.0,  # H100 SXM5
+    "H100": 3350.0,
     "A100-SXM4-80GB": 2039.0,
-    "A100-SXM4-40GB": 1555.0,
-    "A100-PCIE-40GB": 1555.0,
     "A100 80GB PCIe": 1935.0,
+    "A100": 1555.0,
     "L4": 300.0,
 }
 
@@ -71,12 +77,14 @@ def cases(device: str) -> dict[str, list[tuple[int, ...]]]:
         return {
             "1x1e8": [(100_000_000,)],
             "10000x1e4": [(10_000,)] * 10_000,
+            "10000x1e3": [(1_000,)] * 10_000,
             "gpt2_mix": gpt2_small_shapes(),
         }
     # CPU: same shapes of problem, 1/50 of the bytes, so the run takes seconds.
     return {
         "1x2e6": [(2_000_000,)],
         "1000x2e3": [(2_000,)] * 1_000,
+        "1000x2e2": [(200,)] * 1_000,
         "gpt2_mix/64": [tuple(max(1, s // 8) for s in shape) for shape in gpt2_small_shapes()],
     }
 
@@ -99,39 +107,50 @@ class Row:
     fraction_of_copy: float
 
 
-def median_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
+def _time_ms(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    times = []
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], device: str, reps: int, warmup: int = 2
+) -> dict[str, float]:
+    """Median ms of each function over ``reps`` rounds, each round running every one once."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
     if device == "cuda":
         torch.cuda.synchronize()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(_time_ms(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def peak_gbps(device: str, override: float | None) -> float | None:
-    if override is not None or device != "cuda":
-        return override
+def peak_gbps(device: str, override: float | None) -> tuple[float | None, str]:
+    """The memory-bandwidth peak and where it came from."""
+    if override is not None:
+        return override, "--peak-gbps"
+    if device != "cuda":
+        return None, "no GPU"
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     clock_khz = getattr(props, "memory_clock_rate", None)
     bus_bits = getattr(props, "memory_bus_width", None)
     if clock_khz and bus_bits:
-        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "device properties"  # double data rate
     for name, gbps in KNOWN_PEAKS_GBPS.items():
         if name.lower() in props.name.lower():
-            return gbps
-    return None
+            return gbps, f"table entry {name!r}"
+    return None, f"unknown GPU {props.name!r}: pass --peak-gbps"
 
 
 def measure(
@@ -147,8 +166,6 @@ def measure(
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src), device, reps)
-    copy_gbps = 2 * nbytes / copy_ms / 1e6
     found = torch.zeros((), device=device)
     inv = torch.ones((), device=device)
 
@@ -172,9 +189,12 @@ def measure(
     for variant, (ours, theirs, passes) in variants.items():
         if only and variant not in only:
             continue
-        ours_ms = median_ms(ours, device, reps)
-        torch_ms = median_ms(theirs, device, reps)
+        med = interleaved_medians(
+            {"ours": ours, "torch": theirs, "copy": lambda: dst.copy_(src)}, device, reps
+        )
+        ours_ms, torch_ms, copy_ms = med["ours"], med["torch"], med["copy"]
         ours_gbps = passes * nbytes / ours_ms / 1e6
+        copy_gbps = 2 * nbytes / copy_ms / 1e6
         rows.append(
             Row(
                 case=case,
@@ -256,16 +276,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device: {torch.cuda.get_device_name()}; amp_graph extension: {status.state}")
         if status.state != "loaded":
             print(f"  (extension not loaded: {status.detail}; timing the fallback)")
-    peak = peak_gbps(device, args.peak_gbps)
-    print(f"peak memory bandwidth: {'unknown' if peak is None else f'{peak:.0f} GB/s'}")
+    peak, peak_source = peak_gbps(device, args.peak_gbps)
     print(
-        f"medians of {reps} runs; 'x torch' = torch ms / ours ms; '/copy' = ours GB/s / copy GB/s"
+        f"peak memory bandwidth: {'unknown' if peak is None else f'{peak:.0f} GB/s'} "
+        f"({peak_source})"
+    )
+    print(
+        f"medians of {reps} interleaved rounds; 'x torch' = torch ms / ours ms; "
+        "'/copy' = ours GB/s / copy GB/s"
     )
     print(HEADER)
     only = set(args.variants.split(",")) if args.variants else None
     rows = bench(device, reps, peak, only)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+        meta |= {"torch": torch.__version__, "peak_gbps": peak, "peak_source": peak_source}
+        meta["extension"] = extension.extension_status().state
+        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
     return 0
 
 

@@ -3,6 +3,7 @@
 Installed as ``amp_graph.passes``. The passes talk through ``node.meta["amp"]``
 (:class:`~passes.meta.AmpInfo`); :func:`run_passes` runs them in order:
 
+0. :func:`inline_regions` - the model's autocast / no_grad blocks, flattened and recorded;
 1. :func:`classify` - each node's policy rule and what decided it;
 2. :func:`expose_parameters` - parameters of cast modules become graph values;
 3. :func:`assign_dtypes` - compute dtype and output dtype of every node;
@@ -21,6 +22,7 @@ from .expose_parameters import expose_parameters
 from .insert_casts import cast_if_castable, insert_casts
 from .meta import AMP, UNKNOWN, AmpInfo, Role
 from .pipeline import PassError, PipelineResult, run_passes
+from .regions import REGION, AutocastRegion, inline_regions
 from .result import PassResult
 from .simplify_casts import RULES as SIMPLIFY_RULES
 from .simplify_casts import simplify_casts
@@ -28,9 +30,11 @@ from .verify import VerificationError, verify
 
 __all__ = [
     "AMP",
+    "REGION",
     "SIMPLIFY_RULES",
     "UNKNOWN",
     "AmpInfo",
+    "AutocastRegion",
     "PassError",
     "PassResult",
     "PipelineResult",
@@ -40,6 +44,7 @@ __all__ = [
     "cast_if_castable",
     "classify",
     "expose_parameters",
+    "inline_regions",
     "insert_casts",
     "propagate_dtypes",
     "run_passes",

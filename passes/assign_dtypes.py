@@ -10,8 +10,8 @@ This is torch.autocast's per-op logic, run once over the graph instead of at eve
 
 float64, integer and bool tensors are never cast (autocast's eligibility rule). With
 policies whose default is ``ALLOW`` (O2, O3), a value the model itself cast to float32
-(``x.float()`` in an RMSNorm) stays float32 until the model casts it back: default rules
-never undo the model's own casts.
+(``x.float()`` in an RMSNorm) stays float32 until the model casts again: ops that read
+it compute in float32, as they would in Apex O2 (see ``_track_pinning``).
 
 Output dtypes come from FakeTensor propagation when every graph input has an example
 value in ``meta["val"]`` (exact: torch computes them), and from the sound rule table in
@@ -34,11 +34,13 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
-from amp_graph.policy import Rule
+from amp_graph.policy import Rule, autocast_tables, base_name
 
+from . import schema
 from .dtype_rules import rule_out_dtype
 from .meta import (
     AMP,
+    LOW_PRECISION,
     NOT_TENSOR,
     UNKNOWN,
     VAL,
@@ -51,6 +53,12 @@ from .meta import (
 from .result import PassResult
 
 log = logging.getLogger(__name__)
+
+# Every op name any autocast list mentions (CPU or CUDA): their captured values may carry
+# autocast's casts.
+_AUTOCAST_LISTED: frozenset[str] = frozenset().union(
+    *autocast_tables("cpu"), *autocast_tables("cuda")
+)
 
 
 class Abstract:
@@ -81,11 +89,26 @@ def fact(value: Any) -> DtypeFact:
 
 
 def promote_dtype(facts: list[DtypeFact], low: torch.dtype) -> torch.dtype | None:
-    """autocast's ``prioritize``: float32 wins over low precision; float64 is ignored."""
+    """autocast's ``prioritize``: float32 wins over low precision; float64 is ignored.
+
+    None when there is nothing to cast, or when an unknown input dtype could still decide
+    (see :func:`needs_runtime_promote`).
+    """
     castable = [f for f in facts if is_castable(f)]
+    if any(f == torch.float32 for f in castable):
+        return torch.float32  # whatever the unknown ones are
     if any(f is UNKNOWN for f in facts) or not castable:
         return None
     return torch.float32 if any(f != low for f in castable) else low
+
+
+def needs_runtime_promote(rule: Rule, facts: list[DtypeFact]) -> bool:
+    """PROMOTE with an unknown input dtype and no known float32 one: widened at run time."""
+    return (
+        rule is Rule.PROMOTE
+        and any(f is UNKNOWN for f in facts)
+        and not any(f == torch.float32 for f in facts)
+    )
 
 
 def compute_dtype_for(rule: Rule, facts: list[DtypeFact], low: torch.dtype) -> torch.dtype | None:
@@ -144,6 +167,17 @@ class _Planner:
         self.env: dict[fx.Node, Any] = {}
         self.pinned: set[fx.Node] = set()
         self.fake_mode = self._fake_mode()
+        # The values capture gave to views, element picks and unlisted pointwise ops: when
+        # their inputs keep their captured dtypes, so does their value (no need to run it).
+        self.captured = {
+            node: node.meta[VAL]
+            for node in gm.graph.nodes
+            if VAL in node.meta and _reuses_captured_value(node)
+        }
+        self.casts: dict[tuple[int, torch.dtype], tuple[Any, Any]] = {}
+        # Inputs written in place (directly or through a view) are never cast at entry: the
+        # write must reach the caller's tensor, not a copy.
+        self.written = schema.written_storage(gm.graph) if plan and cast_inputs else set()
 
     def _fake_mode(self) -> Any:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -206,19 +240,22 @@ class _Planner:
             return self._evaluate(node, amp, args, kwargs)
         facts = tensor_facts(fact((args, kwargs)))
         rule = self._effective_rule(node, amp)
-        amp.compute_dtype = (
-            compute_dtype_for(rule, facts, self.low) if amp.role is Role.OP else None
-        )
+        low = amp.low_dtype or self.low
+        amp.compute_dtype = compute_dtype_for(rule, facts, low) if amp.role is Role.OP else None
+        promote_later = amp.role is Role.OP and needs_runtime_promote(rule, facts)
+        amp.runtime_promote = low if promote_later else None
         if amp.compute_dtype is not None:
-            args, kwargs = (
-                cast_value(args, amp.compute_dtype),
-                cast_value(kwargs, amp.compute_dtype),
-            )
+            args, kwargs = self._cast((args, kwargs), amp.compute_dtype)
         out = self._evaluate(node, amp, args, kwargs)
-        self._track_pinning(node, amp, rule, fact(out))
+        if amp.runtime_promote is not None:
+            out = Abstract(UNKNOWN)
+        self._track_pinning(node, amp, facts, fact(out))
         return out
 
     def _evaluate(self, node: fx.Node, amp: AmpInfo, args: tuple, kwargs: dict) -> Any:
+        captured = self.captured.get(node)
+        if captured is not None and self._same_as_captured(node, args, kwargs):
+            return captured
         if self.fake_mode is not None and not _is_abstract((args, kwargs)):
             try:
                 return self._run_fake(node, args, kwargs)
@@ -227,10 +264,40 @@ class _Planner:
         out = rule_out_dtype(node, amp, fact((args, kwargs)))
         return Abstract(out) if out is not NOT_TENSOR else None
 
+    def _cast(self, value: Any, dtype: torch.dtype) -> Any:
+        """:func:`cast_value`, each (value, dtype) faked once: a value several consumers cast
+        alike (q, k and v reading one layer norm) costs one fake cast."""
+
+        def one(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return cast_value(v, dtype)
+            key = (id(v), dtype)
+            if key not in self.casts:
+                self.casts[key] = (v, cast_value(v, dtype))  # v kept alive: ids stay unique
+            return self.casts[key][1]
+
+        return map_aggregate(value, one)
+
+    def _same_as_captured(self, node: fx.Node, args: tuple, kwargs: dict) -> bool:
+        """Every tensor input now has the dtype of the node's captured value: a view, or a
+        pointwise op of inputs all of one dtype, then computes that value again."""
+        captured = self.captured[node]
+        tensors = _tensors((args, kwargs))
+        return (
+            isinstance(captured, torch.Tensor)
+            and bool(tensors)
+            and all(t.dtype == captured.dtype for t in tensors)
+        )
+
     def _placeholder(self, node: fx.Node, amp: AmpInfo) -> Any:
         value = node.meta[VAL] if VAL in node.meta else Abstract(UNKNOWN)
         entry_cast = self.plan and self.cast_inputs and amp.role is Role.INPUT  # not model state
-        if entry_cast and (is_castable(fact(value)) or fact(value) is UNKNOWN):
+        if entry_cast and node in self.written:
+            amp.detail = (
+                "a graph input the model writes in place: not cast at entry, so that the "
+                "write reaches the caller's tensor (its consumers cast it)"
+            )
+        elif entry_cast and (is_castable(fact(value)) or fact(value) is UNKNOWN):
             amp.compute_dtype = self.low
             amp.detail = "a graph input, cast to low precision at entry (policy cast_inputs)"
             value = cast_value(value, self.low)
@@ -240,18 +307,37 @@ class _Planner:
         rule = amp.rule or Rule.FOLLOW
         pinned_inputs = [a for a in node.all_input_nodes if a in self.pinned]
         if rule is Rule.ALLOW and amp.source == "default" and pinned_inputs:
+            # float32, not "follow": its other inputs may be low, and an op such as
+            # scaled_dot_product_attention needs one dtype
             amp.detail = (
                 f"{amp.detail}; but input {pinned_inputs[0].name!r} descends from a "
-                "float32 cast written in the model, which default rules never undo"
+                "float32 cast written in the model, which default rules never undo: "
+                "computes in float32"
             )
-            return Rule.FOLLOW
+            return Rule.DENY
         return rule
 
-    def _track_pinning(self, node: fx.Node, amp: AmpInfo, rule: Rule, out: DtypeFact) -> None:
-        # Pinned: float32 (or wider) values that descend from a float32 cast the model wrote.
+    def _track_pinning(
+        self, node: fx.Node, amp: AmpInfo, input_facts: list[DtypeFact], out: DtypeFact
+    ) -> None:
+        """Pinned: float32 values the model upcast itself, until the model casts again.
+
+        Only a cast written in the model that changes a low-precision (or unproven) value to
+        float32 starts a pinned region (``h = x.float()`` in an RMSNorm); what is computed
+        from it stays pinned while wide. Any other cast the model wrote ends the region:
+        the cast back (``h.type_as(x)``, ``h.to(input_dtype)`` whose dtype the capture
+        saw as float32), ``.to(device)``, ``.to(memory_format=)``, a ``.float()`` of what
+        already is float32, integer-to-float conversions (``arange(T).float()``). So O2 and
+        O3 keep exactly the model's float32 islands in float32, and nothing after them.
+        """
+        if amp.role is Role.USER_CAST:
+            source = input_facts[0] if input_facts else UNKNOWN
+            upcast = out == torch.float32 and (source is UNKNOWN or source in LOW_PRECISION)
+            if upcast:
+                self.pinned.add(node)
+            return
         wide = out in (torch.float32, torch.float64)
-        from_user = amp.role is Role.USER_CAST
-        if wide and (from_user or any(a in self.pinned for a in node.all_input_nodes)):
+        if wide and any(a in self.pinned for a in node.all_input_nodes):
             self.pinned.add(node)
 
     def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -271,6 +357,24 @@ class _Planner:
     def _fake_state(self, module: torch.nn.Module) -> dict[str, Any]:
         named = [*module.named_parameters(), *module.named_buffers()]
         return {name: self.fake(t) for name, t in named}
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_aggregate(tree, lambda v: found.append(v) if isinstance(v, torch.Tensor) else v)
+    return found
+
+
+def _reuses_captured_value(node: fx.Node) -> bool:
+    """Views, and pointwise ops that no autocast list names (so capture under autocast
+    computed them as written): given inputs of their captured value's dtype, they compute
+    that value again."""
+    op = schema.overload(node)
+    if op is None:
+        return False
+    if schema.is_view(node):
+        return True
+    return torch.Tag.pointwise in op.tags and base_name(op.__name__) not in _AUTOCAST_LISTED
 
 
 def _scratch(node: fx.Node) -> AmpInfo:
@@ -308,4 +412,11 @@ def assign_dtypes(
     return PassResult(gm, modified=False, stats={"exact_dtypes": int(exact)})
 
 
-__all__ = ["assign_dtypes", "cast_value", "compute_dtype_for", "fact", "propagate_dtypes"]
+__all__ = [
+    "assign_dtypes",
+    "cast_value",
+    "compute_dtype_for",
+    "fact",
+    "needs_runtime_promote",
+    "propagate_dtypes",
+]

@@ -24,27 +24,11 @@ import torch.nn as nn
 from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name
 from amp_graph.tables import python_ops
 
+from . import schema
 from .meta import AMP, AmpInfo, Role
+from .regions import REGION, AutocastRegion
 from .result import PassResult
 
-_INPLACE_OPERATORS = frozenset(
-    {
-        operator.iadd,
-        operator.isub,
-        operator.imul,
-        operator.itruediv,
-        operator.ifloordiv,
-        operator.imatmul,
-        operator.ipow,
-        operator.imod,
-        operator.iand,
-        operator.ior,
-        operator.ixor,
-        operator.ilshift,
-        operator.irshift,
-        operator.setitem,
-    }
-)
 _STEP_METHODS = frozenset({"backward"})
 _NON_TENSOR_METHODS = frozenset(
     {
@@ -79,13 +63,27 @@ _TORCH_BUILTIN_MODULES = (
 _STATEFUL_NORM_FUNCTIONS = frozenset({"batch_norm", "instance_norm"})
 
 
-def module_stack(node: fx.Node, root: nn.Module) -> tuple[tuple[str, ...], tuple[type, ...]]:
+MODEL_ROOT = "amp_graph.model_root"
+"""``gm.meta`` key: the attribute of a captured GraphModule that holds the user's model (module
+paths in ``nn_module_stack`` are relative to it)."""
+
+
+def model_root(gm: nn.Module) -> nn.Module:
+    """The module the graph's module paths name: the user's model for captured graphs."""
+    attr = getattr(gm, "meta", {}).get(MODEL_ROOT) if isinstance(gm, fx.GraphModule) else None
+    return gm.get_submodule(attr) if attr else gm
+
+
+def module_stack(node: fx.Node, gm: nn.Module) -> tuple[tuple[str, ...], tuple[type, ...]]:
     """Enclosing module paths (outermost first, the root as ``""``) and their types."""
+    root = model_root(gm)
     paths, types = [""], [type(root)]
     for value in (node.meta.get("nn_module_stack") or {}).values():
         path, mtype = value[0], value[1]
         path = normalize_module_path(path)
-        if isinstance(mtype, str):  # some torch versions record the type's name
+        if not path:
+            continue  # the root itself (export records it)
+        if isinstance(mtype, str):  # export and some torch versions record the type's name
             mtype = _submodule_type(root, path) or nn.Module
         paths.append(path)
         types.append(mtype)
@@ -122,6 +120,17 @@ def is_model_state(node: fx.Node) -> bool:
     return isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name)
 
 
+def is_model_parameter(node: fx.Node) -> bool:
+    """A placeholder holding a parameter (not a buffer) of the model (see is_model_state)."""
+    value = node.meta.get("val", node.meta.get("example_value"))
+    if isinstance(value, nn.Parameter):
+        return True
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", "")
+    name = name() if callable(name) else name
+    return isinstance(name, str) and "._parameters[" in name
+
+
 def _submodule_type(root: nn.Module, path: str) -> type | None:
     try:
         return type(root.get_submodule(path))
@@ -144,10 +153,12 @@ def _function_facts(
             if isinstance(target, torch._ops.OpOverload)
             else target._qualified_op_name
         )
-        name = name.split("::", 1)[-1]
+        base = name.split("::", 1)[-1]
+        name = base
         if isinstance(target, torch._ops.OpOverload) and target._overloadname != "default":
             name = f"{name}.{target._overloadname}"
-        return f"aten.{name}", (target,), (name,)
+        keys = (target, getattr(target, "overloadpacket", target))
+        return f"aten.{name}", keys, (name, *_builtin_candidates(base)[1:])
     display = op_key_name(target)
     if target in python_ops.MODE_DEPENDENT:
         position, resolve = python_ops.MODE_DEPENDENT[target]
@@ -166,7 +177,11 @@ def _function_facts(
 
 def _builtin_candidates(name: str) -> tuple[str, ...]:
     """An ATen builtin's own name, then the listed ops it aliases or runs."""
-    candidates = (name, *python_ops.BUILTIN_ALIASES.get(name, ()))
+    candidates = (
+        name,
+        *python_ops.BUILTIN_ALIASES.get(name, ()),
+        *python_ops.ATEN_COMPOSITES.get(name, ()),
+    )
     if name.startswith(python_ops.SPECIAL_PREFIX):
         candidates += (name[len(python_ops.SPECIAL_PREFIX) :],)
     return candidates
@@ -186,15 +201,6 @@ def _method_aten(name: str) -> tuple[str, ...]:
     return (dunder.group(2),) if dunder else _builtin_candidates(name)
 
 
-def _is_inplace_call(node: fx.Node, target: Any) -> bool:
-    if target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        return True
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name.startswith("__i") and name.endswith("__"):
-        return True
-    return bool(name) and name.endswith("_") and not name.endswith("__")
-
-
 def _has_float_state(module: nn.Module) -> bool:
     tensors = [*module.parameters(recurse=True), *module.buffers(recurse=True)]
     return any(t.is_floating_point() for t in tensors)
@@ -206,39 +212,76 @@ def _explicit_dtype(node: fx.Node) -> bool:
     return any(isinstance(arg, torch.dtype) for arg in given)
 
 
-_INPLACE_DETAIL = "in-place op: it writes into its first argument, so amp_graph never casts it"
+_INPLACE_DETAIL = "writes into {written}: an in-place op is never cast, so the write reaches it"
 _USER_CAST_DETAIL = "a cast written in the model: kept as written"
+_VIEW_DETAIL = (
+    "a view of {viewed}: never cast, so that a write through the view reaches the viewed value; "
+    "its consumers cast it"
+)
+_GETITEM_DETAIL = "selects an element or a slice: never cast; its consumers cast it"
+# aten ops that are the model's own casts (x.float(), x.to(torch.bfloat16), x.type_as(y)).
+_ATEN_CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::type_as"})
+
+
+def _names(nodes: list[fx.Node]) -> str:
+    return ", ".join(repr(n.name) for n in nodes) or "its argument"
+
+
+def _fixed_aten_role(node: fx.Node, op: torch._ops.OpOverload) -> tuple[Role, str, str] | None:
+    """Roles an aten op's schema decides: casts, in-place writes, views, non-tensor results."""
+    display = op_key_name(op)
+    if op._schema.name in _ATEN_CASTS:
+        return Role.USER_CAST, display, _USER_CAST_DETAIL
+    if schema.is_mutating(node):
+        detail = _INPLACE_DETAIL.format(written=_names(schema.written_inputs(node)))
+        return Role.INPLACE, display, detail
+    if not schema.returns_tensor(op):
+        return Role.OTHER, display, "returns no tensor: not cast"
+    if schema.is_view(node):
+        return Role.OP, display, _VIEW_DETAIL.format(viewed=_names(schema.viewed_inputs(node)))
+    return None
 
 
 def _fixed_role(node: fx.Node, gm: fx.GraphModule) -> tuple[Role, str, str] | None:
     """(role, op, detail) for nodes no policy reclassifies, else None.
 
-    Attribute reads, in-place ops, the model's own casts, ``backward`` and methods that
-    return no tensor keep their inputs as they are, whatever the policy says.
+    Attribute reads, in-place ops, views, element picks, the model's own casts,
+    ``backward`` and calls that return no tensor keep their inputs as they are, whatever
+    the policy says. aten ops are read from their schema (:mod:`passes.schema`).
     """
     target = node.target
     if node.op == "call_function":
+        op = schema.overload(node)
+        if op is not None:
+            return _fixed_aten_role(node, op)
         if target is builtins.getattr:
             return Role.OTHER, "getattr", "attribute access: not computed, not cast"
-        if _is_inplace_call(node, target):
-            return Role.INPLACE, op_key_name(target), _INPLACE_DETAIL
+        if target is operator.getitem:
+            return Role.OP, "getitem", _GETITEM_DETAIL
+        if schema.is_mutating(node):
+            detail = _INPLACE_DETAIL.format(written=_names(schema.written_inputs(node)))
+            return Role.INPLACE, op_key_name(target), detail
         if target in (torch.Tensor.to, torch.Tensor.type):
             return Role.USER_CAST, op_key_name(target), _USER_CAST_DETAIL
         return None
     if node.op == "call_method":
-        op = f"Tensor.{target}"
+        op_name = f"Tensor.{target}"
         if target in python_ops.CAST_METHODS:
-            return Role.USER_CAST, op, _USER_CAST_DETAIL
+            return Role.USER_CAST, op_name, _USER_CAST_DETAIL
         if target in _STEP_METHODS:
-            return Role.STEP, op, "backward pass of the training step"
+            return Role.STEP, op_name, "backward pass of the training step"
         if target in _NON_TENSOR_METHODS:
-            return Role.OTHER, op, "returns no tensor: not cast"
-        if _is_inplace_call(node, target):
-            return Role.INPLACE, op, _INPLACE_DETAIL
+            return Role.OTHER, op_name, "returns no tensor: not cast"
+        if schema.is_mutating(node):
+            detail = _INPLACE_DETAIL.format(written=_names(schema.written_inputs(node)))
+            return Role.INPLACE, op_name, detail
         return None
     module = gm.get_submodule(target)
     if getattr(module, "inplace", False) is True:
         return Role.INPLACE, op_key_name(type(module)), "in-place module: never cast"
+    if isinstance(module, nn.Embedding) and module.max_norm is not None:
+        detail = "renormalizes rows of its weight in place (max_norm): its weight is never cast"
+        return Role.INPLACE, op_key_name(type(module)), detail
     return None
 
 
@@ -309,6 +352,29 @@ def _refine(decision: Decision, node: fx.Node, facts: OpFacts, gm: fx.GraphModul
     return decision
 
 
+def _in_region(
+    decision: Decision, facts: OpFacts, region: AutocastRegion, policy: Policy
+) -> Decision:
+    """The model's own ``torch.autocast`` block replaces the table level: nothing is cast
+    inside ``enabled=False``; inside an enabled block the policy's tables apply (those of
+    torch.autocast for the block's device when the policy casts nothing, as O0), in the
+    block's dtype.
+    Overrides the user wrote still win."""
+    if decision.source not in ("table", "default"):
+        return decision
+    if not region.enabled:
+        return Decision(
+            Rule.FOLLOW,
+            "autocast region",
+            f"inside {region} in the model's code: torch.autocast casts nothing there, and "
+            "neither does amp_graph",
+        )
+    if policy.casts_nothing:
+        inner = Policy.preset("autocast", region.device_type).decide(facts)
+        return Decision(inner.rule, "autocast region", f"inside {region}: {inner.detail}")
+    return decision
+
+
 def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
     paths, _ = module_stack(node, gm)
     fixed = _fixed_role(node, gm)
@@ -317,6 +383,9 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
         return AmpInfo.fixed(role, op, detail, module_path=paths[-1])
     facts = _op_facts(node, gm)
     decision = _refine(policy.decide(facts), node, facts, gm)
+    region: AutocastRegion | None = node.meta.get(REGION)
+    if region is not None:
+        decision = _in_region(decision, facts, region, policy)
     return AmpInfo(
         role=Role.OP,
         op=facts.display,
@@ -325,6 +394,7 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
         rule=decision.rule,
         source=decision.source,
         detail=decision.detail,
+        low_dtype=region.dtype if region is not None and region.enabled else None,
     )
 
 

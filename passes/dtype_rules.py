@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from amp_graph.policy import base_name
 
-from .meta import NOT_TENSOR, UNKNOWN, AmpInfo, DtypeFact, Role, tensor_facts
+from .meta import NOT_TENSOR, UNKNOWN, AmpInfo, DtypeFact, Role, cast_fact, tensor_facts
 
 # Output dtype is the first argument's, whatever it is (views, indexing, copies).
 FIRST_ARG = frozenset(
@@ -215,10 +215,11 @@ def rule_out_dtype(node: fx.Node, amp: AmpInfo, args_facts: Any) -> DtypeFact:
         if node.target is builtins.getattr and node.args[1] in tensor_attrs and tensors:
             return tensors[0]
         return NOT_TENSOR
-    if amp.role is Role.CAST:  # inserted: plain casts convert castable inputs only
-        source = tensors[0] if tensors else UNKNOWN
+    if amp.role is Role.CAST:  # inserted: casts convert castable inputs only
         dtype = node.args[1]
-        return dtype if source in (torch.float16, torch.bfloat16, torch.float32) else source
+        if not isinstance(dtype, torch.dtype):
+            return UNKNOWN  # widened at run time (widest_castable_dtype)
+        return cast_fact(args_facts[0][0] if args_facts and args_facts[0] else UNKNOWN, dtype)
     if amp.role is Role.USER_CAST:
         return user_cast_dtype(node, tensors)
     if amp.role is Role.INPLACE:

@@ -161,6 +161,4 @@ def expose_parameters(gm: fx.GraphModule, low_dtype: torch.dtype) -> PassResult:
         gm.graph.erase_node(node)
         new.name = node.name  # keep the name users saw in the traced graph; it is free now
         rewritten += 1
-    if rewritten:
-        gm.recompile()
     return PassResult(gm, modified=bool(rewritten), stats={"modules_exposed": rewritten})

@@ -27,7 +27,17 @@ from torch.fx.node import map_arg
 
 from amp_graph.policy import Rule
 
-from .meta import AMP, UNKNOWN, AmpInfo, Role, is_castable, short
+from .meta import (
+    AMP,
+    CASTABLE,
+    UNKNOWN,
+    AmpInfo,
+    Role,
+    cast_fact,
+    is_castable,
+    short,
+    tensor_facts,
+)
 from .result import PassResult
 
 
@@ -40,9 +50,32 @@ def cast_if_castable(x: Any, dtype: torch.dtype) -> Any:
     return x
 
 
+def cast_tree(value: Any, dtype: torch.dtype) -> Any:
+    """:func:`cast_if_castable` on every tensor of a tuple, list or dict (an RNN's ``(h, c)``
+    state, an op's several outputs), keeping the structure."""
+    if isinstance(value, fx.Proxy):  # re-traced (e.g. unpickling a GraphModule): stay one node
+        return value.tracer.create_proxy("call_function", cast_tree, (value, dtype), {})
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_tree(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_tree(v, dtype) for k, v in value.items()}
+    return cast_if_castable(value, dtype)
+
+
+def widest_castable_dtype(low: torch.dtype, *values: Any) -> torch.dtype:
+    """torch.autocast's ``promote`` at run time: float32 if any floating input (float64
+    aside) is not ``low``, else ``low``. For promote ops whose input dtypes were unknown."""
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dtype in CASTABLE and value.dtype != low:
+            return torch.float32
+    return low
+
+
 # Generated code names globals after the function's module: `amp_graph.cast_if_castable`
 # reads better in printed graphs, and amp_graph exports it there.
 cast_if_castable.__module__ = "amp_graph"
+cast_tree.__module__ = "amp_graph"
+widest_castable_dtype.__module__ = "amp_graph"
 
 
 def is_cast_node(node: fx.Node) -> bool:
@@ -53,9 +86,12 @@ def is_cast_node(node: fx.Node) -> bool:
 def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str) -> fx.Node:
     """Create a cast node of ``value`` to ``dtype`` at the graph's insertion point."""
     source: AmpInfo = value.meta[AMP]
+    structured = isinstance(source.out_dtype, (tuple, list, dict))
     conditional = source.out_dtype is UNKNOWN
     name = f"{value.name}_{short(dtype)}"
-    if conditional:
+    if structured:  # each tensor of the tuple, as autocast casts each argument
+        node = graph.create_node("call_function", cast_tree, (value, dtype), name=name)
+    elif conditional:
         node = graph.create_node("call_function", cast_if_castable, (value, dtype), name=name)
     else:
         node = graph.create_node("call_method", "to", (value, dtype), name=name)
@@ -67,17 +103,55 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str
         detail=f"inserted: {value.name} ({short(source.out_dtype)}) to {short(dtype)}",
         module_path=source.module_path,
         compute_dtype=None,
-        out_dtype=UNKNOWN if conditional else dtype,
+        out_dtype=cast_fact(source.out_dtype, dtype),
         exact=source.exact,
         cast_for=(consumer,),
-        conditional=conditional,
+        conditional=conditional or structured,
     )
     return node
 
 
 def _needs_cast(value: fx.Node, dtype: torch.dtype) -> bool:
-    fact = value.meta[AMP].out_dtype
-    return fact is UNKNOWN or (is_castable(fact) and fact != dtype)
+    """Some tensor of the value (a structure's, element by element) may not be ``dtype``."""
+    return any(
+        fact is UNKNOWN or (is_castable(fact) and fact != dtype)
+        for fact in tensor_facts(value.meta[AMP].out_dtype)
+    )
+
+
+def _insert_runtime_promote(graph: fx.Graph, node: fx.Node, low: torch.dtype) -> int:
+    """``widest = widest_castable_dtype(low, a, b)``, then each input cast to ``widest``."""
+    inputs = [v for v in node.all_input_nodes if _needs_cast(v, torch.float32)]
+    if not inputs:
+        return 0
+    with graph.inserting_before(node):
+        widest = graph.call_function(widest_castable_dtype, (low, *inputs))
+        widest.meta[AMP] = AmpInfo.fixed(
+            Role.OTHER,
+            "widest_castable_dtype",
+            f"the dtype {node.name!r} computes in: its input dtypes were unknown when compiled",
+            module_path=node.meta[AMP].module_path,
+        )
+        casts = {}
+        for value in inputs:
+            cast = graph.call_function(
+                cast_if_castable, (value, widest), name=f"{value.name}_promoted"
+            )
+            cast.meta[AMP] = AmpInfo(
+                role=Role.CAST,
+                op="cast",
+                rule=Rule.FOLLOW,
+                source="inserted",
+                detail=f"inserted: {value.name} to the widest floating input dtype of {node.name}",
+                module_path=value.meta[AMP].module_path,
+                out_dtype=UNKNOWN,
+                cast_for=(node.name,),
+                conditional=True,
+            )
+            casts[value] = cast
+    node.args = map_arg(node.args, lambda v: casts.get(v, v))
+    node.kwargs = map_arg(node.kwargs, lambda v: casts.get(v, v))
+    return len(casts)
 
 
 def insert_casts(gm: fx.GraphModule) -> PassResult:
@@ -110,6 +184,9 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
             continue
         if amp.role is not Role.OP:
             continue
+        if amp.runtime_promote is not None:
+            inserted += _insert_runtime_promote(graph, node, amp.runtime_promote)
+            continue
         casts: dict[fx.Node, fx.Node] = {}
 
         def cast_input(
@@ -128,6 +205,4 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
         node.args = map_arg(node.args, cast_input)
         node.kwargs = map_arg(node.kwargs, cast_input)
         inserted += len(casts)
-    if inserted:
-        gm.recompile()
     return PassResult(gm, modified=bool(inserted), stats={"casts_inserted": inserted})

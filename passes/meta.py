@@ -63,7 +63,8 @@ class AmpInfo:
     """The record each pass reads and extends, under ``node.meta["amp"]``.
 
     Written by classify: ``role``, ``op``, ``aten``, ``module_path``, ``rule``, ``source``,
-    ``detail``. Written by assign_dtypes: ``compute_dtype``, ``out_dtype``, ``exact``. Cast
+    ``detail``, ``low_dtype`` (inside the model's own autocast block). Written by
+    assign_dtypes: ``compute_dtype``, ``out_dtype``, ``exact``, ``runtime_promote``. Cast
     nodes written by insert_casts carry ``role=CAST``, ``cast_for`` and ``out_dtype``.
     """
 
@@ -79,6 +80,9 @@ class AmpInfo:
     exact: bool = False  # out_dtype comes from example values (FakeTensor propagation)
     cast_for: tuple[str, ...] = field(default_factory=tuple)  # CAST: the consumers it feeds
     conditional: bool = False  # CAST: input dtype unknown, cast only if castable at run time
+    low_dtype: torch.dtype | None = None  # the model's autocast block's dtype; None: policy's
+    # PROMOTE with unknown input dtypes: widened at run time; the low dtype to widen from
+    runtime_promote: torch.dtype | None = None
 
     @classmethod
     def fixed(cls, role: Role, op: str, detail: str = "", **fields: Any) -> AmpInfo:
@@ -110,6 +114,8 @@ def short(dtype: DtypeFact) -> str:
         torch.int64: "i64",
         torch.int32: "i32",
         torch.bool: "bool",
+        torch.float8_e4m3fn: "e4m3",
+        torch.float8_e5m2: "e5m2",
     }
     if isinstance(dtype, torch.dtype):
         return names.get(dtype, str(dtype).replace("torch.", ""))
@@ -127,6 +133,16 @@ def tensor_facts(fact: DtypeFact) -> list[DtypeFact]:
     if isinstance(fact, (tuple, list)):
         return [leaf for f in fact for leaf in tensor_facts(f)]
     return [] if fact is NOT_TENSOR else [fact]
+
+
+def cast_fact(fact: DtypeFact, dtype: torch.dtype) -> DtypeFact:
+    """The dtype fact after autocast's cast to ``dtype``: castable tensors become ``dtype``,
+    others stay; element by element in tuples, lists and dicts; unknown stays unknown."""
+    if isinstance(fact, (tuple, list)):
+        return type(fact)(cast_fact(f, dtype) for f in fact)
+    if isinstance(fact, dict):
+        return {k: cast_fact(f, dtype) for k, f in fact.items()}
+    return dtype if is_castable(fact) else fact
 
 
 # Which casts lose nothing: every value of `src` is exactly representable in `dst`.

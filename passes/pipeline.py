@@ -1,8 +1,9 @@
 """The driver: runs the passes in order, and says which one failed.
 
-Order: classify -> expose_parameters -> assign_dtypes -> insert_casts -> simplify_casts
--> verify. With ``check_each=True`` (the tests use it) the verifier also runs after every
-pass, so a pass that breaks an invariant is caught where it happens.
+Order: inline_regions -> classify -> (fp8_linears, under an fp8 policy) -> expose_parameters
+-> assign_dtypes -> insert_casts -> simplify_casts -> verify. With ``check_each=True`` (the
+tests use it) the verifier also runs after every pass, so a pass that breaks an invariant is
+caught where it happens.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch.fx as fx
 from amp_graph.policy import Policy
 
 from .assign_dtypes import assign_dtypes
-from .classify import classify
+from .classify import classify, model_root
 from .expose_parameters import expose_parameters
+from .fp8_linears import fp8_linears
 from .insert_casts import insert_casts
+from .regions import inline_regions
 from .result import PassResult
 from .simplify_casts import simplify_casts
 from .verify import verify
@@ -47,14 +50,18 @@ def amp_passes(
     """The pass list, bound to a policy and a dtype. The final verify always lints and checks
     that every planned input has its planned dtype; ``full_verify`` also re-propagates every
     dtype through the rewritten graph (as costly again as assign_dtypes: the tests use it)."""
-    return [
+    passes: list[tuple[str, Callable[[fx.GraphModule], PassResult]]] = [
+        ("inline_regions", inline_regions),
         ("classify", lambda gm: classify(gm, policy)),
-        ("expose_parameters", lambda gm: expose_parameters(gm, low_dtype)),
-        ("assign_dtypes", lambda gm: assign_dtypes(gm, low_dtype, policy.cast_inputs)),
-        ("insert_casts", insert_casts),
-        ("simplify_casts", simplify_casts),
-        ("verify", lambda gm: verify(gm, propagate=full_verify)),
     ]
+    if policy.fp8 is not None:  # after classify: an fp32 override outranks fp8
+        passes.append(("fp8_linears", lambda gm: fp8_linears(gm, policy.fp8, model_root(gm))))
+    passes.append(("expose_parameters", lambda gm: expose_parameters(gm, low_dtype)))
+    passes.append(("assign_dtypes", lambda gm: assign_dtypes(gm, low_dtype, policy.cast_inputs)))
+    passes.append(("insert_casts", insert_casts))
+    passes.append(("simplify_casts", simplify_casts))
+    passes.append(("verify", lambda gm: verify(gm, propagate=full_verify)))
+    return passes
 
 
 def run_passes(
@@ -67,7 +74,7 @@ def run_passes(
         start = time.perf_counter()
         try:
             out = run(gm)
-            if check_each and name != "verify":
+            if check_each and name not in ("verify", "inline_regions", "fp8_linears"):
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)
         except Exception as error:
@@ -80,5 +87,5 @@ def run_passes(
         for key, value in out.stats.items():
             result.stats[key] = result.stats.get(key, 0) + value
         ran.append(name)
-    gm.recompile()
+    gm.recompile()  # once, for all the passes (they edit the graph only)
     return result

@@ -7,7 +7,9 @@ when the inner cast is lossless; ``fp32 -> fp16 -> fp32`` rounds, so it stays.
 
 Reads: ``meta["amp"]`` (role, out_dtype, conditional). Writes: removes nodes, rewires
 uses, and keeps ``cast_for`` of the surviving casts complete. Guarantees: every value each
-node receives is bit-for-bit what it received before the pass.
+node receives is bit-for-bit what it received before the pass; in particular a cast is
+never shared across an in-place write to its source or to anything viewing the same
+storage (:class:`passes.schema.StorageVersions`, from op schemas).
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ import torch.fx as fx
 from .insert_casts import is_cast_node
 from .meta import AMP, Role, is_lossless
 from .result import PassResult
+from .schema import StorageVersions
 
 Rule = Callable[[fx.Node, "_Context"], fx.Node | None]
 
 
 class _Context:
-    """Lookups the rules share: the GraphModule, and casts seen per (value, dtype)."""
+    """Lookups the rules share: the GraphModule, casts seen per (value, dtype) with the
+    storage version they read, and the storage versions at the node being looked at."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
-        self.first_cast: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}
+        self.first_cast: dict[tuple[fx.Node, torch.dtype, bool], tuple[fx.Node, int]] = {}
         self.first_attr: dict[int, fx.Node] = {}
+        self.versions = StorageVersions()
 
 
 def _source(cast: fx.Node) -> fx.Node:
@@ -69,12 +74,18 @@ def fold_lossless_chain(node: fx.Node, ctx: _Context) -> fx.Node | None:
 
 
 def one_cast_per_value(node: fx.Node, ctx: _Context) -> fx.Node | None:
-    """x.to(d) ... x.to(d)  ->  the first x.to(d) (e.g. Q, K and V projections share one)"""
+    """x.to(d) ... x.to(d)  ->  the first x.to(d) (e.g. Q, K and V projections share one),
+    unless x (or anything sharing its storage) is written in between: then the first cast
+    holds the old values, and this one starts a new group"""
     if not is_cast_node(node):
         return None
     key = (_source(node), _target(node), node.meta[AMP].conditional)
-    first = ctx.first_cast.setdefault(key, node)
+    version = ctx.versions.version(_source(node))
+    first, first_version = ctx.first_cast.setdefault(key, (node, version))
     if first is node:
+        return None
+    if first_version != version:
+        ctx.first_cast[key] = (node, version)
         return None
     first.meta[AMP].cast_for += node.meta[AMP].cast_for
     return first
@@ -128,8 +139,8 @@ def simplify_casts(gm: fx.GraphModule) -> PassResult:
                     graph.erase_node(node)
                     changed = True
                     break
+            else:
+                ctx.versions.visit(node)
         changed |= _remove_dead_casts(graph) > 0
     after = sum(is_cast_node(n) for n in graph.nodes)
-    if before != after:
-        gm.recompile()
     return PassResult(gm, modified=before != after, stats={"casts_removed": before - after})

@@ -17,6 +17,18 @@ import amp_graph
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that skips without a GPU (``skipif(..., reason="needs a CUDA device")``
+    or "needs a GPU") with ``cuda``: ``make gpu-check`` runs ``pytest -m cuda`` and requires
+    that none of them skips there."""
+    for item in items:
+        for mark in item.iter_markers("skipif"):
+            reason = str(mark.kwargs.get("reason", "")).lower()
+            if reason.startswith(("needs a cuda", "needs a gpu")):
+                item.add_marker(pytest.mark.cuda)
+                break
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -45,7 +45,8 @@ def test_inspect_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert out.splitlines()[0].split()[:3] == ["node", "op", "module"]
-    assert "conv_weight_bf16" in out and "casts inserted 6" in out
+    assert "model_conv_weight_bf16" in out and "casts inserted 6" in out
+    assert "aten.conv2d" in out and "aten.softmax.int" in out  # aten-level nodes
     assert "casts fwd" in out and "backward:" in out  # the data-flow summary
     root = ET.fromstring(svg.read_text())
     titles = {
@@ -53,13 +54,13 @@ def test_inspect_end_to_end(tmp_path):
         for g in root.iter("{http://www.w3.org/2000/svg}g")
         if "cast" in g.get("class", "").split()
     }
-    assert titles == {
+    assert titles == {  # the input, conv's and head's weights and biases, head's output
         "x_bf16",
-        "conv_weight_bf16",
-        "conv_bias_bf16",
-        "head_weight_bf16",
-        "head_bias_bf16",
-        "head_fp32",
+        "model_conv_weight_bf16",
+        "model_conv_bias_bf16",
+        "model_head_weight_bf16",
+        "model_head_bias_bf16",
+        "linear_fp32",
     }
     page = html.read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<table" in page
@@ -70,8 +71,8 @@ def test_inspect_end_to_end(tmp_path):
 def test_explain_end_to_end():
     done = run("explain", f"{SAMPLE}:SmallNet", "--input-shape", "2,3,16,16", "softmax")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("'softmax' (F.softmax) returns fp32.")
-    assert "deny" in done.stdout
+    assert done.stdout.startswith("'softmax' (aten.softmax.int) returns fp32.")
+    assert "Its rule is deny" in done.stdout and "Casts feeding it: 'linear_fp32'" in done.stdout
 
 
 def test_bad_input_in_a_subprocess_gives_one_line_and_status_2():
@@ -136,6 +137,15 @@ def test_console_script():
             ["explain", f"{SAMPLE}:SmallNet", "--input-shape", "2,3,8,8", "sofmax"],
             "no node named 'sofmax' in the compiled graph. Did you mean 'softmax'?",
         ),
+        (
+            ["explain", f"{SAMPLE}:SmallNet", "--input-shape", "2,3,8,8", "head"],
+            "'head' is a module, not a node of the compiled graph; its ops are 'linear'.",
+        ),
+        (
+            ["inspect", f"{SAMPLE}:SmallNet", "--input-shape", "2,3,8,8", "--keep-fp32", "haed"],
+            "--keep-fp32: module path override 'haed' matches no module of the model. "
+            "Did you mean 'head'?",
+        ),
     ],
 )
 def test_bad_input_names_what_is_wrong(args, message, capsys):
@@ -148,7 +158,8 @@ def test_a_model_that_cannot_be_captured_fails_with_the_reason(capsys):
     assert main(["inspect", f"{SAMPLE}:Untraceable", "--input-shape", "2,4"]) == 1
     err = capsys.readouterr().err
     assert "CaptureError" in err and "sample_model.py" in err and "if x.sum() > 0" in err
-    assert "Traceback" not in err
+    assert "torch.where" in err  # the data-dependent branch's way out
+    assert "Traceback" not in err and "def forward" not in err  # not export's partial graph
 
 
 def test_debug_shows_the_traceback():
@@ -187,13 +198,14 @@ def test_factories_integer_inputs_and_keep_fp32(capsys):
                 "2,3,8,8",
                 "--keep-fp32",
                 "head",
-                "head",
+                "linear",
             ]
         )
         == 0
     )
     out = capsys.readouterr().out
-    assert "returns fp32" in out and "module path override 'head'" in out
+    assert out.startswith("'linear' (aten.linear in module 'head') returns fp32.")
+    assert "module path override 'head'" in out
 
 
 def test_several_inputs_and_a_package_module(capsys):

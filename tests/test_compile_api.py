@@ -16,28 +16,34 @@ import amp_graph
 from amp_graph import models
 
 
-def test_returns_an_ordinary_graph_module_that_prints():
-    compiled = compile_checked(models.MLP(), "O1")
-    assert type(compiled).__mro__[1] is fx.GraphModule or isinstance(compiled, fx.GraphModule)
-    assert "torch.bfloat16" in compiled.code
-    assert "to(torch.bfloat16)" in str(compiled)
-    assert any(n.op == "call_function" for n in compiled.graph.nodes)
+def test_returns_a_module_whose_graph_is_an_ordinary_graph_module_that_prints():
+    compiled = compile_checked(models.MLP(), "O1", example_inputs=(torch.randn(2, 64),))
+    assert isinstance(compiled, amp_graph.CompiledModule) and isinstance(compiled, nn.Module)
+    gm = compiled.graph_module
+    assert isinstance(gm, fx.GraphModule)
+    assert "torch.bfloat16" in compiled.code == gm.code
+    assert "to(torch.bfloat16)" in str(compiled) and "aten.linear" in str(compiled)
+    assert compiled.graph is gm.graph and compiled.meta is gm.meta
 
 
-def test_default_dtype_follows_torch_autocast_on_cpu():
+def test_captures_at_the_first_call_and_default_dtype_follows_torch_autocast():
     compiled = amp_graph.compile(models.MLP())
-    assert compiled.meta["amp_graph"].dtype == torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert compiled.graph_modules == [] and "not captured yet" in repr(compiled)
+    with pytest.raises(RuntimeError, match="Call the compiled module once"):
+        compiled.code  # noqa: B018
     assert compiled(torch.randn(2, 64)).dtype == torch.bfloat16
+    assert compiled.meta["amp_graph"].dtype == torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert compiled.meta["amp_graph"].exact
 
 
 def test_shares_parameters_and_does_not_modify_the_model():
     model = models.GPT()
     before_state = copy.deepcopy(model.state_dict())
     before_modules = [(n, type(m)) for n, m in model.named_modules()]
-    compiled = compile_checked(model, "O1")
-    compiled_params = dict(compiled.named_parameters())
-    assert all(compiled_params[n] is p for n, p in model.named_parameters() if n in compiled_params)
-    assert {id(p) for p in compiled.parameters()} <= {id(p) for p in model.parameters()}
+    compiled = compile_checked(model, "O1", example_inputs=(torch.randint(0, 64, (2, 8)),))
+    assert {id(p) for p in compiled.parameters()} == {id(p) for p in model.parameters()}
+    graph_params = dict(compiled.graph_module.named_parameters())
+    assert all(graph_params[f"model.{n}"] is p for n, p in model.named_parameters())
     assert [(n, type(m)) for n, m in model.named_modules()] == before_modules
     assert all(torch.equal(before_state[k], v) for k, v in model.state_dict().items())
 
@@ -61,9 +67,14 @@ def test_graph_module_input_is_used_as_is_and_not_mutated():
     code_before = gm.code
     nodes_before = [n.name for n in gm.graph.nodes]
     compiled = compile_checked(gm, "O1")
+    out = compiled(torch.randn(2, 64))
+    assert out.dtype == torch.bfloat16
     assert gm.code == code_before and [n.name for n in gm.graph.nodes] == nodes_before
-    assert compiled is not gm
+    assert compiled.graph_module is not gm
     assert "to(torch.bfloat16)" in compiled.code
+    assert "fc1" in [n.target for n in compiled.graph.nodes if n.op == "call_module"] or any(
+        "fc1" in str(n.target) for n in compiled.graph.nodes
+    )
     assert all("amp" not in n.meta for n in gm.graph.nodes)
 
 
@@ -87,12 +98,15 @@ class Untraceable(nn.Module):
 
 
 def test_untraceable_model_raises_capture_error_naming_the_construct():
+    compiled = amp_graph.compile(Untraceable())
     with pytest.raises(amp_graph.CaptureError) as info:
-        amp_graph.compile(Untraceable())
+        compiled(torch.randn(2, 4))
     message = str(info.value)
     assert "if x.sum() > 0:" in message
     assert "test_compile_api.py" in message
-    assert "backend='amp_graph'" in message and "GraphModule" in message
+    assert "backend='amp_graph'" in message and "torch.cond" in message
+    with pytest.raises(amp_graph.CaptureError):  # with example inputs: at once
+        amp_graph.compile(Untraceable(), example_inputs=(torch.randn(2, 4),))
 
 
 @pytest.mark.parametrize("name", ["O4", "o1", "amp"])
@@ -109,7 +123,18 @@ def test_wrong_dtype(dtype):
         amp_graph.compile(models.MLP(), dtype=dtype)
 
 
-def test_graph_without_inputs_and_example_inputs_without_tensors():
+def test_bad_example_inputs():
+    with pytest.raises(ValueError, match="none of example_inputs is a tensor"):
+        amp_graph.compile(models.MLP(), example_inputs=(3,))
+    with pytest.raises(TypeError, match=r"do not fit MLP.forward\(x.*too many positional"):
+        amp_graph.compile(models.MLP(), example_inputs=(torch.randn(1, 64), torch.randn(1)))
+    with pytest.raises(TypeError, match="tuple of the forward's arguments"):
+        amp_graph.compile(models.MLP(), example_inputs=torch.randn(1, 64))
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        amp_graph.compile(lambda x: x)
+
+
+def test_a_model_without_inputs_is_captured_too():
     class Constant(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -118,25 +143,15 @@ def test_graph_without_inputs_and_example_inputs_without_tensors():
         def forward(self):
             return self.w @ self.w
 
-    with pytest.raises(ValueError, match="no inputs"):
-        amp_graph.compile(Constant())
-    with pytest.raises(ValueError, match="none of example_inputs is a tensor"):
-        amp_graph.compile(models.MLP(), example_inputs=(3,))
-    with pytest.raises(ValueError, match="2 example inputs for a graph with 1 inputs"):
-        amp_graph.compile(models.MLP(), example_inputs=(torch.randn(1, 64), torch.randn(1)))
-    with pytest.raises(TypeError, match=r"nn\.Module"):
-        amp_graph.compile(lambda x: x)
+    assert amp_graph.compile(Constant(), "O1")().dtype == torch.bfloat16
 
 
-def test_example_inputs_make_every_dtype_exact_and_give_bytes():
-    with_examples = compile_checked(
-        models.GPT(), "O1", example_inputs=(torch.randint(0, 64, (2, 8)),)
-    )
-    without = compile_checked(models.GPT(), "O1")
-    rep = amp_graph.report(with_examples)
+def test_every_dtype_is_exact_and_reports_give_bytes():
+    compiled = compile_checked(models.GPT(), "O1")
+    compiled(torch.randint(0, 64, (2, 8)))
+    rep = amp_graph.report(compiled)
     assert rep.exact and rep.cast_bytes is not None and rep.cast_bytes > 0
     assert all(r.out != "?" for r in rep.rows)
-    assert amp_graph.report(without).cast_bytes is None
 
 
 def test_compiled_module_pickles_and_reruns():
@@ -144,6 +159,16 @@ def test_compiled_module_pickles_and_reruns():
 
     model = models.MLP()
     compiled = compile_checked(model, "O1")
-    clone = pickle.loads(pickle.dumps(compiled))
     x = torch.randn(3, 64)
-    assert torch.equal(clone(x), compiled(x))
+    expected = compiled(x)
+    clone = pickle.loads(pickle.dumps(compiled))
+    assert torch.equal(clone(x), expected)
+    assert len(clone.graph_modules) == 1  # captured again, at its first call
+
+
+def test_called_inside_torch_autocast_warns_once_and_keeps_its_plan():
+    compiled = amp_graph.compile(models.MLP(), "O1")
+    x = torch.randn(2, 64)
+    expected = compiled(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="inside"):
+        assert torch.equal(compiled(x), expected)

@@ -1,12 +1,15 @@
-"""found_inf is all-reduced (MAX) across ranks: 2 CPU processes with gloo, inf on rank 1 only.
+"""found_inf across ranks, on request only: 2 CPU processes with gloo, inf on rank 1 only.
 
 Each rank trains the same model on its own data; gradients are averaged by hand (like DDP) and
 *then* rank 1 alone gets an inf, so only a scaler that all-reduces found_inf keeps the ranks in
-step. torch.amp.GradScaler, which does not, is run the same way to show the test can fail.
+step. With ``process_group=`` ours does; without it, ours makes no collective at all (rank 1
+trains alone while rank 0 waits elsewhere: any hidden collective would time out) and diverges
+like torch.amp.GradScaler, which is run the same way to show the test can fail.
 """
 
 from __future__ import annotations
 
+import datetime
 import socket
 from pathlib import Path
 
@@ -24,7 +27,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(rank: int, scaler, make_optimizer) -> dict:
+def _train(rank: int, scaler, make_optimizer, average: bool = True) -> dict:
     from scaler_helpers import make_data, make_model
 
     model = make_model(seed=0)  # same initial parameters on every rank
@@ -33,7 +36,7 @@ def _train(rank: int, scaler, make_optimizer) -> dict:
     for i, (x, y) in enumerate(make_data(N_ITERS, seed=100 + rank)):  # per-rank data
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-        for p in model.parameters():
+        for p in model.parameters() if average else ():
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
         if i == POISONED_ITER and rank == 1:
@@ -56,15 +59,24 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from amp_graph.scaler import GradScaler
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    world = dist.group.WORLD
     try:
         runs = {
             "amp_graph_sgd": _train(
-                rank, GradScaler("cpu", init_scale=2.0**10), lambda p: torch.optim.SGD(p, lr=0.1)
+                rank,
+                GradScaler("cpu", init_scale=2.0**10, process_group=world),
+                lambda p: torch.optim.SGD(p, lr=0.1),
             ),
             "amp_graph_fused_adam": _train(
                 rank,
-                GradScaler("cpu", init_scale=2.0**10, process_group=dist.group.WORLD),
+                GradScaler("cpu", init_scale=2.0**10, process_group=world),
                 lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
             ),
             "torch_sgd": _train(
@@ -73,12 +85,38 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 lambda p: torch.optim.SGD(p, lr=0.1),
             ),
         }
+        # No process group: the scaler must not communicate. Rank 1 trains while rank 0 only
+        # waits at the barrier below, so a collective inside the scaler would time out.
+        if rank == 1:
+            runs["amp_graph_no_group"] = _train(
+                rank,
+                GradScaler("cpu", init_scale=2.0**10),
+                lambda p: torch.optim.SGD(p, lr=0.1),
+                average=False,
+            )
+        dist.barrier()
         torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_all_ranks_skip_together(tmp_path: Path) -> None:
+def _train_alone(scaler) -> dict:
+    """Rank 1's run without averaging, in this process: what no communication must give."""
+    from scaler_helpers import make_data, make_model
+
+    model = make_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (x, y) in enumerate(make_data(N_ITERS, seed=101)):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i == POISONED_ITER:
+            model[2].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return {"params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_all_ranks_skip_together_with_a_process_group(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
 
@@ -97,3 +135,49 @@ def test_all_ranks_skip_together(tmp_path: Path) -> None:
         for a, b in zip(rank0["torch_sgd"]["params"], rank1["torch_sgd"]["params"], strict=True)
     )
     assert diverged and rank0["torch_sgd"]["scale"] != rank1["torch_sgd"]["scale"]
+
+    # No process group: rank 1 alone completed its run (no collective), and skipped on its own.
+    alone = rank1["amp_graph_no_group"]
+    assert alone["taken"] == expected_taken
+    assert "amp_graph_no_group" not in rank0
+    expected = _train_alone(torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    for a, b in zip(alone["params"], expected["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_process_group_survives_pickling_or_says_so() -> None:
+    """One process (world size 1): the world group comes back after pickling; another group
+    must be set again, and using the scaler before that is an error, not a silent no-op. With a
+    group, an optimizer without gradients takes the group's decision instead of raising."""
+    import pickle
+
+    import pytest
+    from scaler_helpers import make_data, make_model
+
+    from amp_graph.scaler import GradScaler
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = make_data(1)[0]
+        world = pickle.loads(pickle.dumps(GradScaler("cpu", process_group=dist.group.WORLD)))
+        assert world._check.process_group is dist.group.WORLD
+
+        custom = pickle.loads(pickle.dumps(GradScaler("cpu", process_group=dist.new_group([0]))))
+        custom.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        with pytest.raises(RuntimeError, match="set_process_group"):
+            custom.step(opt)
+        custom.set_process_group(dist.new_group([0]))
+        custom.step(opt)
+        custom.update()
+        assert bool(custom.last_step_taken)
+
+        opt.zero_grad(set_to_none=True)  # no gradients at all on this rank
+        world.scale(torch.ones(()))
+        assert world.step(opt) is None and bool(world.last_step_taken)
+        world.update()
+    finally:
+        dist.destroy_process_group()

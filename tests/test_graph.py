@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import amp_graph
 from amp_graph import models
 from amp_graph.data import batches, load_digits
 from amp_graph.graph import Graph
@@ -79,15 +78,20 @@ def test_step_graph_has_the_expected_nodes_in_order():
     assert order == [
         "zero_grad_0",
         "build_0",
+        "loss_0_0",
+        "loss_0_0_scaled",
+        "backward_0_0",
+        "output_0",
         "unscale_clip_0",
         "step_0",
         "update_scale",
         "lr_step_0",
     ]
-    build = [n.name for n in g.build_graph.graph.nodes]
-    assert build.index("loss_fn_scaled") < build.index("backward")
-    explanation = amp_graph.explain(g.build_graph, "loss_fn_scaled")
-    assert "node of the training step" in explanation and "loss scale" in explanation
+    scaled = next(n for n in g.step_graph.graph.nodes if n.name == "loss_0_0_scaled")
+    assert "loss scale" in scaled.meta["amp"].detail and scaled.meta["amp"].role.value == "step"
+    assert [u.name for u in scaled.users] == ["backward_0_0"]
+    build_ops = {str(n.target) for n in g.build_graph.graph.nodes}
+    assert "aten.linear.default" in build_ops and not any("backward" in t for t in build_ops)
     text = repr(g)
     for name in (
         "step graph:",
@@ -105,9 +109,10 @@ def test_step_graph_has_the_expected_nodes_in_order():
 def test_returned_loss_is_unscaled_and_matches_eager():
     model = models.MLP()
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    net = copy.deepcopy(model)
     g = TrainGraph(
-        copy.deepcopy(model),
-        torch.optim.SGD(model.parameters(), lr=0.0),
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.0),
         scaler=GradScaler(init_scale=2.0**10),
         policy="autocast",
         dtype=BF16,
@@ -124,15 +129,16 @@ def test_digits_training_reaches_fp32_accuracy_in_fp16_and_bf16():
     train_split, test_split = load_digits()
     base = models.MLP()
 
-    def run(dtype, amp):
+    def run(dtype, amp, policy="O1"):
         model = copy.deepcopy(base)
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
         scaler = GradScaler() if amp and dtype == FP16 else None
-        g = TrainGraph(model, opt, dtype=dtype, amp=amp, scaler=scaler)
+        g = TrainGraph(model, opt, dtype=dtype, amp=amp, scaler=scaler, policy=policy)
         for x, y in batches(train_split, 64, 200):
             g(x, y)
         with torch.no_grad():
-            pred = model(test_split.x).argmax(1)
+            x = test_split.x.to(next(model.parameters()).dtype)  # O2: low-precision weights
+            pred = model(x).argmax(1)
         return (pred == test_split.y).float().mean().item()
 
     fp32 = run(FP16, amp=False)
@@ -140,6 +146,7 @@ def test_digits_training_reaches_fp32_accuracy_in_fp16_and_bf16():
     assert fp32 > 0.9
     assert abs(run(FP16, amp=True) - fp32) <= 0.03
     assert abs(run(BF16, amp=True) - fp32) <= 0.03
+    assert abs(run(BF16, amp=True, policy="O2") - fp32) <= 0.03
 
 
 def test_injected_nonfinite_steps_are_skipped_exactly():
@@ -178,8 +185,18 @@ def test_injected_nonfinite_steps_are_skipped_exactly():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("policy", ["O1", "O2"])
-def test_checkpoint_resume_is_bit_exact(policy):
+@pytest.mark.parametrize(
+    ("policy", "dtype", "accumulation"),
+    [
+        ("O1", FP16, 1),
+        ("O2", FP16, 1),
+        ("O1", FP16, 4),
+        ("O2", FP16, 2),
+        ("O2", BF16, 4),
+        ("fp8", BF16, 2),
+    ],
+)
+def test_checkpoint_resume_is_bit_exact(policy, dtype, accumulation):
     torch.manual_seed(0)
     base = models.MLP()
     data = [(torch.randn(16, 64), torch.randint(0, 10, (16,))) for _ in range(8)]
@@ -193,7 +210,9 @@ def test_checkpoint_resume_is_bit_exact(policy):
             opt,
             scheduler=sched,
             policy=policy,
-            scaler=GradScaler(init_scale=2.0**12, growth_interval=2),
+            dtype=dtype,
+            accumulation=accumulation,
+            scaler=GradScaler(init_scale=2.0**12, growth_interval=2) if dtype == FP16 else None,
         )
 
     straight = make()
@@ -210,12 +229,34 @@ def test_checkpoint_resume_is_bit_exact(policy):
     for x, y in data[4:]:
         resumed(x, y)
     assert resumed.steps == straight.steps == 8
-    assert resumed._scaler.get_scale() == straight._scaler.get_scale()
+    if dtype == FP16:
+        assert resumed._scaler.get_scale() == straight._scaler.get_scale()
     final_a, final_b = straight.state_dict(), resumed.state_dict()
     for key, value in final_a["modules"]["model"].items():
         assert torch.equal(value, final_b["modules"]["model"][key]), key
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_fp8_graph_trains_without_a_loss_scaler_with_accumulation_and_clipping():
+    model = models.MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = TrainGraph(model, opt, policy="fp8", dtype=BF16, accumulation=2, clip=1.0)
+    with pytest.warns(UserWarning, match="e5m2 gradients have the range"):
+        g.set_grad_scaler(GradScaler())
+        g(torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    assert g.grad_scaler is None  # fp8 needs no loss scaling: the guard checks inf/nan
+    fp8 = [n for n in g.build_graph.graph.nodes if "fp8_linear" in str(n.target)]
+    assert len(fp8) == 2  # fc1, fc2 (the 10-class head stays bf16)
+    nodes = [n.name for n in g.step_graph.graph.nodes]
+    assert "low_precision_weights" in nodes and "clip_0" in nodes and "update_scale" not in nodes
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    x[0, 0] = float("inf")
+    before = params(model)
+    g(x, y)
+    assert g.skipped_steps == 1 and all(
+        torch.equal(a, b) for a, b in zip(before, params(model), strict=True)
+    )
 
 
 def test_o2_stores_low_precision_params_with_fp32_masters_in_sync():
@@ -320,7 +361,8 @@ def test_several_losses_each_with_backward_and_static_scaler():
     before = params(a) + params(b)
     la, lb = g(torch.randn(8, 4))
     assert la.dtype == lb.dtype == torch.float32
-    assert sum(n.target == "backward" for n in g.build_graph.graph.nodes) == 2
+    assert sum(n.name.startswith("backward_") for n in g.step_graph.graph.nodes) == 2
+    assert not any("backward" in str(n.target) for n in g.build_graph.graph.nodes)
     assert all(not torch.equal(p, q) for p, q in zip(params(a) + params(b), before, strict=True))
     assert g._scaler.get_scale() == 2.0**8
 
@@ -330,17 +372,19 @@ def test_evaluation_graph_runs_forward_only_without_grad():
     g = EvalGraph(model)
     out = g(torch.randn(4, 64))
     assert out.dtype == BF16 and not out.requires_grad
-    assert g.build_graph is g.step_graph
-    assert not any(n.target == "backward" for n in g.step_graph.graph.nodes)
+    assert g.step_graph.get_submodule("build") is g.build_graph
+    step_nodes = [n.name for n in g.step_graph.graph.nodes if n.op.startswith("call")]
+    assert step_nodes == ["build_0", "output_0"]  # no backward, no optimizer, no scaler
 
 
 def test_changed_input_structure_retraces():
     g = EvalGraph(models.MLP())
     g(torch.randn(4, 64))
-    g(torch.randn(7, 64))  # shapes alone do not retrace
-    assert len(g._compiled) == 1
+    g(torch.randn(7, 64))  # new sizes: one capture with symbolic sizes, for all sizes
+    g(torch.randn(9, 64))
+    assert len(g._cache.captures) == 2
     g(torch.randn(4, 64, dtype=torch.float64).float().half())
-    assert len(g._compiled) == 2
+    assert len(g._cache.captures) == 3
 
 
 def test_bad_input_errors():

@@ -111,17 +111,46 @@ def test_depth_groups_modules(block):
     attn = by_name["attn"]
     assert attn.type == "CausalSelfAttention" and attn.ops["bf16"] == 13
     assert attn.forward_casts == 8  # q, k, v, proj: a weight and a bias each
+    assert (
+        attn.forward_bytes == 4 * (32 * 32 + 32) * 6 and attn.backward_bytes == attn.forward_bytes
+    )
     top = by_name["(top level)"]
     assert top.forward_casts == 0 and top.backward_casts == 2  # the residual adds promote
 
 
 def test_the_backward_convention(block):
     by_node = {c.node: c for c in dataflow(block).conversions}
-    weight = by_node["attn_q_weight_bf16"]
+    weight = by_node["model_attn_q_weight_bf16"]
     assert weight.kind == "cast" and weight.forward_bytes == weight.backward_bytes == 32 * 32 * 6
-    promotion = by_node["add"]
+    assert weight.module == "attn.q"  # the cast of a weight counts in the module using it
+    promotion = by_node["add"]  # the residual: x (fp32) + the attention's bf16 output
     assert promotion.kind == "promotion" and promotion.forward_bytes == 0
+    assert (promotion.source, promotion.target) == ("bf16", "fp32")
     assert promotion.backward_bytes == 2 * 8 * 32 * 6
+
+
+def test_mixed_dtype_kernels_are_not_promotions():
+    # aten.batch_norm takes bf16 activations with fp32 weights and statistics and returns
+    # each gradient in its input's own dtype: no conversion (the oracle test checks totals).
+    compiled = amp_graph.compile(ConvNet(), "O1", example_inputs=(torch.randn(2, 1, 8, 8),))
+    norms = [n for n in compiled.graph.nodes if n.target is torch.ops.aten.batch_norm.default]
+    assert norms and norms[0].meta["amp"].out_dtype == torch.bfloat16
+    flow = dataflow(compiled)
+    assert {c.kind for c in flow.conversions} == {"cast"}
+    assert not {c.node for c in flow.conversions} & {n.name for n in norms}
+
+
+def test_the_backend_graph_has_the_same_data_flow(fresh_dynamo):
+    # Dynamo lifts parameters to graph inputs: their gradients and owning modules come from
+    # dynamo's own records, so the same model gives the same table as amp_graph.compile.
+    model, x = DecoderBlock(32, 4), torch.randn(2, 8, 32)
+    compiled = torch.compile(model, backend=amp_graph.backend(inner="eager"))
+    compiled(x)
+    [gm] = amp_graph.captured_graphs(compiled)
+    reference = dataflow(amp_graph.compile(model, example_inputs=(x,)), depth=1)
+    flow = dataflow(gm, depth=1)
+    assert flow.total.backward_casts == 16
+    assert str(flow) == str(reference)
 
 
 def test_frozen_parameters_have_no_backward_casts():
@@ -130,15 +159,23 @@ def test_frozen_parameters_have_no_backward_casts():
     model.head.requires_grad_(True)
     compiled = amp_graph.compile(model, example_inputs=(torch.randn(4, 64),))
     by_node = {c.node: c for c in dataflow(compiled).conversions}
-    assert by_node["fc1_weight_bf16"].backward_bytes == 0
-    assert by_node["head_weight_bf16"].backward_bytes == by_node["head_weight_bf16"].forward_bytes
+    assert by_node["model_fc1_weight_bf16"].backward_bytes == 0
+    head = by_node["model_head_weight_bf16"]
+    assert head.backward_bytes == head.forward_bytes > 0
 
 
-def test_without_example_inputs_bytes_are_unknown():
-    compiled = amp_graph.compile(MLP())
+def test_with_symbolic_sizes_bytes_are_unknown():
+    compiled, x = amp_graph.compile(MLP()), torch.randn(4, 64)
+    compiled(x)  # captured at the first call, with this call's sizes
+    _, forward_bytes, _, backward_bytes = measured(compiled, (x,))
+    assert dataflow(compiled).total.forward_bytes == forward_bytes
+    compiled(torch.randn(5, 64))  # a second size: captured again, with a symbolic batch
     flow = dataflow(compiled)
-    assert flow.total.forward_casts > 0 and flow.total.forward_bytes is None
-    assert "unknown" in flow.summary()
+    assert len(compiled.graph_modules) == 2
+    assert flow.total.forward_casts == 7 and flow.total.forward_bytes is None  # x's cast
+    # backward: only the weights' and biases' casts, whose sizes do not depend on the batch
+    assert flow.total.backward_bytes == backward_bytes
+    assert "forward: 7 conversions, bytes unknown (symbolic or unknown sizes)" in flow.summary()
 
 
 def test_text_and_html(block):
@@ -148,3 +185,12 @@ def test_text_and_html(block):
     assert "81,600" in text and "backward:" in text
     html = flow._repr_html_()
     assert html.count("<tr") == len(flow.rows) + 2 and "font-weight:600" in html
+
+
+def test_the_summary_counts_conversions_of_unknown_size():
+    compiled = amp_graph.compile(DecoderBlock(32, 4), "O1", torch.bfloat16)
+    compiled(torch.randn(2, 8, 32))
+    compiled(torch.randn(3, 5, 32))  # symbolic batch and sequence: activations' sizes unknown
+    flow = dataflow(compiled)
+    assert flow.total.backward_casts == 16 and flow.total.backward_bytes is None
+    assert flow.summary().endswith("(14 cast, 2 promotion)")

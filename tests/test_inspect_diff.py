@@ -28,17 +28,21 @@ def rows(d, change: str) -> dict:
     return {r.node: r for r in d.rows if r.change == change}
 
 
-def test_the_passes_add_casts_and_parameters_and_change_dtypes(block):
+def test_the_passes_add_casts_and_change_dtypes(block):
     d = diff(block)
     casts = {n.name for n in block.graph.nodes if n.meta[AMP].role is Role.CAST}
-    params = {n.name for n in block.graph.nodes if n.meta[AMP].role is Role.PARAM}
-    assert set(rows(d, "added")) == casts | params
+    assert set(rows(d, "added")) == casts  # parameters are read by the captured graph already
     assert not rows(d, "removed")
     changed = rows(d, "changed")
-    assert (changed["attn_q"].before, changed["attn_q"].after) == ("fp32", "bf16")
-    assert "allow" in changed["attn_q"].detail and "F.linear" in changed["attn_q"].detail
+    q = changed["linear"]  # attn.q
+    assert (q.op, q.module, q.before, q.after) == ("aten.linear", "attn.q", "fp32", "bf16")
+    assert (
+        "allow" in q.detail and "aten::linear" in q.detail and "reads layer_norm_bf16" in q.detail
+    )
     assert (changed["view"].before, changed["view"].after) == ("fp32", "bf16")
-    assert "ln1" not in changed and "add" not in changed  # fp32 before and after, same inputs
+    assert rows(d, "added")["model_attn_q_weight_bf16"].module == "attn.q"
+    # fp32 before and after with the same inputs: the layer norm and the residual add
+    assert "layer_norm" not in changed and "add" not in changed
     assert d.unchanged + len(d.rows) - len(rows(d, "added")) == len(
         before_passes(block).graph.nodes
     )
@@ -47,11 +51,13 @@ def test_the_passes_add_casts_and_parameters_and_change_dtypes(block):
 def test_diff_against_the_graph_before_simplification_shows_the_removed_casts(block):
     d = diff(before_simplification(block), block)
     removed = rows(d, "removed")
-    assert set(removed) == {"ln1_bf16_1", "ln1_bf16_2"}
+    assert set(removed) == {"layer_norm_bf16_1", "layer_norm_bf16_2"}
     assert len(removed) == block.meta["amp_graph"].stats["casts_removed"]
-    assert "the same cast as 'ln1_bf16'" in removed["ln1_bf16_1"].detail
+    assert "the same cast as 'layer_norm_bf16'" in removed["layer_norm_bf16_1"].detail
     assert not rows(d, "added")
-    assert set(rows(d, "changed")) == {"attn_k", "attn_v"}  # they now read ln1_bf16
+    changed = rows(d, "changed")  # the k and v linears now read layer_norm_bf16
+    assert set(changed) == {"linear_1", "linear_2"}
+    assert [changed[n].module for n in ("linear_1", "linear_2")] == ["attn.k", "attn.v"]
 
 
 def test_one_argument_report_diff_and_the_raw_original_agree(block):
@@ -94,15 +100,40 @@ def test_diff_drawing_marks_added_changed_and_removed_nodes(block):
         for g in root.iter(f"{SVG_NS}g")
         if "node" in g.get("class", "").split()
     }
-    assert {t for t, c in classes.items() if "removed" in c} == {"ln1_bf16_1", "ln1_bf16_2"}
-    assert {t for t, c in classes.items() if "changed" in c} == {"attn_k", "attn_v"}
+    assert {t for t, c in classes.items() if "removed" in c} == {
+        "layer_norm_bf16_1",
+        "layer_norm_bf16_2",
+    }
+    assert {t for t, c in classes.items() if "changed" in c} == {"linear_1", "linear_2"}
     edges = {
         g.find(f"{SVG_NS}title").text for g in root.iter(f"{SVG_NS}g") if g.get("class") == "edge"
     }
-    assert "ln1_bf16_1->attn_k" in edges  # where the removed cast used to go
+    assert "layer_norm_bf16_1->linear_1" in edges  # where the removed cast used to go
     for group in root.iter(f"{SVG_NS}g"):
         if "removed" in group.get("class", "").split():
             assert any(el.get("stroke-dasharray") for el in group.iter())
     full = ET.fromstring(diff(block).draw(renderer="networkx").text)
     added = [g for g in full.iter(f"{SVG_NS}g") if "added" in g.get("class", "").split()]
     assert len(added) == diff(block).count("added")
+
+
+def test_diff_of_two_policies_says_why_casts_went(block):
+    policy = amp_graph.Policy.preset("O1").override(modules={"attn": "fp32"})
+    model = block.model  # the same parameters
+    kept_fp32 = amp_graph.compile(model, policy, example_inputs=(torch.randn(2, 8, 32),))
+    d = diff(block, kept_fp32)
+    attn_ops = {
+        n.name
+        for n in kept_fp32.graph.nodes
+        if n.meta[AMP].role is Role.OP and n.meta[AMP].module_path.startswith("attn")
+    }
+    assert set(rows(d, "changed")) == attn_ops and len(attn_ops) == 13
+    assert all(r.before == "bf16" and r.after == "fp32" for r in rows(d, "changed").values())
+    removed = rows(d, "removed")  # ln1's cast to bf16 and the q, k, v, proj weights' casts
+    assert set(removed) == {"layer_norm_bf16"} | {
+        f"model_attn_{m}_{p}_bf16" for m in ("q", "k", "v", "proj") for p in ("weight", "bias")
+    }
+    assert removed["model_attn_q_weight_bf16"].detail == (
+        "no longer needed: 'linear' now computes in fp32"
+    )
+    assert not rows(d, "added")

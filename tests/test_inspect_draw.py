@@ -3,11 +3,13 @@ regions; the fallback renderer runs everywhere, graphviz where `dot` is installe
 
 from __future__ import annotations
 
+import ast
 import logging
 import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from amp_graph.passes import AMP, Role
 import amp_graph
 from amp_graph.inspect import SVG, draw
 from amp_graph.inspect import render as render_module
+from amp_graph.inspect.modules import node_modules
 from amp_graph.inspect.style import CAST_FILL, FILL, STATUS_COLORS
 from amp_graph.models import GPT, DecoderBlock
 
@@ -66,23 +69,27 @@ def block() -> torch.fx.GraphModule:
 
 def test_nodes_are_coloured_by_compute_dtype_and_casts_are_gold_hexagons(block):
     nodes = parse(draw(block, renderer="networkx"))
-    assert FILL["bf16"] in nodes["attn_q"]["fills"] and "bf16" in nodes["attn_q"]["classes"]
-    assert FILL["fp32"] in nodes["ln1"]["fills"] and "fp32" in nodes["ln1"]["classes"]
-    assert FILL["fp32"] in nodes["attn_q_weight"]["fills"]  # the parameter itself stays fp32
+    assert FILL["bf16"] in nodes["linear"]["fills"] and "bf16" in nodes["linear"]["classes"]
+    assert FILL["fp32"] in nodes["layer_norm"]["fills"] and "fp32" in nodes["layer_norm"]["classes"]
+    assert FILL["fp32"] in nodes["model_attn_q_weight"]["fills"]  # the parameter stays fp32
+    assert "param" in nodes["model_attn_q_weight"]["classes"]
     assert FILL["bf16"] in nodes["view"]["fills"]  # follows its bf16 input
     casts = {n.name for n in block.graph.nodes if n.meta[AMP].role is Role.CAST}
     drawn_casts = {title for title, node in nodes.items() if "cast" in node["classes"]}
     assert drawn_casts == casts and len(casts) == amp_graph.report(block).casts_kept
     for title in casts:
         assert nodes[title]["fills"] == [CAST_FILL] and nodes[title]["shapes"] == ["polygon"]
-    assert nodes["ln1_bf16"]["strokes"] == [render_module.STROKE["bf16"]]  # border: target dtype
+    assert nodes["layer_norm_bf16"]["strokes"] == [render_module.STROKE["bf16"]]  # target dtype
 
 
 def test_labels_show_op_shape_and_dtype(block):
     nodes = parse(draw(block, renderer="networkx"))
-    assert "nn.Linear" in nodes["attn_q"]["text"] and "allow" in nodes["attn_q"]["text"]
-    assert "[2, 8, 32] bf16" in nodes["attn_q"]["text"]
-    assert "cast fp32 \u2192 bf16 [2, 8, 32]" in nodes["ln1_bf16"]["text"]  # its input's shape
+    assert "aten.linear \u00b7 allow" in nodes["linear"]["text"]
+    assert "[2, 8, 32] bf16" in nodes["linear"]["text"]
+    assert "aten.layer_norm \u00b7 deny" in nodes["layer_norm"]["text"]
+    assert "cast fp32 \u2192 bf16 [2, 8, 32]" in nodes["layer_norm_bf16"]["text"]  # input's shape
+    assert "parameter [32, 32] fp32" in nodes["model_attn_q_weight"]["text"]
+    assert "cast fp32 \u2192 bf16 [32, 32]" in nodes["model_attn_q_weight_bf16"]["text"]
     assert "[2, 8, 32] fp32" in nodes["x"]["text"]
 
 
@@ -93,14 +100,22 @@ def test_fp16_and_integer_values_have_their_own_colours():
     )
     nodes = parse(draw(compiled, renderer="networkx"))
     assert FILL["int"] in nodes["idx"]["fills"] and "int" in nodes["idx"]["classes"]
-    assert FILL["fp16"] in nodes["head"]["fills"]
-    assert "fp16" in nodes["blocks_0_fc_weight_fp16"]["classes"]
+    assert FILL["int"] in nodes["arange"]["fills"]  # the positions
+    modules = node_modules(compiled.graph_module)
+    [head] = [  # the head's linear
+        n.name
+        for n in compiled.graph.nodes
+        if modules[n.name] == "head" and n.meta[AMP].role is Role.OP
+    ]
+    assert FILL["fp16"] in nodes[head]["fills"] and "aten.linear" in nodes[head]["text"]
+    assert "fp16" in nodes["model_blocks_0_fc_weight_fp16"]["classes"]
 
 
 def test_edges_follow_the_graph(block):
     svg = draw(block, renderer="networkx")
     edges = set(groups(svg, "edge"))
-    assert "ln1->ln1_bf16" in edges and "ln1_bf16->attn_q" in edges and "x->add" in edges
+    assert "layer_norm->layer_norm_bf16" in edges and "layer_norm_bf16->linear" in edges
+    assert "model_attn_q_weight->model_attn_q_weight_bf16" in edges and "x->add" in edges
     drawn = set(parse(svg))
     expected = {
         f"{a.name}->{n.name}"
@@ -111,21 +126,38 @@ def test_edges_follow_the_graph(block):
     assert edges == expected
 
 
-def test_modules_are_clusters_and_non_tensor_nodes_are_left_out(block):
+def test_modules_are_clusters_holding_their_parameters_and_casts(block):
     svg = draw(block, renderer="networkx")
-    assert {"cluster_attn", "cluster_attn.q", "cluster_fc"} <= set(groups(svg, "cluster"))
-    nodes = parse(svg)
-    assert "getattr_1" not in nodes and "floordiv" not in nodes  # x.shape arithmetic
-    assert "non-tensor" in svg.text
-    assert "getattr_1" in parse(draw(block, renderer="networkx", bookkeeping=True))
+    clusters = set(groups(svg, "cluster"))
+    assert {"cluster_attn", "cluster_attn.q", "cluster_fc"} <= clusters
+    assert not any("_empty_nn_module_stack" in c for c in clusters)
+    dot = draw(block, renderer="networkx").dot
+    q_cluster = dot.split('subgraph "cluster_attn.q"')[1].split("}")[0]
+    for name in ("linear", "model_attn_q_weight", "model_attn_q_bias", "model_attn_q_weight_bf16"):
+        assert f'"{name}" [' in q_cluster
+    assert '"layer_norm_bf16" [' not in q_cluster  # it belongs to ln1, where its input is
+
+
+def test_non_tensor_nodes_are_left_out():
+    # A second input size captures with symbolic sizes: sym_size nodes feed the views.
+    compiled = amp_graph.compile(DecoderBlock(32, 4), "O1", torch.bfloat16)
+    compiled(torch.randn(2, 8, 32))
+    compiled(torch.randn(3, 5, 32))
+    sizes = [n.name for n in compiled.graph.nodes if "sym_size" in str(n.target)]
+    assert sizes
+    svg = draw(compiled, renderer="networkx")
+    assert not set(sizes) & set(parse(svg)) and "non-tensor" in svg.text
+    assert not any("_empty_nn_module_stack" in c for c in groups(svg, "cluster"))
+    assert set(sizes) <= set(parse(draw(compiled, renderer="networkx", bookkeeping=True)))
 
 
 def test_collapsed_modules_fold_into_one_box_and_keep_boundary_casts(block):
     nodes = parse(draw(block, renderer="networkx", collapse_modules=True))
     assert {"module:attn", "module:fc", "module:out"} <= set(nodes)
-    assert "attn_q" not in nodes and "attn_q_weight_bf16" not in nodes  # inside attn
-    assert "cast" in nodes["ln1_bf16"]["classes"]  # ln1 -> attn crosses a module boundary
-    assert "13 ops: 13 bf16" in nodes["module:attn"]["text"]
+    assert "linear" not in nodes and "model_attn_q_weight_bf16" not in nodes  # inside attn
+    assert "cast" in nodes["layer_norm_bf16"]["classes"]  # ln1 -> attn crosses a boundary
+    assert "13 ops: 13 bf16" in nodes["module:attn"]["text"]  # 4 linears, views, attention
+    assert "8 casts inside" in nodes["module:attn"]["text"]  # q, k, v, proj: weight and bias
     assert FILL["bf16"] in nodes["module:attn"]["fills"]
 
 
@@ -143,7 +175,7 @@ def test_focus_on_a_node_draws_its_neighbourhood(block):
     nodes = parse(draw(block, renderer="networkx", focus="gelu", max_nodes=5))
     drawn = {t for t, n in nodes.items() if "ghost" not in n["classes"]}
     ghosts = {t for t, n in nodes.items() if "ghost" in n["classes"]}
-    assert len(drawn) == 5 and {"gelu", "fc", "out"} <= drawn
+    assert len(drawn) == 5 and {"gelu", "linear_4", "linear_5"} <= drawn  # fc, gelu, out
     assert ghosts and not ghosts & drawn
 
 
@@ -151,13 +183,13 @@ def test_focus_on_a_module_draws_that_module(block):
     nodes = parse(draw(block, renderer="networkx", focus="attn.q"))
     drawn = {t for t, n in nodes.items() if "ghost" not in n["classes"]}
     assert drawn == {
-        "attn_q",
-        "attn_q_weight",
-        "attn_q_bias",
-        "attn_q_weight_bf16",
-        "attn_q_bias_bf16",
+        "linear",
+        "model_attn_q_weight",
+        "model_attn_q_bias",
+        "model_attn_q_weight_bf16",
+        "model_attn_q_bias_bf16",
     }
-    assert "ln1_bf16" in nodes and "ghost" in nodes["ln1_bf16"]["classes"]
+    assert "layer_norm_bf16" in nodes and "ghost" in nodes["layer_norm_bf16"]["classes"]
 
 
 def test_bad_options_say_what_is_wrong(block):
@@ -183,7 +215,7 @@ def test_the_captured_graph_draws_as_written(block):
     original = block.meta["amp_graph"].original
     nodes = parse(draw(original, renderer="networkx"))
     assert not any("cast" in n["classes"] for n in nodes.values())
-    assert FILL["fp32"] in nodes["attn_q"]["fills"]
+    assert FILL["fp32"] in nodes["linear"]["fills"] and "aten.linear" in nodes["linear"]["text"]
     assert all(AMP not in n.meta for n in original.graph.nodes)  # not annotated in place
 
 
@@ -209,8 +241,9 @@ def test_dot_source_describes_the_same_drawing(block):
     dot = draw(block, renderer="networkx").dot
     assert dot.startswith("digraph amp_graph {") and dot.rstrip().endswith("}")
     assert 'subgraph "cluster_attn"' in dot and 'subgraph "cluster_attn.q"' in dot
-    assert '"ln1_bf16" [' in dot and "shape=hexagon" in dot and f'fillcolor="{CAST_FILL}"' in dot
-    assert '"ln1" -> "ln1_bf16";' in dot
+    assert '"layer_norm_bf16" [' in dot and "shape=hexagon" in dot
+    assert f'fillcolor="{CAST_FILL}"' in dot
+    assert '"layer_norm" -> "layer_norm_bf16";' in dot
 
 
 @pytest.mark.skipif(not HAS_DOT, reason="graphviz's `dot` is not installed")
@@ -224,7 +257,8 @@ def test_graphviz_draws_the_same_classes_and_colours(block):
     for title, node in fallback.items():
         assert nodes[title]["classes"] == node["classes"]
         assert node["fills"][-1] in nodes[title]["fills"]
-    assert "cast" in nodes["ln1_bf16"]["classes"] and CAST_FILL in nodes["ln1_bf16"]["fills"]
+    cast = nodes["layer_norm_bf16"]
+    assert "cast" in cast["classes"] and CAST_FILL in cast["fills"]
 
 
 def test_status_colours_are_distinct():
@@ -239,17 +273,32 @@ def test_large_graphs_draw_quickly():
     ET.fromstring(svg.text)
 
 
+PLOTTING = ("networkx", "matplotlib", "graphviz", "pygraphviz", "IPython")
+
+
 def test_the_core_imports_no_plotting_or_layout_library():
+    # torch.export itself imports networkx (its partitioner): count only what amp_graph adds.
     code = (
-        "import sys, torch, amp_graph\n"
+        "import sys, torch\n"
         "m = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"
+        "torch.export.export(m, (torch.randn(1, 2),), strict=False)\n"
+        "before = set(sys.modules)\n"
+        "import amp_graph\n"
         "amp_graph.report(amp_graph.compile(m, example_inputs=(torch.randn(1, 2),)))\n"
-        "bad = [m for m in ('networkx', 'matplotlib', 'graphviz', 'pygraphviz', 'IPython')\n"
-        "       if m in sys.modules]\n"
-        "print(bad)\n"
+        f"print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in {PLOTTING}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+    # and no module below inspection names one in an import, lazy imports included
+    root = Path(amp_graph.__file__).parent
+    for path in [*root.rglob("*.py"), *(root.parent / "passes").rglob("*.py")]:
+        if "inspect" in path.relative_to(root.parent).parts or path.name in ("cli.py", "demo.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not [n for n in names if n.split(".")[0] in PLOTTING], path
 
 
 def test_dot_failure_is_reported(monkeypatch):

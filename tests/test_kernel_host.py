@@ -1,8 +1,11 @@
 """CUDA sources checked on a CPU-only machine.
 
-* ``csrc/host_selftest.cpp`` (built with g++, or nvcc) runs the kernel's index math from
-  ``csrc/tiling.h``: whole simulated launches over many sizes, misalignments and tables, the
-  bit-level finiteness tests, and the scale-update rule (compared with the Python op);
+* ``csrc/host_selftest.cpp`` (built with g++, or nvcc) runs the kernel's host-side logic: the index
+  math of ``csrc/tiling.h`` (whole simulated launches over many sizes, misalignments and tables,
+  large tensors by blocks and small ones packed into shared tiles by warps), the bit-level
+  finiteness tests, the scale-update rule (compared with the Python op), the device-table cache
+  of ``csrc/table_cache.h`` (built once per parameter set, kept while a CUDA graph uses it) and
+  the grid-limit cache of ``csrc/launch_cache.h`` (occupancy asked once per device and kernel);
 * ``csrc/amp_kernels.cu`` is compiled for real with ``nvcc -c`` when nvcc exists;
 * ``csrc/binding.cpp`` is compiled (``-fsyntax-only``) against torch's headers.
 
@@ -24,6 +27,8 @@ import torch
 
 from amp_graph.kernels import ops
 from amp_graph.kernels.extension import CSRC_DIR
+
+pytestmark = pytest.mark.cuda  # CUDA sources: `make gpu-check` runs these too
 
 NVCC = shutil.which("nvcc")
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -77,7 +82,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subproce
     jobs: dict[str, tuple[list[str], Path]] = {}
     if HOST_COMPILER is not None:
         exe = out / "host_selftest"
-        flags = ["-std=c++17", "-O2"] + (["-Wall", "-Wextra", "-Werror"] if CXX else [])
+        flags = ["-std=c++17", "-O2", "-pthread"] + (["-Wall", "-Wextra", "-Werror"] if CXX else [])
         src = str(CSRC_DIR / "host_selftest.cpp")
         if CXX is None:  # nvcc compiles a .cpp as host code
             flags = ["-O2", "-x", "cu"]
@@ -118,18 +123,41 @@ def _finish(builds: dict, name: str, why: str) -> Path:
     return target
 
 
-def test_tiling_covers_every_element_exactly_once(builds) -> None:
+def _selftest(builds, mode: str) -> str:
     exe = _finish(builds, "host", "no host C++ compiler (g++ or nvcc)")
-    run = subprocess.run([exe, "tiling"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([exe, mode], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.startswith("OK tiling"), run.stdout
+    assert f"OK {mode}" in run.stdout, run.stdout
+    return run.stdout
+
+
+def test_tiling_covers_every_element_exactly_once(builds) -> None:
+    """Blocks on large tensors, warps on packed small ones: every element exactly once, every
+    vector aligned and in bounds, shared tiles within budget and free of large tensors."""
+    _selftest(builds, "tiling")
+
+
+def test_small_tensors_share_tiles(builds) -> None:
+    """10,000 tensors of 100 floats take 286 tiles, not 10,000 (one per tensor before)."""
+    out = _selftest(builds, "packing")
+    assert "packing 10000 x 100 (4-byte): 286 tiles" in out, out
 
 
 def test_bit_level_finiteness_matches_isfinite(builds) -> None:
-    exe = _finish(builds, "host", "no host C++ compiler (g++ or nvcc)")
-    run = subprocess.run([exe, "finite"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.startswith("OK finite"), run.stdout
+    _selftest(builds, "finite")
+
+
+def test_device_table_cache(builds) -> None:
+    """Hit for the same rows on the same device, miss otherwise; LRU eviction frees buffers;
+    entries pinned by a CUDA graph capture are never evicted; the table writer's chunks cover
+    the table exactly once."""
+    _selftest(builds, "cache")
+
+
+def test_grid_limits_are_queried_once(builds) -> None:
+    """The occupancy and multiprocessor queries run once per (device, dtype, mode), from any
+    number of threads."""
+    _selftest(builds, "launch")
 
 
 @pytest.mark.parametrize(

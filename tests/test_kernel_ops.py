@@ -152,6 +152,43 @@ def test_bad_arguments_are_rejected(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["unscale", "norm", "check"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool, torch.complex64])
+def test_non_floating_grads_are_rejected_on_every_path(
+    kind: str, dtype: torch.dtype, device: str
+) -> None:
+    """One semantics: the native path (CPU) and the kernel (CUDA) refuse the same inputs."""
+    grads = [torch.ones(3, device=device), torch.ones(4, device=device).to(dtype)]
+    found = torch.zeros((), device=device)
+    with pytest.raises(ValueError, match=r"floating-point tensors; grads\[1\]"):
+        _run(kind, grads, found, torch.tensor(0.5, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sum_of_squares_rule(device: str) -> None:
+    """float32 squares of the stored values, one sum per dtype group (float32, float16,
+    bfloat16, others), then their sum: exact on the native path, to float32 rounding on CUDA
+    (its in-group order is per block)."""
+    gen = torch.Generator().manual_seed(7)
+    dtypes = [torch.bfloat16, torch.float32, torch.float64, torch.float16]
+    grads = [
+        (torch.randn(int(n), generator=gen) * 10).to(dtypes[i % 4]).to(device)
+        for i, n in enumerate(torch.randint(1, 3000, (40,), generator=gen))
+    ]
+    found = torch.zeros((), device=device)
+    total = ops.non_finite_check_unscale_and_norm_(grads, found, torch.tensor(0.5, device=device))
+    expected = torch.zeros(())
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        group = [g.cpu().float().square().sum() for g in grads if g.dtype == dtype]
+        expected += torch.stack(group).sum()
+    if device == "cpu":
+        assert torch.equal(total, expected)
+    else:
+        torch.testing.assert_close(total.cpu(), expected, rtol=1e-5, atol=0)
+    assert total.dtype == torch.float32 and found.item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_update_scale_matches_torch(device: str) -> None:
     scale, tracker = (
         torch.tensor(512.0, device=device),
@@ -258,6 +295,44 @@ def test_each_op_is_one_node_in_fx_and_compiled_graphs() -> None:
         torch.ops.amp_graph.non_finite_check_unscale_and_norm_.default,
         torch.ops.amp_graph.update_scale_.default,
     ]
+
+
+def test_build_is_keyed_by_architecture() -> None:
+    """The JIT cache name carries the torch build and every visible architecture, and the nvcc
+    flags compile exactly those (plus PTX of the newest)."""
+    h100 = extension.build_options("2.11.0+cu130", [(9, 0)])
+    assert h100["name"] == "amp_graph_kernels_torch2_11_0_cu130_sm90"
+    assert "-gencode=arch=compute_90,code=sm_90" in h100["extra_cuda_cflags"]
+    assert "-gencode=arch=compute_90,code=compute_90" in h100["extra_cuda_cflags"]
+    mixed = extension.build_options("2.11.0+cu130", [(9, 0), (8, 0), (9, 0)])
+    assert mixed["name"] == "amp_graph_kernels_torch2_11_0_cu130_sm80_sm90"
+    flags = [f for f in mixed["extra_cuda_cflags"] if "arch" in f]
+    assert flags == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+    assert extension.build_options("2.11.0+cu130", [(10, 0)])["name"] != h100["name"]
+    assert "--use_fast_math" not in h100["extra_cuda_cflags"]
+
+
+def test_load_extension_builds_for_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_extension on a (faked) machine with an H100: the build gets the H100's name and
+    flags. cpp_extension.load is stubbed; nothing is compiled."""
+    from torch.utils import cpp_extension
+
+    calls = []
+    monkeypatch.setattr(extension, "_status", extension.ExtensionStatus("not-tried"))
+    monkeypatch.setattr(extension, "_cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "lib.so")
+    monkeypatch.delenv(extension.DISABLE_ENV, raising=False)
+    assert extension.load_extension() is True
+    (kwargs,) = calls
+    assert kwargs["name"].endswith("_sm90")
+    assert "-gencode=arch=compute_90,code=sm_90" in kwargs["extra_cuda_cflags"]
+    assert extension.extension_status() == extension.ExtensionStatus("loaded", "lib.so")
 
 
 def test_cpu_only_machine_never_builds() -> None:

@@ -35,53 +35,59 @@ def out_dtypes(compiled, predicate):
     return {n.meta[AMP].out_dtype for n in compiled.graph.nodes if predicate(n.meta[AMP])}
 
 
-def by_module_prefix(prefix):
-    return lambda info: info.role is Role.OP and info.module_path.startswith(prefix)
+def aten(name):
+    """Ops of one aten name (any overload) that the policy decides (not in-place ones)."""
+    return lambda info: (
+        info.role is Role.OP and info.aten is not None and (info.aten.split(".")[0] == name)
+    )
 
 
 def test_mlp_structure():
     compiled = compile_checked(models.MLP(), "O1", example_inputs=CASES["mlp"][1]())
-    assert out_dtypes(compiled, lambda i: i.op == "nn.Linear") == {BF16}
-    assert out_dtypes(compiled, lambda i: i.op == "F.gelu") == {BF16}
+    assert out_dtypes(compiled, aten("linear")) == {BF16}
+    assert out_dtypes(compiled, aten("gelu")) == {BF16}
     assert amp_graph.report(compiled).casts_kept == 7  # input + 3 weights + 3 biases
 
 
 def test_cnn_structure_batchnorm_and_residuals():
     compiled = compile_checked(models.ConvNet(), "O1", example_inputs=CASES["cnn"][1]())
-    assert out_dtypes(compiled, lambda i: i.op == "nn.Conv2d") == {BF16}
+    assert out_dtypes(compiled, aten("conv2d")) == {BF16}
     # batch norm is in no autocast list: it follows its bf16 input, fp32 statistics kept
-    bns = [n for n in compiled.graph.nodes if n.meta[AMP].op == "nn.BatchNorm2d"]
-    assert len(bns) == 5 and all(n.op == "call_module" for n in bns)
-    assert {n.meta[AMP].out_dtype for n in bns} == {BF16}
-    assert compiled.bn.running_mean.dtype == FP32
-    adds = [n for n in compiled.graph.nodes if n.meta[AMP].op == "operator.add"]
+    bns = [n for n in compiled.graph.nodes if aten("batch_norm")(n.meta[AMP])]
+    assert len(bns) == 5 and {n.meta[AMP].out_dtype for n in bns} == {BF16}
+    assert all(n.meta[AMP].compute_dtype is None for n in bns)
+    assert compiled.model.bn.running_mean.dtype == FP32
+    adds = [n for n in compiled.graph.nodes if aten("add")(n.meta[AMP])]
     assert len(adds) == 2 and {n.meta[AMP].out_dtype for n in adds} == {BF16}
+    counters = [n for n in compiled.graph.nodes if n.meta[AMP].role is Role.INPLACE]
+    assert len(counters) == 5  # num_batches_tracked += 1, in place on the model's buffer
 
 
 def test_gpt_structure():
     compiled = compile_checked(models.GPT(), "O1", example_inputs=CASES["gpt"][1]())
     infos = [n.meta[AMP] for n in compiled.graph.nodes]
-    assert {i.out_dtype for i in infos if i.op == "nn.Embedding"} == {FP32}
-    assert {i.out_dtype for i in infos if i.op == "nn.LayerNorm"} == {FP32}
-    assert {i.out_dtype for i in infos if i.op == "nn.Linear"} == {BF16}
-    assert {i.out_dtype for i in infos if i.op == "F.scaled_dot_product_attention"} == {BF16}
-    assert {i.out_dtype for i in infos if i.op == "F.gelu"} == {BF16}
+    assert out_dtypes(compiled, aten("embedding")) == {FP32}
+    assert out_dtypes(compiled, aten("layer_norm")) == {FP32}
+    assert out_dtypes(compiled, aten("linear")) == {BF16}
+    assert out_dtypes(compiled, aten("scaled_dot_product_attention")) == {BF16}
+    assert out_dtypes(compiled, aten("gelu")) == {BF16}
     # the residual stream stays fp32: fp32 + bf16 promotes, exactly as under autocast
-    residual = [i for i in infos if i.op == "operator.add" and i.module_path.startswith("blocks")]
+    residual = [i for i in infos if aten("add")(i) and i.module_path.startswith("blocks")]
     assert residual and {i.out_dtype for i in residual} == {FP32}
     # the tied head/embedding weight: embedding reads it in fp32, the head casts it once
+    gm = compiled.graph_module
     weight_casts = [
         n
-        for n in compiled.graph.nodes
+        for n in gm.graph.nodes
         if n.meta[AMP].role is Role.CAST
         and n.args[0].op == "get_attr"
-        and compiled.get_parameter(n.args[0].target) is compiled.tok.weight
+        and gm.get_parameter(n.args[0].target) is compiled.model.tok.weight
     ]
     assert len(weight_casts) == 1
     # ln1's output feeds q, k and v: one cast, where torch.autocast casts three times
     ln_casts = [
         n
-        for n in compiled.graph.nodes
+        for n in gm.graph.nodes
         if n.meta[AMP].role is Role.CAST and n.args[0].meta[AMP].module_path == "blocks.0.ln1"
     ]
     assert len(ln_casts) == 1 and len(ln_casts[0].meta[AMP].cast_for) == 3
@@ -90,26 +96,25 @@ def test_gpt_structure():
 def test_rnn_structure_casts_recurrent_weights():
     model = models.RecurrentNet()
     compiled = compile_checked(model, "O1", example_inputs=CASES["rnn"][1]())
-    calls = [n for n in compiled.graph.nodes if n.target is torch.func.functional_call]
-    assert len(calls) == 2  # LSTM and GRU run their own forward with bf16 parameters
-    assert {n.meta[AMP].out_dtype[0] for n in calls} == {BF16}
-    for call in calls:
-        params = call.args[1]
-        assert all(p.meta[AMP].role is Role.CAST and p.args[1] == BF16 for p in params.values())
+    rnns = [n for n in compiled.graph.nodes if n.meta[AMP].aten in ("lstm.input", "gru.input")]
+    assert len(rnns) == 2  # the LSTM and the GRU, each one aten op with bf16 parameters
+    assert {n.meta[AMP].out_dtype[0] for n in rnns} == {BF16}
+    for node in rnns:
+        weights = node.args[2]
+        assert all(w.meta[AMP].role is Role.CAST and w.args[1] == BF16 for w in weights)
     assert model.lstm.weight_ih_l0.dtype == FP32
 
 
 def test_mixed_ops_structure():
     compiled = compile_checked(models.MixedOpsNet(), "O1", example_inputs=CASES["mixed"][1]())
     roles = Counter(n.meta[AMP].role for n in compiled.graph.nodes)
-    assert roles[Role.INPLACE] == 2  # relu_ and mul_
+    assert roles[Role.INPLACE] == 3  # relu_, g += h and mul_: torch runs all three in place
     for node in compiled.graph.nodes:
         if node.meta[AMP].role is Role.CAST:
             assert node.args[0].meta[AMP].out_dtype in (FP32, BF16)
-    dtypes = {n.name: n.meta[AMP].out_dtype for n in compiled.graph.nodes}
-    assert dtypes["gt"] == torch.bool and dtypes["argmax"] == torch.int64
-    cat = next(n.meta[AMP] for n in compiled.graph.nodes if n.meta[AMP].op == "torch.cat")
-    assert cat.out_dtype == FP32  # promote list on CUDA: cat(bf16, fp32) -> fp32
+    assert out_dtypes(compiled, aten("gt")) == {torch.bool}
+    assert out_dtypes(compiled, aten("argmax")) == {torch.int64}
+    assert out_dtypes(compiled, aten("cat")) == {FP32}  # promote on CUDA: cat(bf16, fp32)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -133,8 +138,12 @@ def test_autocast_preset_forward_bitwise_and_gradients_close(name):
     example = inputs()
     compiled = compile_checked(model, "autocast", example_inputs=example)
     torch.manual_seed(1)
-    with torch.autocast("cpu", torch.bfloat16):
-        reference = model(*example)
+    try:
+        with torch.autocast("cpu", torch.bfloat16):
+            reference = model(*example)
+    except RuntimeError as error:  # oneDNN's bf16 LSTM needs bf16 instructions
+        assert torch.isfinite(compiled(*example).float()).all()  # torch's own kernel runs
+        pytest.skip(f"torch.autocast cannot run {name} on this CPU to compare: {error}")
     _loss(reference).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -46,7 +46,7 @@ from op_samples import (
 )
 
 import amp_graph
-from amp_graph.report import NodeRow
+from amp_graph.inspect.report import NodeRow
 from amp_graph.tables import autocast_lists as lists
 
 CATEGORIES = cuda_categories()  # from the header, plus the few .cpp-only registrations
@@ -191,6 +191,43 @@ def test_o1_computes_each_op_as_cuda_autocast(name: str, low: torch.dtype) -> No
                 by_cpu_autocast = sample.fn(*case.inputs)
             if by_cpu_autocast.dtype == case.dtype:  # CPU's list computes it alike
                 assert torch.equal(out, by_cpu_autocast), f"{name} ({case.label}): CPU autocast"
+
+
+# --- O1 on the aten graphs amp_graph.compile captures itself ---------------------------------
+
+
+class _Call(nn.Module):
+    """A sample's function as a module, for torch.export."""
+
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.fn(*inputs)
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=short)
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_o1_aten_capture_matches_cuda_autocast(name: str, low: torch.dtype) -> None:
+    """Each sample captured to aten ops by amp_graph.compile: every op's planned dtype is the
+    one CUDA autocast's own kernels give it on fake CUDA tensors (oracles.py). A sample the
+    capture cannot run on CPU must be one that torch cannot run on CPU either."""
+    from oracles import cuda_autocast_mismatches
+
+    if name not in CUDA_AUTOCAST_REGISTERED:
+        pytest.skip(f"{name} registers for AutocastCUDA only in builds with cuDNN: no oracle")
+    sample = SAMPLES[name]
+    for case in cases(sample, low):
+        try:
+            compiled = amp_graph.compile(_Call(sample.fn), "O1", low, example_inputs=case.inputs)
+        except amp_graph.CaptureError:
+            # neither can CPU autocast (no kernel, or mixed dtypes only CUDA's lists resolve)
+            with pytest.raises((RuntimeError, NotImplementedError)), torch.autocast("cpu", low):
+                sample.fn(*case.inputs)
+            continue
+        mismatches = cuda_autocast_mismatches(compiled, case.inputs, unverifiable=("",))
+        assert not [m for m in mismatches if "could not run" not in m], "\n".join(mismatches)
 
 
 # --- the second oracle: torch's AutocastCUDA kernels on fake CUDA tensors ----------------
@@ -356,8 +393,8 @@ with torch.random.fork_rng(devices=[]):  # building modules must not move others
 @pytest.mark.parametrize("label", sorted(CALLABLES))
 def test_o1_python_callable_returns_what_cuda_autocast_returns(label: str, low: torch.dtype):
     case = CALLABLES[label]
-    if isinstance(case.fn, nn.Module):
-        model = _leaf_model(case.fn, len(case.make_inputs(low)), case.first)
+    if isinstance(case.fn, nn.Module):  # a torch-level graph that keeps the module a leaf
+        model = fx.symbolic_trace(_leaf_model(case.fn, len(case.make_inputs(low)), case.first))
     else:
         model = fx.symbolic_trace(case.fn)
     for given in (torch.float32, low):

@@ -227,7 +227,8 @@ def test_scenarios_detect_a_scaler_that_never_skips() -> None:
             if getattr(optimizer, "_step_supports_amp_scaling", False):
                 return super().step(optimizer, *args, **kwargs)
             self.unscale_(optimizer)
-            self._state(optimizer).stage = type(self._state(optimizer).stage).STEPPED
+            state = self._optimizer_state(optimizer)
+            state.stage = type(state.stage).STEPPED
             return optimizer.step()
 
     scenario, _ = SCENARIOS["basic"]

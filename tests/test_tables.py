@@ -408,8 +408,8 @@ with torch.random.fork_rng(devices=[]):  # building modules must not move others
 
 # Documented limits (README, "Known limits"): on CPU, the GRU and the LSTM cell run their
 # matmuls in bf16 under torch.autocast but then promote back to their float32 initial hidden
-# state; amp_graph classifies each as one low-precision node, so its output stays bf16. The
-# test pins the deviation so that a change either way is noticed.
+# state; amp_graph casts the inputs of the one aten.gru / aten.lstm_cell node, so its output
+# stays bf16. The test pins the deviation so that a change either way is noticed.
 KNOWN_DEVIATIONS = {("nn.GRU", FP32): BF16, ("nn.LSTMCell", FP32): BF16}
 
 
@@ -419,10 +419,15 @@ def test_autocast_policy_returns_what_cpu_autocast_returns(label: str) -> None:
     model = _Root(fn) if isinstance(fn, nn.Module) else fx.symbolic_trace(fn)
     for given in (FP32, BF16):
         values = make_inputs(given)
-        with torch.autocast("cpu", dtype=BF16):
-            expected = model(*values)
         compiled = amp_graph.compile(model, "autocast", BF16, example_inputs=values)
         out = compiled(*values)
+        try:
+            with torch.autocast("cpu", dtype=BF16):
+                expected = model(*values)
+        except RuntimeError as error:  # oneDNN's bf16 LSTM needs bf16 instructions
+            assert "primitive" in str(error), error
+            assert out.dtype == BF16 and torch.isfinite(out.float()).all()
+            continue
         if (label, given) in KNOWN_DEVIATIONS:
             assert expected.dtype == FP32
             assert out.dtype == KNOWN_DEVIATIONS[label, given]

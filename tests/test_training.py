@@ -35,7 +35,8 @@ def train(model, steps: int = STEPS):
 
 
 @pytest.mark.parametrize(
-    ("factory", "policy"), [(models.MLP, "O1"), (models.ConvNet, "O1"), (models.MLP, "O2")]
+    ("factory", "policy"),
+    [(models.MLP, "O1"), (models.ConvNet, "O1"), (models.MLP, "O2"), (models.ConvNet, "O2")],
 )
 def test_bf16_training_reaches_fp32(factory, policy):
     torch.manual_seed(0)

@@ -9,15 +9,20 @@ forward
 backward
     each of those casts whose input needs a gradient has a backward that casts the
     gradient back (``ToCopyBackward``): same tensor size, the two dtypes swapped, so the
-    same bytes; and an op that mixes floating dtypes (``x_fp32 + y_bf16``, type promotion)
-    returns its gradient in its output's dtype, which autograd casts to each narrower
-    input's dtype.
+    same bytes; and an op whose output is wider than one of its floating inputs
+    (``x_fp32 + y_bf16``, type promotion) returns its gradient in its output's dtype,
+    which autograd casts to each narrower input's dtype. An input *wider* than the output
+    is not promoted: kernels that take mixed dtypes by design (``aten.batch_norm`` of
+    bfloat16 activations with float32 weights and statistics) return each gradient in its
+    input's own dtype, with no conversion.
 
 An input needs a gradient when it depends on a parameter that requires one (or on a graph
 input whose example value requires one); every floating output is assumed to reach the
-loss. Shapes come from the example inputs given to ``compile``; without them bytes are
-unknown (``None``). ``tests/test_inspect_dataflow.py`` checks the totals against the
-``_to_copy`` calls PyTorch really makes, forward and backward.
+loss. Modules are those of :func:`~amp_graph.inspect.modules.node_modules` (a weight's
+cast counts in the module owning the weight). Shapes come from the example values the
+graph was captured with; a graph with symbolic sizes (captured for several input sizes)
+has unknown bytes (``None``). ``tests/test_inspect_dataflow.py`` checks the totals against
+the ``_to_copy`` calls PyTorch really makes, forward and backward.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.compiler import compile_record
+from amp_graph.compiler import compile_record, unwrap
 from amp_graph.passes.meta import AMP, UNKNOWN, VAL, Role, short, tensor_facts
 
+from .modules import module_types, node_modules
 from .style import DTYPE_CLASSES, node_class
-from .tables import badge, html_table, text_table
-from .view import OP_ROLES, module_types
+from .tables import UNKNOWN_BYTES, badge, html_table, text_table
+from .view import OP_ROLES, value_numel
 
 TOP_LEVEL = "(top level)"
 
@@ -120,7 +126,7 @@ class DataFlow:
         return headers, rows
 
     def summary(self) -> str:
-        kinds = Counter(c.kind for c in self.conversions if c.backward_bytes)
+        kinds = Counter(c.kind for c in self.conversions if c.backward_bytes != 0)
         t = self.total
         return (
             f"forward: {t.forward_casts} conversions, {_bytes(t.forward_bytes)}; backward: "
@@ -148,16 +154,7 @@ class DataFlow:
 
 
 def _bytes(value: int | None) -> str:
-    return "bytes unknown (compile with example_inputs)" if value is None else f"{value:,} bytes"
-
-
-def _numel(node: fx.Node) -> int | None:
-    """Elements of the node's value; a cast's value is shaped like its input."""
-    while node.meta[AMP].role is Role.CAST and VAL not in node.meta:
-        node = node.all_input_nodes[0]
-    val = node.meta.get(VAL)
-    numel = val.numel() if isinstance(val, torch.Tensor) else None
-    return numel if isinstance(numel, int) else None  # None: a symbolic shape
+    return f"bytes {UNKNOWN_BYTES}" if value is None else f"{value:,} bytes"
 
 
 def _size(bytes_per: int | None, *dtypes: Any) -> int | None:
@@ -178,7 +175,9 @@ def needs_grad(gm: fx.GraphModule) -> dict[str, bool]:
     flags: dict[str, bool] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            val = node.meta.get(VAL)
+            # dynamo's own value of a lifted parameter keeps requires_grad; the aten
+            # retrace's meta["val"] does not
+            val = node.meta.get("example_value", node.meta.get(VAL))
             flags[node.name] = isinstance(val, torch.Tensor) and val.requires_grad
             continue
         if node.op == "get_attr":
@@ -195,9 +194,21 @@ def needs_grad(gm: fx.GraphModule) -> dict[str, bool]:
     return flags
 
 
+def _promoted(fact: Any, out: torch.dtype) -> bool:
+    """Whether autograd converts the gradient for a floating input of dtype ``fact`` of an op
+    returning ``out``: only when the input is narrower (type promotion widened it)."""
+    return (
+        isinstance(fact, torch.dtype)
+        and fact.is_floating_point
+        and fact != out
+        and torch.promote_types(fact, out) == out
+    )
+
+
 def conversions(gm: fx.GraphModule) -> list[Conversion]:
     """Every dtype conversion of the compiled graph, forward and backward (module docstring)."""
     grad = needs_grad(gm)
+    modules = node_modules(gm)
     found: list[Conversion] = []
     for node in gm.graph.nodes:
         amp = node.meta[AMP]
@@ -208,15 +219,15 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
                 dst = node.args[1]
             if amp.role is Role.USER_CAST and (src == dst or not _floating(src)):
                 continue  # .float() of a float32 tensor returns it: no copy
-            moved = _size(_numel(source), src, dst)
+            moved = _size(value_numel(source), src, dst)
             found.append(
                 Conversion(
                     node.name,
-                    amp.module_path,
+                    modules[node.name],
                     "cast" if amp.role is Role.CAST else "model cast",
                     short(src),
                     short(dst),
-                    _numel(source),
+                    value_numel(source),
                     moved,
                     moved if grad.get(source.name) else 0,
                 )
@@ -228,22 +239,17 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
         ):
             for arg in dict.fromkeys(node.all_input_nodes):
                 fact = arg.meta[AMP].out_dtype
-                if (
-                    isinstance(fact, torch.dtype)
-                    and fact.is_floating_point
-                    and fact != amp.out_dtype
-                    and grad.get(arg.name)
-                ):
+                if _promoted(fact, amp.out_dtype) and grad.get(arg.name):
                     found.append(
                         Conversion(
                             node.name,
-                            amp.module_path,
+                            modules[node.name],
                             "promotion",
                             short(fact),
                             short(amp.out_dtype),
-                            _numel(arg),
+                            value_numel(arg),
                             0,
-                            _size(_numel(arg), fact, amp.out_dtype),
+                            _size(value_numel(arg), fact, amp.out_dtype),
                         )
                     )
     return found
@@ -269,6 +275,7 @@ def dataflow(compiled: fx.GraphModule, depth: int | None = None) -> DataFlow:
     >>> flow.total.forward_casts, flow.total.forward_bytes, flow.total.backward_bytes
     (3, 168, 120)
     """
+    compiled = unwrap(compiled)
     compile_record(compiled)
     types = module_types(compiled)
     rows: dict[str, ModuleFlow] = {}
@@ -279,10 +286,11 @@ def dataflow(compiled: fx.GraphModule, depth: int | None = None) -> DataFlow:
             rows[name] = ModuleFlow(name, types.get(name, "") if name != TOP_LEVEL else "")
         return rows[name]
 
+    modules = node_modules(compiled)
     for node in compiled.graph.nodes:
         amp = node.meta[AMP]
         if amp.role in OP_ROLES and tensor_facts(amp.out_dtype):
-            row(amp.module_path).ops[node_class(amp)] += 1
+            row(modules[node.name]).ops[node_class(amp)] += 1
     found = conversions(compiled)
     total = ModuleFlow("total", "")
     for conversion in found:

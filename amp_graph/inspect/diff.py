@@ -13,14 +13,16 @@ from pathlib import Path
 
 import torch.fx as fx
 
+from amp_graph.compiler import unwrap
 from amp_graph.passes.meta import Role, short
 from amp_graph.policy import op_key_name
 
 from .draw import SVG, finish, title_of
+from .modules import module_types, node_modules
 from .stages import annotate, before_passes, is_annotated
 from .style import STATUS_COLORS, STATUS_MARK
 from .tables import badge, html_table, text_table
-from .view import Item, build_view, items_of, module_types
+from .view import Item, build_view, items_of
 
 CHANGES = ("added", "removed", "changed")
 
@@ -146,7 +148,13 @@ def _removed_detail(node: fx.Node, after: dict[str, fx.Node]) -> str:
         return f"the same cast as '{twin.name}', which now feeds {feeds}"
     if source.meta["amp"].out_dtype == target:
         return f"a no-op: '{source.name}' is already {short(target)}"
-    return "folded into the cast that follows it (lossless chain)"
+    if any(u.meta["amp"].role is Role.CAST for u in node.users):
+        return "folded into the cast that follows it (lossless chain)"
+    consumers = [after[u.name] for u in node.users if u.name in after]
+    if not consumers:
+        return "not in the new graph, nor are its consumers"
+    now = ", ".join(f"'{c.name}' now computes in {_dtype(c)}" for c in consumers)
+    return f"no longer needed: {now}"
 
 
 def _changed_detail(old: fx.Node, new: fx.Node) -> str:
@@ -185,8 +193,9 @@ def diff(before: fx.GraphModule, after: fx.GraphModule | None = None) -> Diff:
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
     >>> d = amp_graph.inspect.diff(amp_graph.compile(m, example_inputs=(torch.randn(2, 4),)))
     >>> d.count("added"), [r.node for r in d.rows if r.change == "changed"]
-    (5, ['_0', 'output'])
+    (3, ['linear', 'output'])
     """
+    before, after = unwrap(before), unwrap(after)
     if after is None:
         before, after = before_passes(before), before
     old_gm = before if is_annotated(before) else annotate(before)
@@ -198,9 +207,15 @@ def diff(before: fx.GraphModule, after: fx.GraphModule | None = None) -> Diff:
     for name in old:
         position = index.get(name, position)
         anchor[name] = position
-    keyed = [((i, 0), _row(old.get(name), node, new)) for i, (name, node) in enumerate(new.items())]
+    modules = {**node_modules(old_gm), **node_modules(new_gm)}
+    keyed = [
+        ((i, 0), _row(old.get(name), node, new, modules[name]))
+        for i, (name, node) in enumerate(new.items())
+    ]
     keyed += [
-        ((anchor[name], 1), _row(node, None, new)) for name, node in old.items() if name not in new
+        ((anchor[name], 1), _row(node, None, new, modules[name]))
+        for name, node in old.items()
+        if name not in new
     ]
     rows = [row for _, row in sorted(keyed, key=lambda pair: pair[0]) if row is not None]
     unchanged = len(new) - sum(row.change != "removed" for row in rows)
@@ -214,13 +229,15 @@ def diff(before: fx.GraphModule, after: fx.GraphModule | None = None) -> Diff:
     )
 
 
-def _row(old: fx.Node | None, new: fx.Node | None, after: dict[str, fx.Node]) -> DiffRow | None:
+def _row(
+    old: fx.Node | None, new: fx.Node | None, after: dict[str, fx.Node], module: str
+) -> DiffRow | None:
     """The row of one node present in the old graph, the new one, or both (None: unchanged)."""
     node = new if new is not None else old
     amp = node.meta["amp"]
 
     def row(change: str, before: str, now: str, detail: str) -> DiffRow:
-        return DiffRow(change, node.name, amp.op or node.op, amp.module_path, before, now, detail)
+        return DiffRow(change, node.name, amp.op or node.op, module, before, now, detail)
 
     if old is None:
         return row("added", "-", _dtype(new), amp.detail)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from amp_graph.compiler import COMPILE_META
+from amp_graph.compiler import COMPILE_META, unwrap
 
+from .modules import module_types
 from .render import render
 from .stages import STAGE, annotate, is_annotated
-from .view import View, build_view, items_of, module_types
+from .view import View, build_view, items_of
 
 
 @dataclass(frozen=True, repr=False)
@@ -79,14 +80,16 @@ def draw(
 ) -> SVG:
     """Draw a compiled graph: one box per node, coloured by the dtype it computes in.
 
-    Boxes show the node's name, op (and rule, for ops the policy casts), shape when known
-    (compile with ``example_inputs``) and dtype. Fills: fp32 blue, fp16 orange, bf16 red,
-    integer green, anything else grey; casts are gold hexagons bordered in their target
-    dtype's colour. Modules are drawn as dashed clusters.
+    Boxes show the node's name, op (``aten.linear · allow``: the rule, for ops the policy
+    casts), shape (symbolic sizes by name) and dtype. Fills: fp32 blue, fp16 orange, bf16
+    red, integer green, anything else grey; casts are gold hexagons bordered in their
+    target dtype's colour. Modules are drawn as dashed clusters holding their ops, their
+    parameters and the casts of those (:func:`~amp_graph.inspect.modules.node_modules`).
 
     Args:
-        compiled: what :func:`amp_graph.compile` returned, or any GraphModule (one without
-            amp_graph's annotations is drawn as written, e.g. ``CompileRecord.original``).
+        compiled: what :func:`amp_graph.compile` returned (its last call's graph), a graph
+            of the ``torch.compile`` backend, or any GraphModule (one without amp_graph's
+            annotations is drawn as written, e.g. ``CompileRecord.original``).
         collapse_modules: ``True`` folds each top-level module into one box counting its
             ops per dtype and its casts; an int folds the modules that many levels deep
             (``2`` folds ``blocks.0``). Casts crossing a folded module's boundary stay.
@@ -107,6 +110,7 @@ def draw(
     >>> 'class="node cast bf16"' in svg.text
     True
     """
+    compiled = unwrap(compiled)
     gm = compiled if is_annotated(compiled) else annotate(compiled)
     view = build_view(
         items_of(gm),

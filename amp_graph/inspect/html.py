@@ -6,13 +6,11 @@ import re
 from html import escape
 from typing import TYPE_CHECKING
 
-from amp_graph.report import COLUMNS
-
 from .style import DTYPE_CLASSES, STROKE
-from .tables import badge, html_table
+from .tables import COLUMNS, badge, bytes_text, html_table
 
 if TYPE_CHECKING:
-    from amp_graph.report import Report
+    from .report import Report
 
 OPEN_ROWS = 60
 """Reports with more nodes than this show their per-node table folded (``<details>``)."""
@@ -28,11 +26,6 @@ def with_badges(text: str) -> str:
 def report_summary_html(report: Report) -> str:
     """The report's totals: policy, ops per output dtype, casts and bytes."""
     per_dtype = " ".join(f"{badge(k, k)}&nbsp;{v}" for k, v in sorted(report.ops_by_dtype.items()))
-    bytes_text = (
-        "unknown (compile with example_inputs)"
-        if report.cast_bytes is None
-        else f"{report.cast_bytes:,}"
-    )
     proven = "" if report.exact else " (dtypes not proven)"
     return (
         '<div style="font-family:sans-serif;font-size:13px;margin-bottom:4px">'
@@ -40,7 +33,7 @@ def report_summary_html(report: Report) -> str:
         f"{badge(report.dtype, report.dtype)}{proven}<br>ops by output dtype: {per_dtype}<br>"
         f"casts inserted {report.casts_inserted}, removed by simplification "
         f"{report.casts_removed}, kept <b>{report.casts_kept}</b>; bytes cast per call: "
-        f"{bytes_text}</div>"
+        f"{bytes_text(report.cast_bytes)}</div>"
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_graph.compiler import _copy_graph_module, compile_record
+from amp_graph.compiler import compile_record, copy_graph_module, unwrap
 from amp_graph.passes import AMP, assign_dtypes, classify
 from amp_graph.passes.pipeline import amp_passes
 from amp_graph.policy import Policy
@@ -31,7 +31,7 @@ def annotate(gm: fx.GraphModule) -> fx.GraphModule:
     ``classify`` under policy O0 names each op and its module; ``assign_dtypes`` proves
     dtypes (and shapes, when the placeholders carry example values in ``meta["val"]``).
     """
-    copy = _copy_graph_module(gm)
+    copy = copy_graph_module(gm)
     classify(copy, Policy.preset("O0"))
     assign_dtypes(copy, torch.bfloat16)  # O0 computes nothing in low precision
     copy.meta[STAGE] = "as written"
@@ -39,7 +39,7 @@ def annotate(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _original(compiled: fx.GraphModule) -> fx.GraphModule:
-    record = compile_record(compiled)
+    record = compile_record(unwrap(compiled))
     if record.original is None:
         raise ValueError(
             "this compiled module kept no copy of its captured graph "
@@ -55,7 +55,7 @@ def before_passes(compiled: fx.GraphModule) -> fx.GraphModule:
     >>> from amp_graph.inspect import before_passes
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
     >>> c = amp_graph.compile(m, example_inputs=(torch.randn(2, 4),))
-    >>> [n.meta["amp"].out_dtype for n in before_passes(c).graph.nodes if n.op == "call_module"]
+    >>> [n.meta["amp"].out_dtype for n in before_passes(c).graph.nodes if n.name == "linear"]
     [torch.float32]
     """
     gm = annotate(_original(compiled))
@@ -67,8 +67,8 @@ def before_simplification(compiled: fx.GraphModule) -> fx.GraphModule:
     """The graph after ``insert_casts`` and before ``simplify_casts``: one cast per
     (consumer, input), as torch.autocast casts at every call. Diff it with the compiled
     module to see what cast simplification removed."""
-    record = compile_record(compiled)
-    gm = _copy_graph_module(_original(compiled))
+    record = compile_record(unwrap(compiled))
+    gm = copy_graph_module(_original(compiled))
     for name, run in amp_passes(record.policy, record.dtype):
         if name == "simplify_casts":
             break

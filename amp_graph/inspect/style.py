@@ -3,7 +3,7 @@
 Every drawn node gets one *dtype class*: ``fp32``, ``fp16``, ``bf16``, ``int`` (integer and
 bool tensors) or ``other`` (float64, non-tensor values, dtypes not proven). Ops are
 classed by the dtype they compute in (their ``compute_dtype``), other nodes by the dtype
-they return. The strong colours are :data:`amp_graph.report.DTYPE_COLORS`, so tables and
+they return. The strong colours are :data:`DTYPE_COLORS`, so tables and
 drawings agree; node fills are light tints of them so that labels stay readable.
 """
 
@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from amp_graph.passes.meta import AmpInfo, Role, tensor_facts
-from amp_graph.report import DTYPE_COLORS
+
+DTYPE_COLORS = {"fp32": "#4e79a7", "fp16": "#f28e2b", "bf16": "#e15759", "?": "#bab0ac"}
+"""The strong colour of each dtype, shared by the tables, the drawings and the legend."""
 
 DTYPE_CLASSES = ("fp32", "fp16", "bf16", "int", "other")
 

@@ -7,6 +7,13 @@ from html import escape
 
 from .style import CAST_FILL, FILL, STROKE
 
+COLUMNS = ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in")
+"""The columns of :class:`~amp_graph.inspect.report.Report`'s table."""
+
+UNKNOWN_BYTES = "unknown (symbolic or unknown sizes)"
+"""How a byte count reads when the graph's sizes are symbolic (one graph serving several
+input sizes) or no example value reached the tensor."""
+
 Cell = str | int | float | None
 CELL_STYLE = "padding:2px 8px;border-bottom:1px solid #e9ecef;text-align:{align};white-space:nowrap"
 TABLE_STYLE = (
@@ -26,6 +33,11 @@ def fmt(value: Cell) -> str:
     if isinstance(value, float):
         return f"{value:,.3g}"
     return str(value)
+
+
+def bytes_text(value: int | None) -> str:
+    """``1,234`` or :data:`UNKNOWN_BYTES`."""
+    return UNKNOWN_BYTES if value is None else f"{value:,}"
 
 
 def _numeric(value: Cell) -> bool:
@@ -103,4 +115,4 @@ def html_table(
     )
 
 
-__all__ = ["badge", "fmt", "html_table", "text_table"]
+__all__ = ["UNKNOWN_BYTES", "badge", "bytes_text", "fmt", "html_table", "text_table"]

@@ -16,7 +16,6 @@ Both renderers (graphviz and the networkx fallback) draw the same View.
 
 from __future__ import annotations
 
-import re
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch.fx as fx
 from amp_graph.passes.meta import AMP, VAL, AmpInfo, Role, short, tensor_facts
 from amp_graph.policy import Rule, nearest
 
+from .modules import node_modules
 from .style import DTYPE_CLASSES, STATUS_MARK, node_class
 
 DEFAULT_FOCUS_NODES = 25
@@ -45,6 +45,7 @@ class Item:
     amp: AmpInfo
     val: Any
     inputs: tuple[str, ...]
+    module: str = ""  # the module path it is filed under (modules.node_modules)
     cast_to: str = ""  # casts: the target dtype ("bf16")
     status: str = ""  # diff: "added", "removed", "changed", or ""
     note: str = ""  # diff: what changed, e.g. "fp32 -> bf16"
@@ -96,31 +97,18 @@ def items_of(gm: fx.GraphModule) -> list[Item]:
         is_cast = node.meta[AMP].role is Role.CAST and len(node.args) > 1
         return short(node.args[1]) if is_cast else ""
 
+    modules = node_modules(gm)
     return [
         Item(
             n.name,
             n.meta[AMP],
             n.meta.get(VAL),
             tuple(a.name for a in n.all_input_nodes),
+            modules[n.name],
             cast_to(n),
         )
         for n in gm.graph.nodes
     ]
-
-
-def module_types(gm: fx.GraphModule) -> dict[str, str]:
-    """Module path -> class name, from the ``nn_module_stack`` tracing recorded."""
-    from amp_graph.passes.classify import normalize_module_path
-
-    types: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        for value in (node.meta.get("nn_module_stack") or {}).values():
-            path, mtype = normalize_module_path(value[0]), value[1]
-            types.setdefault(path, mtype if isinstance(mtype, str) else mtype.__name__)
-    for path, module in gm.named_modules():
-        types.setdefault(path, type(module).__name__)
-    names = {path: re.sub(r".*\.", "", name) for path, name in types.items() if path}
-    return {path: name for path, name in names.items() if name != "Module"}  # containers
 
 
 def shape_text(val: Any) -> str:
@@ -132,6 +120,16 @@ def shape_text(val: Any) -> str:
         text = "(" + ", ".join(parts) + ")" if parts else ""
         return text if len(text) <= 40 else text[:37] + "...)"
     return ""
+
+
+def value_numel(node: fx.Node) -> int | None:
+    """Elements of the node's value (a cast's value is shaped like its input); None when
+    unknown or symbolic."""
+    while node.meta[AMP].role is Role.CAST and VAL not in node.meta and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    val = node.meta.get(VAL)
+    numel = val.numel() if isinstance(val, torch.Tensor) else None
+    return numel if isinstance(numel, int) else None
 
 
 def _inside(path: str, module: str) -> bool:
@@ -166,9 +164,9 @@ def _select(
                     queue.append(other)
         chosen = [item for item in items if item.name in seen]
         return chosen, [f"{len(chosen)} nodes nearest '{focus}' of {len(items)}"]
-    chosen = [item for item in items if _inside(item.amp.module_path, focus)]
+    chosen = [item for item in items if _inside(item.module, focus)]
     if not chosen:
-        modules = sorted({item.amp.module_path for item in items if item.amp.module_path})
+        modules = sorted({item.module for item in items if item.module})
         raise KeyError(
             f"focus={focus!r} names no node and no module of this graph."
             f"{nearest(focus, [*by_name, *modules])} Give a node name (see amp_graph.report) "
@@ -343,11 +341,11 @@ def build_view(
             users.setdefault(name, []).append(item.name)
 
     def fold(item: Item) -> str | None:
-        module = _fold(item.amp.module_path, depth)
+        module = _fold(item.module, depth)
         if module is None or item.amp.role is not Role.CAST:
             return module
         consumers = [by_name[u] for u in users.get(item.name, []) if u in by_name]
-        inside = all(_fold(c.amp.module_path, depth) == module for c in consumers)
+        inside = all(_fold(c.module, depth) == module for c in consumers)
         return module if inside else None  # a cast crossing the module's boundary stays
 
     position = {item.name: i for i, item in enumerate(items)}
@@ -357,7 +355,7 @@ def build_view(
     for item in chosen:
         module = fold(item)
         if module is None:
-            cluster = item.amp.module_path
+            cluster = item.module
             if depth is not None and _fold(cluster, depth) is not None:  # a boundary cast
                 cluster = _fold(cluster, depth).rpartition(".")[0]
             boxes[item.name] = _node_box(item, by_name, cluster)
@@ -396,4 +394,4 @@ def _collapse_depth(collapse: bool | int) -> int | None:
     )
 
 
-__all__ = ["Box", "Item", "View", "build_view", "items_of", "module_types", "shape_text"]
+__all__ = ["Box", "Item", "View", "build_view", "items_of", "shape_text", "value_numel"]

@@ -1,11 +1,13 @@
 """Build-on-first-use loader of the CUDA extension behind the ``amp_graph`` ops.
 
 The extension (``csrc/amp_kernels.cu`` + ``csrc/binding.cpp``) is compiled by
-:func:`torch.utils.cpp_extension.load` the first time a CUDA tensor reaches one of the ops, and
-cached in ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); later processes load
-the cached library. Nothing is compiled at ``pip install``, and a machine without a CUDA device
-never tries: :func:`load_extension` returns ``None`` there and the ops use their torch-native
-implementation, which has the same semantics.
+:func:`torch.utils.cpp_extension.load` the first time a CUDA tensor reaches one of the ops, for
+the architectures of the visible GPUs, and cached in ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) under a name keyed by the torch build and those architectures
+(:func:`build_options`), so a cache shared between machines never hands one GPU another's
+binary; later processes load the cached library. Nothing is compiled at ``pip install``, and a
+machine without a CUDA device never tries: :func:`load_extension` returns ``False`` there and the
+ops use their torch-native implementation, which has the same semantics.
 
 Set ``AMP_GRAPH_DISABLE_CUDA_EXT=1`` to skip the extension on a CUDA machine as well.
 
@@ -32,12 +34,41 @@ logger = logging.getLogger(__name__)
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("binding.cpp", "amp_kernels.cu")
 DISABLE_ENV = "AMP_GRAPH_DISABLE_CUDA_EXT"
-# cpp_extension rebuilds when sources or flags change but does not key its cache on the torch
-# build, so the torch version is part of the extension's name.
-EXTENSION_NAME = "amp_graph_kernels_torch" + re.sub(r"\W", "_", torch.__version__)
 # No --use_fast_math: the unscale must round like torch's.
 NVCC_FLAGS = ("-O3", "-lineinfo")
 CXX_FLAGS = ("-O3",)
+
+Arch = tuple[int, int]  # a compute capability, (9, 0) for sm_90
+
+
+def build_options(torch_version: str, archs: list[Arch]) -> dict[str, object]:
+    """``name`` and ``extra_cuda_cflags`` of the build for GPUs of compute capabilities ``archs``.
+
+    cpp_extension rebuilds when sources or flags change, but its cache directory is found by
+    name alone, so the name carries the torch build and the architectures. The flags give one
+    SASS per architecture plus PTX of the newest (cpp_extension adds no arch flags of its own
+    when some are given).
+
+    >>> build_options("2.11.0+cu130", [(9, 0)])["name"]
+    'amp_graph_kernels_torch2_11_0_cu130_sm90'
+    """
+    if not archs:
+        raise ValueError("build_options needs the compute capability of at least one GPU")
+    unique = sorted(set(archs))
+    codes = [f"{major}{minor}" for major, minor in unique]
+    gencode = [f"-gencode=arch=compute_{c},code=sm_{c}" for c in codes]
+    gencode.append(f"-gencode=arch=compute_{codes[-1]},code=compute_{codes[-1]}")
+    return {
+        "name": "amp_graph_kernels_torch"
+        + re.sub(r"\W", "_", torch_version)
+        + "".join(f"_sm{c}" for c in codes),
+        "extra_cuda_cflags": [*NVCC_FLAGS, *gencode],
+    }
+
+
+def visible_archs() -> list[Arch]:
+    """Compute capabilities of the GPUs this process sees."""
+    return sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +129,10 @@ def load_extension() -> bool:
             from torch.utils import cpp_extension
 
             path = cpp_extension.load(
-                name=EXTENSION_NAME,
+                **build_options(torch.__version__, visible_archs()),
                 sources=[str(CSRC_DIR / source) for source in SOURCES],
                 extra_include_paths=[str(CSRC_DIR)],
                 extra_cflags=list(CXX_FLAGS),
-                extra_cuda_cflags=list(NVCC_FLAGS),
                 is_python_module=False,  # a plain library: loading it registers the kernels
                 verbose=logger.isEnabledFor(logging.DEBUG),
             )

@@ -19,7 +19,18 @@ hysteresis, min_scale, max_scale)``             ``[growth, hysteresis, skipped, 
 
 ``found_inf`` and ``inv_scale`` are one-element float32 tensors on the grads' device; ``found_inf``
 is only ever set to 1.0, never cleared. Grads may be float32, float16 or bfloat16 (other floating
-dtypes take torch's native path), any layout, mixed dtypes in one call.
+dtypes take torch's native path), any layout, mixed dtypes in one call; all on one device.
+
+One semantics on every path (``tests/test_kernel_ops.py`` runs the same cases on CPU and CUDA):
+
+* grads that are not floating point (integer, bool, complex) raise ``ValueError``, as do
+  ``found_inf``/``inv_scale`` of the wrong dtype, size or device;
+* the unscale rounds like torch's op (float32 multiply, rounded back to the grad's dtype);
+* the sum of squares is a float32 sum of the squares of the *stored* (unscaled, rounded) values
+  converted to float32, summed per dtype group in the order float32, float16, bfloat16, other
+  dtypes; within a group the summation order is the implementation's (per tensor on CPU, per
+  block on CUDA), fixed for given shapes, so results agree to float32 rounding and repeat
+  exactly. Non-finite grads give a non-finite sum.
 
 Implementations:
 
@@ -79,7 +90,9 @@ def _op(name: str) -> torch._ops.OpOverload:
     return getattr(torch.ops.amp_graph, name).default
 
 
-def _check_flag(t: torch.Tensor, name: str) -> None:
+def _check_flag(t: torch.Tensor, name: str, device: torch.device | None = None) -> None:
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
     if t.dtype != torch.float32 or t.numel() != 1:
         raise ValueError(
             f"{name} must be a one-element float32 tensor, got {t.dtype} {tuple(t.shape)}"
@@ -96,6 +109,24 @@ def _check_update_args(scale: torch.Tensor, trackers: torch.Tensor, found: torch
         )
     if trackers.device != scale.device or found.device != scale.device:
         raise ValueError("scale, trackers and found_inf must be on one device")
+
+
+def _check_grads(grads: list[torch.Tensor], device: torch.device) -> None:
+    """The binding's checks (csrc/binding.cpp), with the same errors."""
+    dtypes = {g.dtype for g in grads}
+    devices = {g.device for g in grads}
+    if all(dtype.is_floating_point for dtype in dtypes) and devices <= {device}:
+        return  # the common case, checked per set rather than per tensor
+    for i, g in enumerate(grads):
+        if not g.is_floating_point():
+            raise ValueError(
+                f"amp_graph gradient ops take floating-point tensors; grads[{i}] is {g.dtype}"
+            )
+        if g.device != device:
+            raise ValueError(
+                f"amp_graph gradient ops take tensors on one device; grads[{i}] is on "
+                f"{g.device}, found_inf on {device}"
+            )
 
 
 def _bump_versions(tensors: list[torch.Tensor]) -> None:
@@ -135,19 +166,23 @@ def _native_unscale(
 
 
 def _native_sum_of_squares(grads: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=like.device)
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-    return torch.stack(norms).square().sum()
+    # The rule of the module docstring: float32 squares, per dtype group in a fixed order.
+    total = torch.zeros((), dtype=torch.float32, device=like.device)
+    others = [g for g in grads if g.dtype not in KERNEL_DTYPES]
+    for group in [[g for g in grads if g.dtype == dtype] for dtype in KERNEL_DTYPES] + [others]:
+        if group:
+            total.add_(torch.stack([g.float().square().sum() for g in group]).sum())
+    return total
 
 
 def _impl_check_and_unscale(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> None:
     _check_flag(found_inf, "found_inf")
-    _check_flag(inv_scale, "inv_scale")
+    _check_flag(inv_scale, "inv_scale", found_inf.device)
     if _extension_ready(found_inf):
         return _op("non_finite_check_and_unscale_")(grads, found_inf, inv_scale)
+    _check_grads(grads, found_inf.device)
     _native_unscale(grads, found_inf, inv_scale)
     return None
 
@@ -156,6 +191,7 @@ def _impl_check(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     _check_flag(found_inf, "found_inf")
     if _extension_ready(found_inf):
         return _op("non_finite_check_")(grads, found_inf)
+    _check_grads(grads, found_inf.device)
     _native_check(grads, found_inf)
     _bump_versions([found_inf])
     return None
@@ -165,9 +201,10 @@ def _impl_check_unscale_and_norm(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> torch.Tensor:
     _check_flag(found_inf, "found_inf")
-    _check_flag(inv_scale, "inv_scale")
+    _check_flag(inv_scale, "inv_scale", found_inf.device)
     if _extension_ready(found_inf):
         return _op("non_finite_check_unscale_and_norm_")(grads, found_inf, inv_scale)
+    _check_grads(grads, found_inf.device)
     _native_unscale(grads, found_inf, inv_scale)
     return _native_sum_of_squares(grads, found_inf)
 

@@ -99,6 +99,27 @@ BUILTIN_ALIASES: dict[str, AtenNames] = {
 }
 SPECIAL_PREFIX = "special_"  # torch.special.expm1 is aten::special_expm1, an alias of expm1
 
+# aten composites, by op name: CompositeImplicitAutograd ops that a device's autocast list
+# may not name, so that autocast casts at the listed op their kernel runs first (an
+# aten-level graph records the composite itself). F.cross_entropy is aten::cross_entropy_loss,
+# listed on CPU; on CUDA its log_softmax decides.
+ATEN_COMPOSITES: dict[str, AtenNames] = {
+    "cross_entropy_loss": ("log_softmax",),
+    "nll_loss_nd": ("nll_loss",),
+    "lstm_cell": ("linear",),  # CPU: the cells run linear; CUDA lists the cells themselves
+    "gru_cell": ("linear",),
+    "rnn_tanh_cell": ("linear",),
+    "rnn_relu_cell": ("linear",),
+    "einsum": ("bmm",),
+    "tensordot": ("mm",),
+    "chain_matmul": ("mm",),
+    "linalg_multi_dot": ("mm",),
+    "inner": ("mm",),
+    "cov": ("mm",),
+    "pairwise_distance": ("norm",),
+    "multilabel_soft_margin_loss": ("sum",),
+}
+
 # Python operators, as symbolic tracing and dynamo record them.
 OPERATORS: dict[Callable, AtenNames] = {
     operator.matmul: ("matmul",),
@@ -152,6 +173,11 @@ MODULES: dict[type[nn.Module], AtenNames] = {
     nn.GRUCell: ("gru_cell", "linear"),
     nn.RNNCell: ("rnn_tanh_cell", "linear"),
     nn.MultiheadAttention: ("_native_multi_head_attention", "linear"),
+    nn.GELU: ("gelu",),
+    nn.ReLU: ("relu",),
+    nn.SiLU: ("silu",),
+    nn.Tanh: ("tanh",),
+    nn.Sigmoid: ("sigmoid",),
     nn.Softmax: ("softmax",),
     nn.Softmax2d: ("softmax",),
     nn.Softmin: ("softmax",),
@@ -196,7 +222,8 @@ MODULES: dict[type[nn.Module], AtenNames] = {
 if hasattr(nn, "RMSNorm"):
     MODULES[nn.RMSNorm] = ("rms_norm",)
 
-# Normalization layers and ops: policy O2 keeps them in float32, as Apex's O2 does.
+# Normalization layers and ops: policy O2 keeps them in float32, as Apex's O2 does (their
+# parameters stay float32; the ops compute in float32).
 NORMALIZATION_MODULES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
@@ -215,6 +242,17 @@ NORMALIZATION_OPS: frozenset[str] = frozenset(
         "local_response_norm",
         "native_batch_norm",
     }
+)
+# Norms whose kernels take a low-precision input with float32 weights and running statistics
+# and compute in float32 inside (CPU, and CUDA's native and cuDNN batch norm): policy O2 feeds
+# them the low-precision activation as it comes (rule "follow") instead of casting it to
+# float32 and the result back, as Apex's O2 (keep_batchnorm_fp32) does. Measured on CPU
+# against cast -> float32 norm -> cast: output and input gradient equal bit for bit, weight
+# gradients and running statistics within float32 rounding. Not layer norm: torch's CPU
+# mixed-dtype layer norm computes its weight and bias gradients with bfloat16-sized errors
+# (2e-2 relative, measured), so O2 keeps it in float32 between two casts.
+MIXED_PRECISION_NORM_OPS: frozenset[str] = frozenset(
+    {"batch_norm", "native_batch_norm", "instance_norm"}
 )
 
 
@@ -275,3 +313,21 @@ CAST_METHODS: frozenset[str] = frozenset(
         "char",
     }
 )
+
+
+def aten_name_of(key: Callable | type) -> str | None:
+    """The aten op a Python callable or a module type runs, by name (None if unknown)."""
+    if isinstance(key, type):
+        for cls in key.__mro__:
+            if cls in MODULES:
+                return MODULES[cls][0].split(".")[0]
+        return None
+    for table in (FUNCTIONS, OPERATORS):
+        if key in table:
+            return table[key][0].split(".")[0]
+    if isinstance(key, torch._ops.OpOverload):
+        return key._schema.name.split("::", 1)[-1]
+    if isinstance(key, torch._ops.OpOverloadPacket):
+        return key._qualified_op_name.split("::", 1)[-1]
+    name = getattr(key, "__name__", None)
+    return name if isinstance(name, str) and not name.startswith("<") else None

@@ -1,13 +1,17 @@
 // Fused non-finite check / unscale / sum-of-squares over many gradients, and the loss-scale update.
 //
 // Plain CUDA: no torch headers, C-ABI launchers (amp_kernels.h). Index math lives in tiling.h,
-// which the host self-test runs on CPU-only CI machines. Never compile with --use_fast_math:
+// which the host self-test runs on CPU-only CI machines. Nothing here reads host memory per call
+// except kernel parameters, so every launch can be captured in a CUDA graph. Never compile with --use_fast_math:
 // the finiteness test reads exponent bits, but the unscale must round like torch's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <string.h>
+
 #include "amp_kernels.h"
+#include "table_cache.h"
 #include "tiling.h"
 
 namespace amp_graph {
@@ -60,17 +64,61 @@ __device__ __forceinline__ typename Elem<Dtype>::Bits process(typename Elem<Dtyp
   return out;
 }
 
+// Tile `local` of one row, by `threads` threads (the block, or one warp) of which this is `tid`.
 template <int Dtype, int Mode>
-__global__ void __launch_bounds__(kBlockThreads)
-    check_unscale_kernel(const TensorDesc* __restrict__ table, int64_t n_tensors,
-                         int64_t total_tiles, float* found_inf, const float* inv_scale_ptr,
-                         float* partials) {
+__device__ __forceinline__ void process_row(const TensorDesc& d, int64_t local, int tid,
+                                            int threads, float inv_scale, bool& bad,
+                                            float& sumsq) {
   using Bits = typename Elem<Dtype>::Bits;
   constexpr int kLanes = static_cast<int>(kVecBytes / sizeof(Bits));
   union Vec {
     uint4 raw;
     Bits lanes[kLanes];
   };
+  const TileWork w = tile_work(d.addr, d.numel, sizeof(Bits), local);
+  Bits* elems = reinterpret_cast<Bits*>(d.addr);
+  uint4* body = reinterpret_cast<uint4*>(elems + w.body_start);
+
+  // Aligned body: kUnroll 16-byte loads in flight per thread, streaming cache hints.
+  const int64_t iterations = vec_iterations(w, threads);
+  for (int64_t it = 0; it < iterations; ++it) {
+    Vec v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = vec_index(w, it, u, tid, threads);
+      if (i < w.vec_end) v[u].raw = __ldcs(body + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = vec_index(w, it, u, tid, threads);
+      if (i < w.vec_end) {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) {
+          v[u].lanes[l] = process<Dtype, Mode>(v[u].lanes[l], inv_scale, bad, sumsq);
+        }
+        if (Mode != AMP_GRAPH_CHECK) __stcs(body + i, v[u].raw);
+      }
+    }
+  }
+
+  // Misaligned head (first tile) and short tail (last tile): scalar.
+  for (int64_t i = tid; i < w.head_end; i += threads) {
+    const Bits out = process<Dtype, Mode>(elems[i], inv_scale, bad, sumsq);
+    if (Mode != AMP_GRAPH_CHECK) elems[i] = out;
+  }
+  for (int64_t i = w.tail_begin + tid; i < w.tail_end; i += threads) {
+    const Bits out = process<Dtype, Mode>(elems[i], inv_scale, bad, sumsq);
+    if (Mode != AMP_GRAPH_CHECK) elems[i] = out;
+  }
+}
+
+template <int Dtype, int Mode>
+__global__ void __launch_bounds__(kBlockThreads)
+    check_unscale_kernel(const TensorDesc* __restrict__ table, int64_t n_tensors,
+                         int64_t total_tiles, float* found_inf, const float* inv_scale_ptr,
+                         float* partials) {
+  using Bits = typename Elem<Dtype>::Bits;
+  constexpr int64_t kElemBytes = sizeof(Bits);
   // Scale read from device memory: no host round trip, and CUDA-graph friendly.
   const float inv_scale = Mode == AMP_GRAPH_CHECK ? 1.0f : *inv_scale_ptr;
   const int tid = static_cast<int>(threadIdx.x);
@@ -78,41 +126,26 @@ __global__ void __launch_bounds__(kBlockThreads)
   float sumsq = 0.0f;
 
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const TensorDesc d = table[find_tensor(table, n_tensors, tile)];
-    const TileWork w = tile_work(d.addr, d.numel, sizeof(Bits), tile - d.first_tile);
-    Bits* elems = reinterpret_cast<Bits*>(d.addr);
-    uint4* body = reinterpret_cast<uint4*>(elems + w.body_start);
-
-    // Aligned body: kUnroll 16-byte loads in flight per thread, streaming cache hints.
-    const int64_t iterations = vec_iterations(w);
-    for (int64_t it = 0; it < iterations; ++it) {
-      Vec v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = vec_index(w, it, u, tid);
-        if (i < w.vec_end) v[u].raw = __ldcs(body + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = vec_index(w, it, u, tid);
-        if (i < w.vec_end) {
-#pragma unroll
-          for (int l = 0; l < kLanes; ++l) {
-            v[u].lanes[l] = process<Dtype, Mode>(v[u].lanes[l], inv_scale, bad, sumsq);
-          }
-          if (Mode != AMP_GRAPH_CHECK) __stcs(body + i, v[u].raw);
-        }
+    const TileRows rows = tile_rows(table, n_tensors, tile);
+    if (rows.first == rows.last) {  // a large row's tile, or a lone small row: the whole block
+      const TensorDesc d = table[rows.last];
+      process_row<Dtype, Mode>(d, tile - d.first_tile, tid, kBlockThreads, inv_scale, bad, sumsq);
+      continue;
+    }
+    // A shared tile: small rows one per warp (a large row after empty ones: the whole block).
+    for (int64_t r = rows.first; r <= rows.last; ++r) {
+      const TensorDesc d = table[r];
+      if (d.numel > 0 && !packable(d.addr, d.numel, kElemBytes)) {
+        process_row<Dtype, Mode>(d, 0, tid, kBlockThreads, inv_scale, bad, sumsq);
       }
     }
-
-    // Misaligned head (first tile) and short tail (last tile): scalar.
-    for (int64_t i = tid; i < w.head_end; i += kBlockThreads) {
-      const Bits out = process<Dtype, Mode>(elems[i], inv_scale, bad, sumsq);
-      if (Mode != AMP_GRAPH_CHECK) elems[i] = out;
-    }
-    for (int64_t i = w.tail_begin + tid; i < w.tail_end; i += kBlockThreads) {
-      const Bits out = process<Dtype, Mode>(elems[i], inv_scale, bad, sumsq);
-      if (Mode != AMP_GRAPH_CHECK) elems[i] = out;
+    const int warp = tid / kWarpThreads;
+    const int lane = tid % kWarpThreads;
+    for (int64_t r = rows.first + warp; r <= rows.last; r += kWarps) {
+      const TensorDesc d = table[r];
+      if (packable(d.addr, d.numel, kElemBytes)) {
+        process_row<Dtype, Mode>(d, 0, lane, kWarpThreads, inv_scale, bad, sumsq);
+      }
     }
   }
 
@@ -120,19 +153,53 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (__syncthreads_or(bad) && tid == 0) *found_inf = 1.0f;
 
   if (Mode == AMP_GRAPH_UNSCALE_NORM) {
-    __shared__ float warp_sums[kBlockThreads / 32];
+    __shared__ float warp_sums[kWarps];
     for (int offset = 16; offset > 0; offset /= 2) {
       sumsq += __shfl_down_sync(0xffffffffu, sumsq, offset);
     }
-    if (tid % 32 == 0) warp_sums[tid / 32] = sumsq;
+    if (tid % kWarpThreads == 0) warp_sums[tid / kWarpThreads] = sumsq;
     __syncthreads();
-    if (tid < 32) {
-      float s = tid < kBlockThreads / 32 ? warp_sums[tid] : 0.0f;
+    if (tid < kWarpThreads) {
+      float s = tid < kWarps ? warp_sums[tid] : 0.0f;
       for (int offset = 16; offset > 0; offset /= 2) {
         s += __shfl_down_sync(0xffffffffu, s, offset);
       }
       if (tid == 0) partials[blockIdx.x] = s;  // fixed grid: deterministic sum
     }
+  }
+}
+
+// The table writer: `count` words carried in the kernel's parameters (large kernel parameters,
+// up to 32 KB, need CUDA 12.1; older toolkits get 4 KB launches).
+#if CUDART_VERSION >= 12010
+constexpr int64_t kWriteWords = 4000;
+#else
+constexpr int64_t kWriteWords = 500;
+#endif
+
+struct WordsChunk {
+  int64_t count;
+  int64_t words[kWriteWords];
+};
+
+__global__ void write_table_kernel(int64_t* dst, const __grid_constant__ WordsChunk chunk) {
+  for (int64_t i = threadIdx.x; i < chunk.count; i += blockDim.x) dst[i] = chunk.words[i];
+}
+
+template <int Dtype>
+cudaError_t max_active_blocks_dtype(int mode, int* blocks) {
+  switch (mode) {
+    case AMP_GRAPH_CHECK:
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          blocks, check_unscale_kernel<Dtype, AMP_GRAPH_CHECK>, kBlockThreads, 0);
+    case AMP_GRAPH_UNSCALE:
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          blocks, check_unscale_kernel<Dtype, AMP_GRAPH_UNSCALE>, kBlockThreads, 0);
+    case AMP_GRAPH_UNSCALE_NORM:
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          blocks, check_unscale_kernel<Dtype, AMP_GRAPH_UNSCALE_NORM>, kBlockThreads, 0);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
@@ -167,10 +234,30 @@ __global__ void update_scale_kernel(float* scale, int64_t* trackers, const float
 }  // namespace
 }  // namespace amp_graph
 
-extern "C" int amp_graph_grid_size(int64_t total_tiles, int sm_count) {
-  const int64_t cap = static_cast<int64_t>(sm_count > 0 ? sm_count : 1) * amp_graph::kBlocksPerSm;
-  const int64_t grid = total_tiles < cap ? total_tiles : cap;
-  return static_cast<int>(grid > 0 ? grid : 1);
+extern "C" int amp_graph_max_active_blocks(int dtype, int mode, int* blocks_per_sm) {
+  switch (dtype) {
+    case AMP_GRAPH_FP32:
+      return amp_graph::max_active_blocks_dtype<AMP_GRAPH_FP32>(mode, blocks_per_sm);
+    case AMP_GRAPH_FP16:
+      return amp_graph::max_active_blocks_dtype<AMP_GRAPH_FP16>(mode, blocks_per_sm);
+    case AMP_GRAPH_BF16:
+      return amp_graph::max_active_blocks_dtype<AMP_GRAPH_BF16>(mode, blocks_per_sm);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" int amp_graph_write_table(int64_t* table, const int64_t* words, int64_t count,
+                                     cudaStream_t stream) {
+  static thread_local amp_graph::WordsChunk chunk;  // 32 KB: not on the stack
+  for (const auto& part : amp_graph::write_chunks(count, amp_graph::kWriteWords)) {
+    chunk.count = part.second;
+    memcpy(chunk.words, words + part.first, sizeof(int64_t) * part.second);
+    amp_graph::write_table_kernel<<<1, 256, 0, stream>>>(table + part.first, chunk);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 extern "C" int amp_graph_launch_check_unscale(const int64_t* table, int64_t n_tensors,

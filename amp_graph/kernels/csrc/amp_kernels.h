@@ -29,8 +29,15 @@ int amp_graph_launch_check_unscale(const int64_t* table, int64_t n_tensors, int6
                                    int dtype, int mode, float* found_inf, const float* inv_scale,
                                    float* partials, int grid, cudaStream_t stream);
 
-// Grid for a launch over total_tiles tiles on a device with sm_count multiprocessors.
-int amp_graph_grid_size(int64_t total_tiles, int sm_count);
+// Resident blocks per multiprocessor of the (dtype, mode) kernel on the current device
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor). Returns the cudaError_t.
+int amp_graph_max_active_blocks(int dtype, int mode, int* blocks_per_sm);
+
+// Writes `count` int64 words from host memory into device memory `table`, on `stream`, with
+// kernels that carry the words in their parameters: no host staging buffer to keep alive, so the
+// write can be captured in a CUDA graph. Returns the cudaError_t of the last launch.
+int amp_graph_write_table(int64_t* table, const int64_t* words, int64_t count,
+                          cudaStream_t stream);
 
 // One update of the loss scale on the device (one thread); see amp_graph::update_scale.
 // scale: device float; trackers: device int64[4]; found_inf: device float (> 0 means overflow).

@@ -1,13 +1,17 @@
 // CUDA kernels of the amp_graph ops (schemas defined in amp_graph/kernels/ops.py), registered with
 // the dispatcher when this library is loaded. A thin layer over the C-ABI launchers of
-// amp_kernels.cu: it builds the per-dtype tensor table on the host (pinned memory), ships it to
-// the device on the current stream and launches once per dtype. No host synchronization.
+// amp_kernels.cu: it builds the per-dtype tensor table on the host, finds the device copy of that
+// table in a cache (or writes one, only when the parameter set changed), takes the grid from the
+// occupancy calculator (asked once per device and kernel) and launches once per dtype. No host
+// synchronization, nothing that a CUDA graph capture forbids.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/isfinite.h>
-#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/record_stream.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,11 +19,13 @@
 #include <torch/library.h>
 
 #include <array>
-#include <cstring>
+#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "amp_kernels.h"
+#include "launch_cache.h"
+#include "table_cache.h"
 #include "tiling.h"
 
 namespace {
@@ -37,16 +43,86 @@ int dtype_code(at::ScalarType t) {
   }
 }
 
-int sm_count(const at::Device& device) {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device.index()));
-  return count;
+// Words of a launch's table: [rows of fp32, rows of fp16, rows of bf16] then the rows, 3 words each.
+constexpr int64_t kHeaderWords = 3;
+constexpr size_t kCachedTables = 8;  // parameter sets kept (several optimizers, dtypes, ...)
+
+struct DeviceTable {
+  at::Tensor words;              // device copy of the key
+  c10::cuda::CUDAStream alloc_stream;  // stream `words` was allocated on
+  c10::cuda::CUDAEvent written;  // recorded after the last write outside a capture
+  bool written_eagerly;          // false: only a captured graph writes it (at each replay)
+};
+
+void write_table(DeviceTable& table, const std::vector<int64_t>& key,
+                 const c10::cuda::CUDAStream& stream, bool capturing) {
+  C10_CUDA_CHECK(static_cast<cudaError_t>(amp_graph_write_table(
+      table.words.data_ptr<int64_t>(), key.data(), static_cast<int64_t>(key.size()), stream)));
+  if (!capturing) {
+    table.written.record(stream);
+    table.written_eagerly = true;
+  }
+}
+
+// The device copy of `key` (the launch's table), written on `stream` only when no cached copy
+// matches. A copy used while `stream` is being captured into a CUDA graph is pinned: the graph
+// reads it at every replay.
+at::Tensor device_table(const at::Device& device, std::vector<int64_t> key,
+                        const c10::cuda::CUDAStream& stream) {
+  static std::mutex* mutex = new std::mutex();  // leaked on purpose, like the cache: both must
+  static auto* cache = new amp_graph::TableCache<DeviceTable>(kCachedTables);  // outlive exit
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  const std::lock_guard<std::mutex> lock(*mutex);
+  auto* entry = cache->find(device.index(), key);
+  if (entry == nullptr) {
+    DeviceTable table{at::empty({static_cast<int64_t>(key.size())},
+                                at::TensorOptions().dtype(at::kLong).device(device)),
+                      stream, c10::cuda::CUDAEvent(cudaEventDisableTiming), false};
+    write_table(table, key, stream, capturing);
+    entry = &cache->insert(device.index(), std::move(key), std::move(table), capturing);
+    return entry->buffer.words;
+  }
+  DeviceTable& table = entry->buffer;
+  if (capturing) {
+    // torch.cuda.graph synchronizes the device before capturing, so an earlier write is done.
+    entry->pinned = true;
+  } else if (!table.written_eagerly) {
+    write_table(table, entry->key, stream, false);  // built in a capture: no content until replay
+  } else if (stream != table.alloc_stream) {
+    table.written.block(stream);  // after the write, wherever it ran
+    table.words.record_stream(stream);  // and freed only after this stream's kernels
+  }
+  return table.words;
+}
+
+// Multiprocessors and resident blocks, asked of the CUDA runtime once per device and kernel.
+struct RuntimeQuery {
+  int sm_count(int device) {
+    int count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+  }
+  int blocks_per_sm(int device, int dtype, int mode) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    int blocks = 0;
+    C10_CUDA_CHECK(static_cast<cudaError_t>(amp_graph_max_active_blocks(dtype, mode, &blocks)));
+    return blocks;
+  }
+};
+
+int64_t max_grid(const at::Device& device, int dtype, int mode) {
+  static auto* cache = new amp_graph::LaunchCache<RuntimeQuery>(RuntimeQuery{});
+  return cache->max_grid(device.index(), dtype, mode);
 }
 
 void check_flag(const at::Tensor& t, const at::Device& device, const char* name) {
-  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, name,
-              " must be a one-element float32 tensor, got ", t.scalar_type(), " ", t.sizes());
+  // ValueError, like the checks of the native path (ops.py).
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.numel() == 1, name,
+                    " must be a one-element float32 tensor, got ", t.scalar_type(), " ",
+                    t.sizes());
 }
 
 void bump_version(const at::Tensor& t) {
@@ -62,7 +138,7 @@ at::Tensor run(at::TensorList grads, const at::Tensor& found_inf, const at::Tens
   const bool writes = mode != AMP_GRAPH_CHECK;
   if (writes) check_flag(*inv_scale, device, "inv_scale");
   c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
 
   // Dense tensors (any order of strides) are processed in place as one flat span; others go
   // through a contiguous copy, written back afterwards. Other dtypes take torch's native ops.
@@ -70,11 +146,15 @@ at::Tensor run(at::TensorList grads, const at::Tensor& found_inf, const at::Tens
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
   std::vector<at::Tensor> other_dtypes;
   std::array<std::vector<amp_graph::TensorDesc>, 3> rows;
-  for (const at::Tensor& g : grads) {
-    TORCH_CHECK(g.device() == device, "all grads must be on ", device, ", got ", g.device());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK_VALUE(g.is_floating_point(),
+                      "amp_graph gradient ops take floating-point tensors; grads[", i, "] is ",
+                      g.scalar_type());
+    TORCH_CHECK_VALUE(g.device() == device, "amp_graph gradient ops take tensors on one device; "
+                      "grads[", i, "] is on ", g.device(), ", found_inf on ", device);
     const int code = dtype_code(g.scalar_type());
     if (code < 0) {
-      TORCH_CHECK(g.is_floating_point(), "grads must be floating point, got ", g.scalar_type());
       other_dtypes.push_back(g);
       continue;
     }
@@ -88,29 +168,40 @@ at::Tensor run(at::TensorList grads, const at::Tensor& found_inf, const at::Tens
     rows[code].push_back({reinterpret_cast<int64_t>(span.data_ptr()), span.numel(), 0});
   }
 
-  at::Tensor sum_of_squares;
-  if (mode == AMP_GRAPH_UNSCALE_NORM) sum_of_squares = at::zeros({}, found_inf.options());
-  const int sms = sm_count(device);
+  // One table for all dtypes: its header, then each dtype's rows with their tiles.
+  std::array<int64_t, 3> total_tiles = {0, 0, 0};
+  std::vector<int64_t> key(kHeaderWords);
   for (int code = 0; code < 3; ++code) {
     std::vector<amp_graph::TensorDesc>& table = rows[code];
-    if (table.empty()) continue;
     const int64_t elem_bytes = code == AMP_GRAPH_FP32 ? 4 : 2;
     const int64_t n = static_cast<int64_t>(table.size());
-    const int64_t total_tiles = amp_graph::build_tile_table(table.data(), n, elem_bytes);
-    // Pinned staging + non_blocking copy: the caching host allocator keeps the staging block
-    // alive until the copy has run, so nothing waits.
-    at::Tensor host = at::empty({n * 3}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    std::memcpy(host.data_ptr<int64_t>(), table.data(), sizeof(amp_graph::TensorDesc) * n);
-    const at::Tensor dev_table = host.to(device, /*non_blocking=*/true);
-    const int grid = amp_graph_grid_size(total_tiles, sms);
-    at::Tensor partials;
-    if (mode == AMP_GRAPH_UNSCALE_NORM) partials = at::empty({grid}, found_inf.options());
-    const int err = amp_graph_launch_check_unscale(
-        dev_table.data_ptr<int64_t>(), n, total_tiles, code, mode, found_inf.data_ptr<float>(),
-        writes ? inv_scale->data_ptr<float>() : nullptr,
-        partials.defined() ? partials.data_ptr<float>() : nullptr, grid, stream);
-    C10_CUDA_CHECK(static_cast<cudaError_t>(err));
-    if (partials.defined()) sum_of_squares.add_(partials.sum());  // fixed grid: deterministic
+    total_tiles[code] = amp_graph::build_tile_table(table.data(), n, elem_bytes);
+    key[code] = n;
+    for (const amp_graph::TensorDesc& row : table) {
+      key.insert(key.end(), {row.addr, row.numel, row.first_tile});
+    }
+  }
+
+  at::Tensor sum_of_squares;
+  if (mode == AMP_GRAPH_UNSCALE_NORM) sum_of_squares = at::zeros({}, found_inf.options());
+  if (key.size() > kHeaderWords) {
+    const at::Tensor table = device_table(device, std::move(key), stream);
+    const int64_t* table_rows = table.data_ptr<int64_t>() + kHeaderWords;
+    for (int code = 0; code < 3; ++code) {
+      const int64_t n = static_cast<int64_t>(rows[code].size());
+      if (n == 0) continue;
+      const int grid =
+          static_cast<int>(amp_graph::grid_size(total_tiles[code], max_grid(device, code, mode)));
+      at::Tensor partials;
+      if (mode == AMP_GRAPH_UNSCALE_NORM) partials = at::empty({grid}, found_inf.options());
+      const int err = amp_graph_launch_check_unscale(
+          table_rows, n, total_tiles[code], code, mode, found_inf.data_ptr<float>(),
+          writes ? inv_scale->data_ptr<float>() : nullptr,
+          partials.defined() ? partials.data_ptr<float>() : nullptr, grid, stream);
+      C10_CUDA_CHECK(static_cast<cudaError_t>(err));
+      if (partials.defined()) sum_of_squares.add_(partials.sum());  // fixed grid: deterministic
+      table_rows += 3 * n;
+    }
   }
   for (auto& pair : write_back) pair.first.copy_(pair.second);
 
@@ -123,9 +214,10 @@ at::Tensor run(at::TensorList grads, const at::Tensor& found_inf, const at::Tens
     } else {
       at::_amp_foreach_non_finite_check_and_unscale_(other_dtypes, found, *inv_scale);
       if (mode == AMP_GRAPH_UNSCALE_NORM) {
-        for (const at::Tensor& g : other_dtypes) {
-          sum_of_squares.add_(at::linalg_vector_norm(g, 2, {}, false, at::kFloat).square());
-        }
+        // The native path's rule (ops.py): float32 squares, one sum per tensor, then their sum.
+        std::vector<at::Tensor> sums;
+        for (const at::Tensor& g : other_dtypes) sums.push_back(g.to(at::kFloat).square().sum());
+        sum_of_squares.add_(at::stack(sums).sum());
       }
     }
   }
@@ -159,7 +251,7 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& trackers,
   const at::Device device = scale.device();
   check_flag(scale, device, "scale");
   check_flag(found_inf, device, "found_inf");
-  TORCH_CHECK(trackers.device() == device && trackers.scalar_type() == at::kLong &&
+  TORCH_CHECK_VALUE(trackers.device() == device && trackers.scalar_type() == at::kLong &&
                   trackers.numel() == amp_graph::kNumTrackers && trackers.is_contiguous(),
               "trackers must be a contiguous int64 tensor of ", amp_graph::kNumTrackers,
               " elements on ", device);

@@ -1,11 +1,18 @@
-// Host self-test of tiling.h, built with g++ or nvcc on CPU-only CI (tests/test_kernel_host.py).
+// Host self-test of the kernel's host-side logic, built with g++ or nvcc on CPU-only CI
+// (tests/test_kernel_host.py).
 //
-//   host_selftest tiling   simulate whole launches (every tile, thread, loop iteration and unroll
-//                          slot of the kernel) over many sizes, misalignments, element sizes and
-//                          tables; every element must be visited exactly once, every vector access
-//                          16-byte aligned and inside its tensor
+//   host_selftest tiling   simulate whole launches (every tile, block or warp, thread, loop
+//                          iteration and unroll slot of the kernel) over many sizes,
+//                          misalignments, element sizes and tables; every element must be visited
+//                          exactly once, every vector access 16-byte aligned and inside its
+//                          tensor; shared tiles hold only small rows within the cost budget
+//   host_selftest packing  tables of many small tensors need few tiles (prints the counts)
 //   host_selftest finite   bit-level finiteness tests vs std::isfinite on every fp16 and bf16
 //                          pattern and on fp32 specials and random patterns
+//   host_selftest cache    the device-table cache (table_cache.h) with a fake buffer: hits,
+//                          misses, per-device keys, LRU eviction, pinned (captured) entries, and
+//                          the chunks the table writer launches
+//   host_selftest launch   the grid-limit cache (launch_cache.h) with a counting fake query
 //   host_selftest update G B I H MIN MAX INIT FLAGS
 //                          run amp_graph::update_scale over FLAGS ("0110...": 1 = overflow) and
 //                          print one line per step: scale bits (hex) and the four trackers
@@ -16,8 +23,11 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "launch_cache.h"
+#include "table_cache.h"
 #include "tiling.h"
 
 namespace {
@@ -34,6 +44,45 @@ void fail(const char* what, int64_t a, int64_t b, int64_t c) {
   ++g_failures;
 }
 
+// Visits of the elements of one row by `threads` threads working on its tile `local`, exactly as
+// check_unscale_kernel's process_row walks it.
+void simulate_row(const TensorDesc& d, int64_t row, int64_t local, int64_t elem_bytes, int threads,
+                  std::vector<uint8_t>& visits) {
+  if (d.numel <= 0) return;
+  if (local < 0 || local >= amp_graph::num_tiles(d.addr, d.numel, elem_bytes)) {
+    fail("local tile outside the tensor's tiles", row, local, 0);
+    return;
+  }
+  const amp_graph::TileWork w = amp_graph::tile_work(d.addr, d.numel, elem_bytes, local);
+  const int64_t lanes = amp_graph::kVecBytes / elem_bytes;
+  const int64_t iterations = amp_graph::vec_iterations(w, threads);
+  for (int tid = 0; tid < threads; ++tid) {
+    for (int64_t it = 0; it < iterations; ++it) {
+      for (int u = 0; u < amp_graph::kUnroll; ++u) {
+        const int64_t v = amp_graph::vec_index(w, it, u, tid, threads);
+        if (v >= w.vec_end) continue;
+        if (v < w.vec_begin) fail("vector below the tile", row, v, 0);
+        const int64_t first = w.body_start + v * lanes;
+        const int64_t byte_addr = d.addr + first * elem_bytes;
+        if (byte_addr % amp_graph::kVecBytes != 0) fail("misaligned vector", row, first, 0);
+        if (first < 0 || first + lanes > d.numel) {
+          fail("vector out of bounds", row, first, d.numel);
+          continue;
+        }
+        for (int64_t l = 0; l < lanes; ++l) visits[first + l] += 1;
+      }
+    }
+    for (int64_t i = tid; i < w.head_end; i += threads) {
+      if (i >= d.numel) fail("head out of bounds", row, i, d.numel);
+      else visits[i] += 1;
+    }
+    for (int64_t i = w.tail_begin + tid; i < w.tail_end; i += threads) {
+      if (i < 0 || i >= d.numel) fail("tail out of bounds", row, i, d.numel);
+      else visits[i] += 1;
+    }
+  }
+}
+
 // Simulates one launch over `rows` (first_tile filled here) exactly as check_unscale_kernel walks
 // it, counting visits per element. Returns the number of elements checked.
 int64_t simulate_launch(std::vector<TensorDesc>& rows, int64_t elem_bytes, int grid) {
@@ -42,44 +91,45 @@ int64_t simulate_launch(std::vector<TensorDesc>& rows, int64_t elem_bytes, int g
   std::vector<std::vector<uint8_t>> visits(rows.size());
   for (int64_t i = 0; i < n; ++i) visits[i].assign(static_cast<size_t>(rows[i].numel), 0);
   std::vector<uint8_t> tile_seen(static_cast<size_t>(total), 0);
+  for (int64_t i = 1; i < n; ++i) {
+    if (rows[i].first_tile < rows[i - 1].first_tile) fail("first_tile decreases", i, 0, 0);
+  }
 
   for (int block = 0; block < grid; ++block) {
     for (int64_t tile = block; tile < total; tile += grid) {
       tile_seen[tile] += 1;
-      const int64_t row = amp_graph::find_tensor(rows.data(), n, tile);
-      const TensorDesc& d = rows[row];
-      if (d.numel <= 0 || tile < d.first_tile) fail("tile mapped to a wrong row", tile, row, 0);
-      const int64_t local = tile - d.first_tile;
-      if (local >= amp_graph::num_tiles(d.addr, d.numel, elem_bytes)) {
-        fail("local tile past the tensor's tiles", tile, row, local);
+      const amp_graph::TileRows tr = amp_graph::tile_rows(rows.data(), n, tile);
+      if (tr.first > tr.last || rows[tr.last].first_tile > tile) fail("bad rows", tile, 0, 0);
+      if (tr.first == tr.last) {  // one row: the whole block
+        const TensorDesc& d = rows[tr.last];
+        if (d.numel <= 0) fail("a tile of an empty row only", tile, tr.last, 0);
+        simulate_row(d, tr.last, tile - d.first_tile, elem_bytes, amp_graph::kBlockThreads,
+                     visits[tr.last]);
         continue;
       }
-      const amp_graph::TileWork w = amp_graph::tile_work(d.addr, d.numel, elem_bytes, local);
-      const int64_t lanes = amp_graph::kVecBytes / elem_bytes;
-      const int64_t iterations = amp_graph::vec_iterations(w);
-      for (int tid = 0; tid < amp_graph::kBlockThreads; ++tid) {
-        for (int64_t it = 0; it < iterations; ++it) {
-          for (int u = 0; u < amp_graph::kUnroll; ++u) {
-            const int64_t v = amp_graph::vec_index(w, it, u, tid);
-            if (v >= w.vec_end) continue;
-            if (v < w.vec_begin) fail("vector below the tile", tile, v, 0);
-            const int64_t first = w.body_start + v * lanes;
-            const int64_t byte_addr = d.addr + first * elem_bytes;
-            if (byte_addr % amp_graph::kVecBytes != 0) fail("misaligned vector", row, first, 0);
-            if (first < 0 || first + lanes > d.numel) {
-              fail("vector out of bounds", row, first, d.numel);
-              continue;
-            }
-            for (int64_t l = 0; l < lanes; ++l) visits[row][first + l] += 1;
+      int64_t cost = 0;  // several rows: large ones by the block, small ones one per warp
+      int64_t large = 0;
+      int64_t nonempty = 0;
+      for (int64_t r = tr.first; r <= tr.last; ++r) {
+        const TensorDesc& d = rows[r];
+        if (d.first_tile != tile) fail("row of a shared tile starts elsewhere", tile, r, 0);
+        if (d.numel <= 0) continue;
+        ++nonempty;
+        if (amp_graph::packable(d.addr, d.numel, elem_bytes)) {
+          cost += amp_graph::pack_cost(d.addr, d.numel, elem_bytes);
+        } else {
+          ++large;
+          simulate_row(d, r, 0, elem_bytes, amp_graph::kBlockThreads, visits[r]);
+        }
+      }
+      if (cost > amp_graph::kTileVecs) fail("shared tile over budget", tile, cost, 0);
+      if (large > 0 && nonempty > 1) fail("large row shares its tile", tile, large, nonempty);
+      for (int warp = 0; warp < amp_graph::kWarps; ++warp) {
+        for (int64_t r = tr.first + warp; r <= tr.last; r += amp_graph::kWarps) {
+          const TensorDesc& d = rows[r];
+          if (amp_graph::packable(d.addr, d.numel, elem_bytes)) {
+            simulate_row(d, r, 0, elem_bytes, amp_graph::kWarpThreads, visits[r]);
           }
-        }
-        for (int64_t i = tid; i < w.head_end; i += amp_graph::kBlockThreads) {
-          if (i >= d.numel) fail("head out of bounds", row, i, d.numel);
-          else visits[row][i] += 1;
-        }
-        for (int64_t i = w.tail_begin + tid; i < w.tail_end; i += amp_graph::kBlockThreads) {
-          if (i < 0 || i >= d.numel) fail("tail out of bounds", row, i, d.numel);
-          else visits[row][i] += 1;
         }
       }
     }
@@ -125,24 +175,28 @@ int run_tiling() {
     }
   }
 
-  // Big tables: thousands of tensors (empties included), random sizes and offsets.
+  // Big tables: thousands of tensors (empties included), random sizes and offsets, with small
+  // tensors in runs (shared tiles) between large ones.
   std::mt19937_64 rng(1234);
   for (int64_t es : {4, 2}) {
-    for (int trial = 0; trial < 4; ++trial) {
+    for (int trial = 0; trial < 5; ++trial) {
       std::vector<TensorDesc> rows;
       int64_t addr = 1 << 20;
       const int n = trial == 0 ? 5000 : 700;
       for (int i = 0; i < n; ++i) {
         const int64_t kind = static_cast<int64_t>(rng() % 10);
-        int64_t numel = kind == 0 ? 0 : kind < 7 ? static_cast<int64_t>(rng() % 64)
-                                                 : static_cast<int64_t>(rng() % 40000);
+        int64_t numel = kind == 0   ? 0
+                        : kind < 5  ? static_cast<int64_t>(rng() % 64)
+                        : kind < 7  ? static_cast<int64_t>(rng() % 4000)
+                        : trial == 4 ? static_cast<int64_t>(rng() % 2000)
+                                     : static_cast<int64_t>(rng() % 40000);
         const int64_t off = static_cast<int64_t>(rng() % (amp_graph::kVecBytes / es)) * es;
         rows.push_back({addr + off, numel, 0});
         addr += ((off + numel * es) / 256 + 1) * 256;
       }
       if (trial == 1) rows.back().numel = 0;  // trailing empty rows
       if (trial == 2) rows.front().numel = 0;
-      elements += simulate_launch(rows, es, trial == 3 ? 1 : 132 * amp_graph::kBlocksPerSm);
+      elements += simulate_launch(rows, es, trial == 3 ? 1 : 132 * 6);
       ++cases;
     }
   }
@@ -152,6 +206,135 @@ int run_tiling() {
   }
   std::printf("OK tiling cases=%lld elements=%lld\n", static_cast<long long>(cases),
               static_cast<long long>(elements));
+  return 0;
+}
+
+// Many small tensors share tiles: far fewer tiles (block visits) than tensors.
+int run_packing() {
+  struct Case {
+    int64_t count, numel, elem_bytes;
+  };
+  const Case cases[] = {{10000, 100, 4}, {10000, 1000, 2}, {10000, 1, 4}, {148, 768, 4}};
+  for (const Case& c : cases) {
+    std::vector<TensorDesc> rows;
+    int64_t addr = 1 << 20;
+    int64_t cost = 0;
+    for (int64_t i = 0; i < c.count; ++i) {
+      rows.push_back({addr, c.numel, 0});
+      cost += amp_graph::pack_cost(addr, c.numel, c.elem_bytes);
+      addr += (c.numel * c.elem_bytes / 256 + 1) * 256;
+    }
+    const int64_t tiles = amp_graph::build_tile_table(rows.data(), c.count, c.elem_bytes);
+    // Greedy packing of equal rows wastes less than one row per tile.
+    const int64_t per_tile = amp_graph::kTileVecs / (cost / c.count);
+    const int64_t expected = (c.count + per_tile - 1) / per_tile;
+    if (tiles != expected) fail("packing", c.count, tiles, expected);
+    std::printf("packing %lld x %lld (%lld-byte): %lld tiles\n", static_cast<long long>(c.count),
+                static_cast<long long>(c.numel), static_cast<long long>(c.elem_bytes),
+                static_cast<long long>(tiles));
+  }
+  if (g_failures != 0) return 1;
+  std::printf("OK packing\n");
+  return 0;
+}
+
+// A buffer that counts how many of its kind are alive (the cache must free what it evicts).
+struct FakeBuffer {
+  static int alive;
+  int id;
+  explicit FakeBuffer(int i) : id(i) { ++alive; }
+  FakeBuffer(const FakeBuffer& o) : id(o.id) { ++alive; }
+  FakeBuffer(FakeBuffer&& o) noexcept : id(o.id) { ++alive; }
+  ~FakeBuffer() { --alive; }
+};
+int FakeBuffer::alive = 0;
+
+void expect(bool ok, const char* what) {
+  if (!ok) fail(what, 0, 0, 0);
+}
+
+int run_cache() {
+  {
+    amp_graph::TableCache<FakeBuffer> cache(2);
+    const std::vector<int64_t> a = {1, 4096, 10, 0}, b = {1, 8192, 10, 0}, c = {2, 4096, 7, 0};
+    expect(cache.find(0, a) == nullptr, "empty cache hits");
+    cache.insert(0, a, FakeBuffer(1), false);
+    expect(cache.find(0, a) != nullptr && cache.find(0, a)->buffer.id == 1, "same rows: a hit");
+    expect(cache.find(1, a) == nullptr, "another device: a miss");
+    expect(cache.find(0, b) == nullptr, "another address: a miss");
+    cache.insert(0, b, FakeBuffer(2), false);
+    expect(cache.find(0, a)->buffer.id == 1, "a still cached");  // a is now most recent
+    cache.insert(0, c, FakeBuffer(3), false);                     // evicts b, the LRU entry
+    expect(cache.find(0, b) == nullptr, "LRU entry evicted");
+    expect(cache.find(0, a) != nullptr && cache.find(0, c) != nullptr, "recent entries kept");
+    expect(FakeBuffer::alive == 2 && cache.size() == 2, "evicted buffer freed");
+
+    // Pinned entries (read by captured graphs) survive any number of later tables.
+    cache.insert(5, {9, 9}, FakeBuffer(4), true);
+    for (int i = 0; i < 10; ++i) cache.insert(0, {100 + i}, FakeBuffer(10 + i), false);
+    expect(cache.find(5, {9, 9}) != nullptr, "pinned entry evicted");
+    expect(cache.size() == 3 && FakeBuffer::alive == 3, "capacity of unpinned entries");
+    expect(cache.find(0, {109})->buffer.id == 19, "newest entry kept");
+    expect(cache.find(0, a) == nullptr, "old entries evicted");
+  }
+  expect(FakeBuffer::alive == 0, "buffers freed with the cache");
+
+  // The table writer's chunks cover every word once, in order, each within the launch limit.
+  for (int64_t count : {0, 1, 3999, 4000, 4001, 30000, 123457}) {
+    for (int64_t per_launch : {500, 4000}) {
+      int64_t next = 0;
+      for (const auto& chunk : amp_graph::write_chunks(count, per_launch)) {
+        expect(chunk.first == next && chunk.second > 0 && chunk.second <= per_launch, "chunk");
+        next += chunk.second;
+      }
+      expect(next == count, "chunks cover the table");
+    }
+  }
+  if (g_failures != 0) return 1;
+  std::printf("OK cache\n");
+  return 0;
+}
+
+struct CountingQuery {
+  int* sm_calls;
+  int* occupancy_calls;
+  int sm_count(int device) {
+    ++*sm_calls;
+    return 100 + device;
+  }
+  int blocks_per_sm(int device, int dtype, int mode) {
+    ++*occupancy_calls;
+    return 1 + (device + dtype + mode) % 6;
+  }
+};
+
+int run_launch() {
+  int sm_calls = 0;
+  int occupancy_calls = 0;
+  amp_graph::LaunchCache<CountingQuery> cache(CountingQuery{&sm_calls, &occupancy_calls});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&cache] {
+      for (int round = 0; round < 1000; ++round) {
+        for (int device = 0; device < 2; ++device) {
+          for (int dtype = 0; dtype < 3; ++dtype) {
+            for (int mode = 0; mode < 3; ++mode) {
+              const int64_t want = (100 + device) * (1 + (device + dtype + mode) % 6);
+              if (cache.max_grid(device, dtype, mode) != want) fail("grid", device, dtype, mode);
+            }
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  expect(sm_calls == 2, "multiprocessor count asked once per device");
+  expect(occupancy_calls == 18, "occupancy asked once per (device, dtype, mode)");
+  expect(amp_graph::grid_size(5, 264) == 5 && amp_graph::grid_size(100000, 264) == 264 &&
+             amp_graph::grid_size(0, 264) == 1,
+         "grid_size");
+  if (g_failures != 0) return 1;
+  std::printf("OK launch\n");
   return 0;
 }
 
@@ -233,8 +416,11 @@ int run_update(int argc, char** argv) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "tiling") return run_tiling();
+  if (mode == "packing") return run_packing();
   if (mode == "finite") return run_finite();
+  if (mode == "cache") return run_cache();
+  if (mode == "launch") return run_launch();
   if (mode == "update") return run_update(argc, argv);
-  std::fprintf(stderr, "usage: host_selftest tiling|finite|update ...\n");
+  std::fprintf(stderr, "usage: host_selftest tiling|packing|finite|cache|launch|update ...\n");
   return 2;
 }

@@ -8,10 +8,12 @@
 //   * every gradient of one dtype gets a row in a device-side table: {address, numel, first_tile};
 //   * a tensor is split into a scalar head (elements before the first 16-byte boundary), a body of
 //     16-byte vectors, and a scalar tail (fewer than one vector of elements);
-//   * the body is cut into tiles of kTileVecs vectors; a tensor with no full vector still owns one
-//     tile (for its scalars); the head belongs to the tensor's first tile, the tail to its last;
-//   * blocks walk the tiles grid-stride; a block finds the tile's tensor by binary search over the
-//     table's first_tile column (no per-launch limit on the number of tensors).
+//   * a large tensor's body is cut into tiles of kTileVecs vectors that it owns alone (the head
+//     belongs to its first tile, the tail to its last), processed by a whole block;
+//   * small tensors (one tile, cost <= kPackMaxCost) are packed, in table order, into shared tiles
+//     whose total cost stays within kTileVecs; a block processes a shared tile one tensor per warp;
+//   * blocks walk the tiles grid-stride; a block finds a tile's rows by binary search over the
+//     table's first_tile column (non-decreasing; no per-launch limit on the number of tensors).
 #pragma once
 
 #include <stdint.h>
@@ -27,9 +29,13 @@ namespace amp_graph {
 
 constexpr int64_t kVecBytes = 16;        // one vectorized load or store
 constexpr int kBlockThreads = 256;       // threads per block
+constexpr int kWarpThreads = 32;         // threads per warp: one small tensor of a shared tile
+constexpr int kWarps = kBlockThreads / kWarpThreads;
 constexpr int kUnroll = 4;               // vectors in flight per thread per loop iteration
 constexpr int64_t kTileVecs = 2048;      // 16-byte vectors per tile (32 KiB of gradient)
-constexpr int kBlocksPerSm = 8;          // persistent grid: this many blocks per multiprocessor
+constexpr int64_t kRowCost = 32;         // packing cost of a row beyond its vectors (its scalars,
+                                         // its loop set-up), in vectors
+constexpr int64_t kPackMaxCost = kTileVecs / 4;  // rows at most this costly share tiles
 
 // One row of the device-side tensor table (three int64, 24 bytes).
 struct TensorDesc {
@@ -80,18 +86,50 @@ AG_HD int64_t num_tiles(int64_t addr, int64_t numel, int64_t elem_bytes) {
   return tiles > 0 ? tiles : 1;
 }
 
+// Packing cost of a tensor (body vectors + kRowCost); packable: non-empty, cost <= kPackMaxCost.
+AG_HD int64_t pack_cost(int64_t addr, int64_t numel, int64_t elem_bytes) {
+  return split_tensor(addr, numel, elem_bytes).body_vecs + kRowCost;
+}
+
+AG_HD bool packable(int64_t addr, int64_t numel, int64_t elem_bytes) {
+  return numel > 0 && pack_cost(addr, numel, elem_bytes) <= kPackMaxCost;  // hence one tile
+}
+
 // Fills rows[i].first_tile from rows[i].addr/numel and returns the total number of tiles.
+// Large rows own num_tiles() tiles; consecutive packable rows share a tile while the sum of their
+// costs stays within kTileVecs. first_tile never decreases along the table: an empty row takes the
+// open shared tile (or the next tile when none is open) and owns no work.
 AG_HD int64_t build_tile_table(TensorDesc* rows, int64_t n, int64_t elem_bytes) {
   int64_t total = 0;
+  int64_t room = 0;  // cost still free in the open shared tile (tile total - 1); 0: none open
   for (int64_t i = 0; i < n; ++i) {
-    rows[i].first_tile = total;
-    total += num_tiles(rows[i].addr, rows[i].numel, elem_bytes);
+    const int64_t addr = rows[i].addr;
+    const int64_t numel = rows[i].numel;
+    if (numel <= 0) {
+      rows[i].first_tile = room > 0 ? total - 1 : total;
+      continue;
+    }
+    if (!packable(addr, numel, elem_bytes)) {
+      rows[i].first_tile = total;
+      total += num_tiles(addr, numel, elem_bytes);
+      room = 0;
+      continue;
+    }
+    const int64_t cost = pack_cost(addr, numel, elem_bytes);
+    if (cost <= room) {
+      rows[i].first_tile = total - 1;
+      room -= cost;
+    } else {
+      rows[i].first_tile = total;
+      total += 1;
+      room = kTileVecs - cost;
+    }
   }
   return total;
 }
 
-// Row owning `tile`: the last row whose first_tile <= tile. Empty rows share first_tile with the
-// next row, so "last" skips them; trailing empty rows have first_tile == total and are never hit.
+// Last row whose first_tile <= tile (the row owning `tile`, or the last row of a shared tile).
+// Trailing empty rows with first_tile == total are never hit.
 // Precondition: n >= 1 and 0 <= tile < total tiles.
 AG_HD int64_t find_tensor(const TensorDesc* rows, int64_t n, int64_t tile) {
   int64_t lo = 0;
@@ -105,6 +143,37 @@ AG_HD int64_t find_tensor(const TensorDesc* rows, int64_t n, int64_t tile) {
     }
   }
   return lo;
+}
+
+// First row whose first_tile >= tile, searching rows [0, last]. With last = find_tensor(...):
+// the first row of the tile when rows[last].first_tile == tile.
+AG_HD int64_t first_row_at(const TensorDesc* rows, int64_t last, int64_t tile) {
+  int64_t lo = 0;
+  int64_t hi = last;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (rows[mid].first_tile < tile) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The rows a block processes for `tile`: [first, last]. One row (first == last): the whole block
+// works on tile (tile - first_tile) of it. Several rows (all starting at `tile`): the whole block
+// takes each row that is not packable (a large row after empty ones), and warp w takes the
+// packable rows among first + w, first + w + kWarps, ..., each whole (local tile 0).
+struct TileRows {
+  int64_t first;
+  int64_t last;
+};
+
+AG_HD TileRows tile_rows(const TensorDesc* rows, int64_t n, int64_t tile) {
+  const int64_t last = find_tensor(rows, n, tile);
+  if (rows[last].first_tile < tile) return {last, last};  // a later tile of a large row
+  return {first_row_at(rows, last, tile), last};
 }
 
 // What tile `local_tile` (0-based, within its tensor) of a tensor processes.
@@ -122,15 +191,24 @@ AG_HD TileWork tile_work(int64_t addr, int64_t numel, int64_t elem_bytes, int64_
   return w;
 }
 
-// Loop shape of a block over a tile's body: iteration `it` of thread `tid` loads vectors
-// vec_index(w, it, u, tid) for u in [0, kUnroll) -- the ones below w.vec_end exist.
-AG_HD int64_t vec_iterations(const TileWork& w) {
-  const int64_t per_iter = static_cast<int64_t>(kBlockThreads) * kUnroll;
+// Loop shape of `threads` threads (a block, or a warp) over a tile's body: iteration `it` of
+// thread `tid` loads vectors vec_index(w, it, u, tid, threads) for u in [0, kUnroll) -- the ones
+// below w.vec_end exist. Scalars: thread tid takes elements tid, tid + threads, ...
+AG_HD int64_t vec_iterations(const TileWork& w, int threads) {
+  const int64_t per_iter = static_cast<int64_t>(threads) * kUnroll;
   return (w.vec_end - w.vec_begin + per_iter - 1) / per_iter;
 }
 
-AG_HD int64_t vec_index(const TileWork& w, int64_t it, int u, int tid) {
-  return w.vec_begin + (it * kUnroll + u) * kBlockThreads + tid;
+AG_HD int64_t vec_index(const TileWork& w, int64_t it, int u, int tid, int threads) {
+  return w.vec_begin + (it * kUnroll + u) * threads + tid;
+}
+
+// Grid of a launch over total_tiles tiles when at most max_grid blocks fit on the device at once
+// (multiprocessors x resident blocks per multiprocessor, from the occupancy calculator).
+AG_HD int64_t grid_size(int64_t total_tiles, int64_t max_grid) {
+  const int64_t cap = max_grid > 0 ? max_grid : 1;
+  const int64_t grid = total_tiles < cap ? total_tiles : cap;
+  return grid > 0 ? grid : 1;
 }
 
 // Finiteness straight from the bits (immune to fast-math flags): all-ones exponent = inf or nan.

@@ -1,4 +1,6 @@
-"""``report`` and ``explain``: what the passes decided, per node, and why."""
+"""``report`` and ``explain``: what the passes decided, per node, and why.
+
+Inspection sits on top of the passes and the compiler: nothing below imports it."""
 
 from __future__ import annotations
 
@@ -9,9 +11,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.compiler import CompileRecord, compile_record
-from amp_graph.passes.meta import AMP, UNKNOWN, VAL, AmpInfo, Role, short
+from amp_graph.compiler import CompileRecord, compile_record, unwrap
+from amp_graph.passes.meta import AMP, UNKNOWN, AmpInfo, Role, short
 from amp_graph.policy import Rule, nearest
+
+from .html import explanation_html, report_html
+from .modules import node_modules
+from .tables import COLUMNS, bytes_text
+from .view import value_numel
 
 RULE_MEANING = {
     Rule.ALLOW: "low precision",
@@ -19,7 +26,6 @@ RULE_MEANING = {
     Rule.PROMOTE: "the widest floating input type",
     Rule.FOLLOW: "its inputs' dtypes (no casts)",
 }
-DTYPE_COLORS = {"fp32": "#4e79a7", "fp16": "#f28e2b", "bf16": "#e15759", "?": "#bab0ac"}
 
 
 @dataclass
@@ -52,9 +58,6 @@ class NodeRow:
         )
 
 
-COLUMNS = ("node", "op", "module", "rule", "decided by", "compute", "out", "casts in")
-
-
 @dataclass
 class Report:
     """Per-node decisions plus totals. ``print(report)`` for a table, or view it in Jupyter."""
@@ -79,16 +82,12 @@ class Report:
         )
 
     def totals(self) -> str:
-        bytes_text = (
-            "unknown (compile with example_inputs)"
-            if self.cast_bytes is None
-            else f"{self.cast_bytes:,}"
-        )
         per_dtype = ", ".join(f"{k}: {v}" for k, v in sorted(self.ops_by_dtype.items()))
         return (
             f"policy {self.policy}, low dtype {self.dtype}; ops by output dtype: {per_dtype}\n"
             f"casts inserted {self.casts_inserted}, removed by simplification "
-            f"{self.casts_removed}, kept {self.casts_kept}; bytes cast per call: {bytes_text}"
+            f"{self.casts_removed}, kept {self.casts_kept}; bytes cast per call: "
+            f"{bytes_text(self.cast_bytes)}"
         )
 
     def __str__(self) -> str:
@@ -102,9 +101,13 @@ class Report:
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join([*lines, "", self.totals()])
 
-    def _repr_html_(self) -> str:
-        from amp_graph.inspect.html import report_html
+    def __repr__(self) -> str:  # IPython's text form: short, as DataFlow's and Diff's
+        return (
+            f"<Report of {len(self.rows)} nodes: policy {self.policy}, {self.dtype}; casts "
+            f"kept {self.casts_kept}>"
+        )
 
+    def _repr_html_(self) -> str:
         return report_html(self)
 
     # Views of the compiled module, from amp_graph.inspect (imported on first use).
@@ -135,13 +138,6 @@ class Report:
         return draw(self._compiled(), **options)
 
 
-def _numel_bytes(val: Any, dtype: Any) -> int | None:
-    if not isinstance(val, torch.Tensor) or not isinstance(dtype, torch.dtype):
-        return None
-    numel = val.numel()
-    return numel * dtype.itemsize if isinstance(numel, int) else None  # None: symbolic shape
-
-
 def cast_bytes(gm: fx.GraphModule) -> int | None:
     """Bytes read plus bytes written by the graph's casts per call, when shapes are known."""
     total = 0
@@ -150,22 +146,21 @@ def cast_bytes(gm: fx.GraphModule) -> int | None:
         if amp.role is not Role.CAST:
             continue
         source = node.args[0]
-        read = _numel_bytes(source.meta.get(VAL), source.meta[AMP].out_dtype)
-        written = _numel_bytes(source.meta.get(VAL), amp.out_dtype)
-        if read is None or written is None:
+        numel, dtypes = value_numel(source), (source.meta[AMP].out_dtype, amp.out_dtype)
+        if numel is None or not all(isinstance(d, torch.dtype) for d in dtypes):
             return None
-        total += read + written
+        total += numel * sum(d.itemsize for d in dtypes)
     return total
 
 
-def _row(node: fx.Node) -> NodeRow:
+def _row(node: fx.Node, module: str) -> NodeRow:
     amp: AmpInfo = node.meta[AMP]
     casts_in = [a.name for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
     casts_out = [u.name for u in node.users if u.meta[AMP].role is Role.CAST]
     return NodeRow(
         name=node.name,
         op=amp.op or node.op,
-        module=amp.module_path,
+        module=module,
         role=str(amp.role),
         rule=str(amp.rule) if amp.role is Role.OP else str(amp.role),
         decided_by=amp.source,
@@ -177,17 +172,19 @@ def _row(node: fx.Node) -> NodeRow:
     )
 
 
-def report(compiled: fx.GraphModule) -> Report:
+def report(compiled: Any) -> Report:
     """Per node: dtype, the rule and what decided it, casts in and out; plus totals.
 
     >>> import torch, amp_graph
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
     >>> r = amp_graph.report(amp_graph.compile(m, example_inputs=(torch.randn(2, 4),)))
-    >>> r.row("_0").out, r.casts_kept
+    >>> r.row("linear").out, r.casts_kept
     ('bf16', 3)
     """
+    compiled = unwrap(compiled)
     record: CompileRecord = compile_record(compiled)
-    rows = [_row(n) for n in compiled.graph.nodes]
+    modules = node_modules(compiled)
+    rows = [_row(n, modules[n.name]) for n in compiled.graph.nodes]
     ops = Counter(
         r.out for r in rows if r.role in (str(Role.OP), str(Role.USER_CAST), str(Role.INPLACE))
     )
@@ -205,12 +202,27 @@ def report(compiled: fx.GraphModule) -> Report:
     )
 
 
-def _find(compiled: fx.GraphModule, name: str) -> fx.Node:
+def _find(compiled: fx.GraphModule, name: str, modules: dict[str, str]) -> fx.Node:
+    """The node called ``name``; a KeyError that helps find the right one otherwise."""
     for node in compiled.graph.nodes:
         if node.name == name:
             return node
+    ops = [
+        n.name
+        for n in compiled.graph.nodes
+        if modules[n.name] == name and n.meta[AMP].role in (Role.OP, Role.USER_CAST, Role.INPLACE)
+    ]
+    if ops:  # a module path: nodes are aten ops named by export (linear, linear_1, ...)
+        listed = ", ".join(repr(n) for n in ops[:8]) + (", ..." if len(ops) > 8 else "")
+        raise KeyError(
+            f"{name!r} is a module, not a node of the compiled graph; its ops are {listed}. "
+            "Explain one of them (amp_graph.report lists every node with its module)."
+        )
     names = [n.name for n in compiled.graph.nodes]
-    raise KeyError(f"no node named {name!r} in the compiled graph.{nearest(name, names)}")
+    raise KeyError(
+        f"no node named {name!r} in the compiled graph.{nearest(name, names)} "
+        "amp_graph.report(compiled) lists the nodes."
+    )
 
 
 class Explanation(str):
@@ -218,22 +230,35 @@ class Explanation(str):
     formatted, with dtype badges."""
 
     def _repr_html_(self) -> str:
-        from amp_graph.inspect.html import explanation_html
-
         return explanation_html(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython: the text, unquoted
         printer.text(str(self))
 
 
-def explain(compiled: fx.GraphModule, node_name: str) -> Explanation:
-    """Why ``node_name`` has its dtype, one sentence per line."""
+def explain(compiled: Any, node_name: str) -> Explanation:
+    """Why ``node_name`` has its dtype, one sentence per line.
+
+    Node names are those of the graph (``print(compiled)``, :func:`report`): aten ops
+    named by torch.export (``linear``, ``linear_1``, ``softmax``), parameters
+    (``model_0_weight``) and casts (``linear_fp32``). A module path is not a node; the
+    error for one lists the module's ops.
+
+    >>> import torch, amp_graph
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+    >>> c = amp_graph.compile(m, example_inputs=(torch.randn(2, 4),))
+    >>> print(amp_graph.explain(c, "softmax").splitlines()[0])
+    'softmax' (aten.softmax.int in module '1') returns fp32.
+    """
+    compiled = unwrap(compiled)
     compile_record(compiled)
-    node = _find(compiled, node_name)
+    modules = node_modules(compiled)
+    node = _find(compiled, node_name, modules)
     amp: AmpInfo = node.meta[AMP]
-    where = f" in module '{amp.module_path}'" if amp.module_path else ""
+    module = modules[node.name]
+    where = f" in module '{module}'" if module else ""
     out = (
-        "an unproven dtype (compile with example_inputs to prove it)"
+        "an unproven dtype (no example value reached it)"
         if amp.out_dtype is UNKNOWN
         else short(amp.out_dtype)
     )
@@ -256,7 +281,13 @@ def explain(compiled: fx.GraphModule, node_name: str) -> Explanation:
         )
     text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
     casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
-    if amp.role is Role.OP and amp.rule is not None:
+    decided = amp.role is Role.OP and amp.rule is not None and amp.source != "fixed"
+    if amp.role is Role.OP and amp.source == "fixed":  # views, getitem: what the op is decides
+        text.append(
+            f"Its rule is {Rule.FOLLOW.value}, fixed by what it is: {amp.detail}. No policy "
+            "or override reclassifies it; its consumers' rules decide the casts around it."
+        )
+    elif decided:
         text.append(
             f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
             f"by the {amp.source} level: {amp.detail}."
@@ -282,7 +313,15 @@ def explain(compiled: fx.GraphModule, node_name: str) -> Explanation:
             + ", ".join(f"'{c.name}' (to {short(c.args[1])})" for c in casts_out)
             + "."
         )
-    if amp.role is Role.OP:
+    if amp.source == "fp8" and amp.role is Role.OP and "fp8" in node.name:
+        linear = node.name.removesuffix("_fp8")
+        text.append(
+            "To keep this layer in bf16: Policy.preset('fp8').with_fp8(module_filter=...) "
+            f"returning False for module '{amp.module_path}', or an fp32 override of the layer "
+            f"(Policy.override(nodes={{'{linear}': 'fp32'}}) or its module path), which "
+            "outranks fp8."
+        )
+    elif decided:
         other = "low" if amp.rule is Rule.DENY else "fp32"
         text.append(
             f"To change it: Policy.override(nodes={{'{node.name}': '{other}'}}) or an op, "

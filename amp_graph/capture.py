@@ -1,0 +1,391 @@
+"""Capture: model code as people write it, to an aten-level FX graph with exact dtypes.
+
+``torch.export`` (non-strict) runs the model's own Python on fake tensors built from real
+example values, so shape-derived Python (``B, T, C = x.size()``, masks sliced to ``T``),
+HF transformers, torch's Transformer layers, RNNs with tuple states and ``torch.autocast``
+blocks are all captured, each op at aten level (``aten.linear``, ``aten.softmax.int``)
+with its fake value in ``meta["val"]`` and its module path in ``meta["nn_module_stack"]``.
+
+The capture runs under ``torch.autocast`` in the policy's dtype (O0 aside), so model code
+that asks ``torch.is_autocast_enabled()`` (HF's ``maybe_autocast``) takes its autocast
+path and its own float32 blocks are recorded. The ops recorded are the model's, not
+autocast's: export traces above the autocast dispatch key.
+
+The exported program is then "unlifted" by :func:`_graph_module`: each parameter and
+buffer placeholder becomes a ``get_attr`` that reads the user's model *at call time*
+(``self.model.blocks[0].attn.weight``), so the graph shares the model's tensors, sees
+replacements of them, and never copies one. Graph inputs are the pytree leaves of
+``(args, kwargs)``; :class:`Captured` keeps the specs that pack and unpack them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from amp_graph.passes.classify import MODEL_ROOT
+
+log = logging.getLogger(__name__)
+
+MODEL_ATTR = "model"
+"""The attribute of a captured GraphModule that holds the user's model itself."""
+
+
+class CaptureError(RuntimeError):
+    """amp_graph could not capture the model; the message names the construct and a way out."""
+
+
+@dataclass
+class ShapeGuard:
+    """What a graph's input sizes must be: each dim an int (captured static) or a symbol
+    (captured with symbolic sizes: equal symbols equal, within the symbol's range)."""
+
+    dims: list[tuple[int, int, Any]] = field(default_factory=list)  # (leaf, dim, int | symbol)
+    ranges: dict[Any, tuple[int, int | None]] = field(default_factory=dict)
+
+    def accepts(self, leaves: Sequence[Any]) -> bool:
+        bound: dict[Any, int] = {}
+        for leaf, dim, want in self.dims:
+            size = leaves[leaf].shape[dim]
+            if isinstance(want, int):
+                if size != want:
+                    return False
+            elif want in bound:
+                if bound[want] != size:
+                    return False
+            else:
+                low, high = self.ranges.get(want, (0, None))
+                if size < low or (high is not None and size > high):
+                    return False
+                bound[want] = size
+        return True
+
+
+@dataclass
+class Captured:
+    """A captured graph and how to call it.
+
+    ``graph_module`` takes the flat leaves of ``(args, kwargs)`` (``in_spec``) and returns the
+    flat leaves of the model's output (``out_spec``); specs are None for a GraphModule the
+    user brought (called with its own signature). ``guard`` says which input sizes it serves.
+    """
+
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec | None
+    out_spec: pytree.TreeSpec | None
+    guard: ShapeGuard | None = None  # None: any sizes
+    seconds: float = 0.0
+
+    def accepts(self, leaves: Sequence[Any]) -> bool:
+        """Whether these flat inputs have sizes the graph was captured for."""
+        return self.guard is None or self.guard.accepts(leaves)
+
+    def call(self, leaves: Sequence[Any]) -> Any:
+        out = self.graph_module(*leaves)
+        if self.out_spec is None or self.out_spec.is_leaf():
+            return out
+        return pytree.tree_unflatten(list(out), self.out_spec)
+
+
+def capture_autocast(
+    device_type: str, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
+    """The autocast state the model's Python sees during capture (none for O0)."""
+    if dtype is None or device_type not in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def capture_module(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    device_type: str,
+    autocast_dtype: torch.dtype | None,
+    dynamic: bool = False,
+    model_attr: str | None = MODEL_ATTR,
+) -> Captured:
+    """Export ``model(*args, **kwargs)`` and unlift it into a GraphModule over ``model``.
+
+    ``dynamic=True`` lets export keep the sizes of tensor inputs symbolic where the model
+    allows (``Dim.AUTO``), so one graph serves every batch size and sequence length.
+    ``model_attr`` is the GraphModule attribute the model is read through (None: its
+    children become the GraphModule's).
+
+    Raises:
+        CaptureError: naming the failing construct (file, line, code) and what to do.
+    """
+    start = time.perf_counter()
+    dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs) if dynamic else None
+    try:
+        with capture_autocast(device_type, autocast_dtype):
+            program = torch.export.export(
+                model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
+            )
+    except Exception as error:
+        if _raised_by_user_code(error):
+            raise  # the model's own assert or check failed: that is the user's error as is
+        raise _capture_error(model, error) from error
+    gm = _graph_module(program, model, model_attr)
+    spec = program.call_spec
+    return Captured(
+        gm, spec.in_spec, spec.out_spec, _shape_guard(gm, program), time.perf_counter() - start
+    )
+
+
+def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Retrace a graph dynamo captured (torch-level calls) down to pre-dispatch aten ops.
+
+    The torch.compile backend's capture: the graph runs under ``make_fx(pre_dispatch=True)``
+    on the fake values dynamo traced it with (symbolic sizes included), so ops inside
+    ``F.multi_head_attention_forward`` and other composites become aten ops, each keeping
+    the ``nn_module_stack`` of the dynamo node it came from. What dynamo recorded about each
+    input (``grapharg``: parameter or buffer sources) is carried over.
+    """
+    import torch.fx.traceback as fx_traceback
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # The tracing context's fake mode (dynamo's): faking a real input there gives back the
+    # fake dynamo traced with, symbolic sizes included.
+    fake_mode = detect_fake_mode(list(example_inputs)) or FakeTensorMode(allow_non_fake_inputs=True)
+    values = []
+    for node, value in zip(placeholders, example_inputs, strict=False):
+        traced_with = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, FakeTensor) or not isinstance(value, torch.Tensor):
+            values.append(traced_with if isinstance(traced_with, torch.SymInt) else value)
+        else:
+            values.append(fake_mode.from_tensor(value))
+
+    def run(*args: Any) -> Any:
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
+
+    with fake_mode:
+        traced = make_fx(run, pre_dispatch=True)(*values)
+    new_placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for old, new in zip(placeholders, new_placeholders, strict=False):
+        for key in ("grapharg", "example_value"):
+            if key in old.meta:
+                new.meta[key] = old.meta[key]
+        if hasattr(new, "_rename"):  # dynamo's names (l_x_) read better than arg0_1
+            new._rename(old.name)
+    traced.recompile()
+    traced.meta.update(getattr(gm, "meta", {}))
+    return traced
+
+
+def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``Dim.AUTO`` for every dim of every tensor input, keyed as export wants: by the
+    forward's parameter names (a tuple when there are no keyword arguments)."""
+    import inspect
+
+    from torch.export import Dim
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {d: Dim.AUTO for d in range(value.dim())} or None
+        return None
+
+    def specs(tree: Any) -> Any:
+        return pytree.tree_map(spec, tree, is_leaf=lambda v: isinstance(v, torch.Tensor))
+
+    if not kwargs:
+        return specs(tuple(args))
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: specs(value) for name, value in bound.arguments.items()}
+
+
+def _shape_guard(gm: fx.GraphModule, program: Any) -> ShapeGuard:
+    """Each input dim's captured size or symbol, and the symbols' ranges."""
+    guard = ShapeGuard()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for leaf, node in enumerate(placeholders):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            if not isinstance(size, torch.SymInt):
+                guard.dims.append((leaf, dim, int(size)))
+            elif getattr(size.node.expr, "is_Symbol", False):
+                guard.dims.append((leaf, dim, size.node.expr))
+            # a derived size (2*s0): the graph's own runtime asserts check it
+    for symbol, ranges in getattr(program, "range_constraints", {}).items():
+        guard.ranges[symbol] = (_bound(ranges.lower) or 0, _bound(ranges.upper))
+    return guard
+
+
+def _bound(value: Any) -> int | None:
+    """A range bound as an int; None for infinity."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+
+
+_STATE_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+
+
+def _graph_module(program: Any, model: nn.Module, attr: str | None) -> fx.GraphModule:
+    """The exported graph with its state placeholders read from ``model`` (see module doc):
+    through the attribute ``attr`` of the GraphModule (``self.model.fc.weight``), or, with
+    ``attr=None``, through ``model``'s own children set on the GraphModule
+    (``self.fc.weight``: for a root that only holds modules, as a Graph's does)."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    def state(target: str) -> str:
+        return f"{attr}.{target}" if attr else target
+
+    source = program.graph_module
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+    constants: dict[str, Any] = {}
+    for node in source.graph.nodes:
+        if node.op == "placeholder":
+            spec = specs[node.name]
+            if spec.kind.name in _STATE_KINDS:
+                if spec.kind is InputKind.CONSTANT_TENSOR:
+                    name = f"_const_{len(constants)}"
+                    constants[name] = program.constants[spec.target]
+                    new = graph.get_attr(name)
+                else:
+                    new = graph.get_attr(state(spec.target))
+            elif spec.kind is InputKind.USER_INPUT:
+                new = graph.placeholder(node.name)
+            else:
+                raise CaptureError(
+                    f"torch.export produced an input of kind {spec.kind.name} ({node.name}), "
+                    "which amp_graph does not handle (custom objects and effect tokens)"
+                )
+            new.meta = dict(node.meta)
+            env[node] = new
+        elif node.op == "output":
+            outputs = list(node.args[0])
+            users: list[fx.Node] = []
+            for spec, value in zip(program.graph_signature.output_specs, outputs, strict=True):
+                mapped = env[value] if isinstance(value, fx.Node) else value
+                if spec.kind is OutputKind.USER_OUTPUT:
+                    users.append(mapped)
+                elif spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+                    target = (
+                        graph.get_attr(state(spec.target))
+                        if spec.kind is OutputKind.BUFFER_MUTATION
+                        else next(n for n in graph.nodes if n.name == spec.target)
+                    )
+                    graph.call_function(torch.ops.aten.copy_.default, (target, mapped))
+                else:
+                    raise CaptureError(f"unexpected output kind {spec.kind.name} from torch.export")
+            # A model returning one tensor gets a graph returning it (not a 1-tuple).
+            single = program.call_spec.out_spec.is_leaf() and len(users) == 1
+            graph.output(users[0] if single else tuple(users))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    root: dict[str, Any] = dict(constants)
+    prefix = f"{attr}." if attr else ""
+    for node in graph.nodes:
+        if node.op != "get_attr" or node.target in root:
+            continue
+        if node.target.startswith(prefix) and node.target not in constants:
+            root[node.target] = _attr(model, node.target[len(prefix) :])
+        else:
+            root[node.target] = _attr(source, node.target)
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    # Read the model's tensors through the model itself, at call time: replace the
+    # placeholder module tree GraphModule built with the user's module (or its children).
+    if attr:
+        setattr(gm, attr, model)
+    else:
+        for name, child in model.named_children():
+            if hasattr(gm, name):
+                setattr(gm, name, child)
+    gm.meta[MODEL_ROOT] = attr or ""
+    return gm
+
+
+def _attr(obj: Any, dotted: str) -> Any:
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _raised_by_user_code(error: BaseException) -> bool:
+    """The exception comes from the model's own code (``assert t <= block_size``), not from
+    the tracer: its innermost frame is outside torch."""
+    frames = traceback.extract_tb(error.__traceback__)
+    torch_root = torch.__file__.rsplit("/", 2)[0]
+    return bool(frames) and not frames[-1].filename.startswith(torch_root)
+
+
+def _user_frame(error: BaseException) -> str:
+    """``file.py:12: `if x.sum() > 0:``` for the innermost frame outside torch and amp_graph."""
+    frames = traceback.extract_tb(error.__traceback__)
+    torch_root = torch.__file__.rsplit("/", 2)[0]
+    ours = __file__.rsplit("/", 1)[0]
+    for frame in reversed(frames):
+        if not frame.filename.startswith((torch_root, ours)):
+            code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+            return f"{frame.filename}:{frame.lineno}: `{code}`"
+    return "an unknown location"
+
+
+_HINTS: tuple[tuple[Callable[[str], bool], str], ...] = (
+    (
+        lambda text: "Cache" in text and "pytree" in text,
+        "The model returns a cache object (transformers' DynamicCache) that a graph cannot "
+        "return. For training, call it with use_cache=False (or set config.use_cache = False).",
+    ),
+    (
+        lambda text: "not a known type" in text or "register a pytree" in text,
+        "The model returns or takes an object that is not a tensor, a tuple, list or dict of "
+        "them, or a registered pytree type; return tensors, or register the type with "
+        "torch.utils._pytree.register_pytree_node.",
+    ),
+    (
+        lambda text: "data-dependent" in text or "guard on data-dependent" in text,
+        "The model's Python branches on the values inside a tensor (e.g. `if x.sum() > 0:`), "
+        "which one graph cannot express. Use torch.compile(model, backend='amp_graph'), "
+        "which splits the model at such places, or rewrite the branch with torch.where / "
+        "torch.cond.",
+    ),
+)
+
+
+def _capture_error(model: nn.Module, error: BaseException) -> CaptureError:
+    text = f"{type(error).__name__}: {error}"
+    hint = next((h for match, h in _HINTS if match(text)), None) or (
+        "If the model's Python cannot run on fake tensors, use torch.compile(model, "
+        "backend='amp_graph') (which splits the model where it must), or capture a "
+        "torch.fx.GraphModule yourself and pass it to amp_graph.compile."
+    )
+    first_lines = "\n".join(text.splitlines()[:6])
+    return CaptureError(
+        f"amp_graph could not capture {type(model).__name__} with torch.export "
+        f"(non-strict): {first_lines}\n  The failing construct is at {_user_frame(error)}.\n"
+        f"  {hint}"
+    ).with_traceback(None)
+
+
+__all__ = [
+    "MODEL_ATTR",
+    "CaptureError",
+    "Captured",
+    "ShapeGuard",
+    "capture_autocast",
+    "capture_graph",
+    "capture_module",
+]

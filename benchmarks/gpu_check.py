@@ -1,0 +1,230 @@
+"""``make gpu-check``: every CUDA test and the GPU benchmarks in one command, figures written into
+BENCHMARKS.md's GPU table.
+
+    python benchmarks/gpu_check.py                      # what `make gpu-check` runs
+    python benchmarks/gpu_check.py --no-write           # print the table, leave BENCHMARKS.md
+
+Stages (each with its own time limit, all within --budget seconds, 570 by default):
+
+1. the CUDA tests: ``pytest -m cuda``: every test that skips without a GPU (tests/conftest.py
+   marks them) and tests/test_kernel_host.py (the CUDA sources compiled and their host logic);
+   on a GPU none may skip;
+2. ``benchmarks/kernel_bench.py``: check+unscale bandwidth on 1e8 elements against the device's
+   peak, and speed against torch's foreach op on 10,000 small tensors;
+3. ``benchmarks/graph_step_cuda.py``: host syncs per Graph step, and the Graph step captured in
+   a CUDA graph (bit-equal to the uncaptured step, and its time).
+
+Without a GPU it stops at once with exit status 2 and a message saying so; BENCHMARKS.md is left
+alone. A stage that fails is reported as FAILED in the table and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
+NOT_MEASURED = "not yet measured (no GPU lent)"
+FIGURES = [  # (key, what, target)
+    ("tests", "CUDA tests (`pytest -m cuda`)", "all pass, none skipped"),
+    ("bandwidth", "check+unscale, 1 tensor of 1e8 fp32: GB/s, % of peak", ">= 90% of peak"),
+    ("copy", "`copy_` of the same bytes: GB/s, % of peak (the practical ceiling)", "-"),
+    ("small", "unscale, 10,000 tensors of 1e3 fp32 vs torch's foreach op", ">= 1.5x"),
+    ("medium", "unscale, 10,000 tensors of 1e4 fp32 vs torch's foreach op", "-"),
+    ("syncs", "host syncs per Graph step (fp16 O1, fused AdamW)", "0"),
+    ("captured", "Graph step captured in a CUDA graph: bit-equal to uncaptured", "yes"),
+    ("captured_time", "captured step vs uncaptured step (median ms)", "-"),
+]
+
+
+class GpuCheckError(RuntimeError):
+    """A stage could not produce its figures."""
+
+
+@dataclasses.dataclass
+class Results:
+    """Figures by key (see FIGURES), as table cells; missing keys are not measured."""
+
+    cells: dict[str, str] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
+    header: str = ""
+
+
+# ---- the table --------------------------------------------------------------------------------
+
+
+def render(results: Results) -> str:
+    """The GPU section of BENCHMARKS.md (between the markers) for ``results``."""
+    lines = [results.header or f"GPU figures: {NOT_MEASURED}. Run `make gpu-check` on a GPU.", ""]
+    lines += ["| figure | target | measured |", "|---|---|---|"]
+    for key, what, target in FIGURES:
+        lines.append(f"| {what} | {target} | {results.cells.get(key, NOT_MEASURED)} |")
+    if results.failures:
+        lines += ["", "Failures:", *(f"* {failure}" for failure in results.failures)]
+    return "\n".join(lines)
+
+
+def replace_section(text: str, section: str) -> str:
+    """``text`` with what lies between the gpu-check markers replaced by ``section``."""
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+    if len(pattern.findall(text)) != 1:
+        raise GpuCheckError(f"BENCHMARKS.md must hold exactly one {BEGIN} ... {END} section")
+    return pattern.sub(lambda _: f"{BEGIN}\n{section}\n{END}", text)
+
+
+# ---- stages -----------------------------------------------------------------------------------
+
+
+def preflight() -> list[str]:
+    """What keeps this machine from running the check (empty: nothing)."""
+    import torch
+
+    problems = []
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        problems.append(
+            f"no CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"{built}). Run `make gpu-check` on a machine with an NVIDIA GPU."
+        )
+        return problems
+    try:
+        import amp_graph.passes  # noqa: F401  (installed, with its passes package)
+        import pytest  # noqa: F401
+    except ImportError as error:
+        problems.append(
+            f"{error}: install the project into {sys.executable} (`make install`, or offline "
+            f"`{sys.executable} -m pip install --no-deps --no-build-isolation -e .`)"
+        )
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        problems.append("no CUDA toolkit (nvcc, CUDA_HOME): the amp_graph kernel cannot be built")
+    if not cpp_extension.is_ninja_available():
+        problems.append("ninja is missing (`pip install ninja`): the kernel cannot be built")
+    return problems
+
+
+def _run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+    print("$", " ".join(command), flush=True)
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, timeout=max(seconds, 1), capture_output=True, text=True
+        )
+    except subprocess.TimeoutExpired as error:
+        raise GpuCheckError(f"`{' '.join(command)}` ran past its {seconds:.0f} s") from error
+    print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+    return done
+
+
+def run_tests(seconds: float, results: Results) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
+        command += [f"--junitxml={report}", "-m", "cuda"]
+        done = _run(command, seconds)
+        if not report.exists():
+            raise GpuCheckError(f"pytest wrote no report (exit status {done.returncode})")
+        suite = ElementTree.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    cell = f"{passed} passed, {counts['failures'] + counts['errors']} failed, "
+    results.cells["tests"] = cell + f"{counts['skipped']} skipped"
+    if done.returncode != 0 or counts["skipped"] or counts["tests"] == 0:
+        raise GpuCheckError(f"CUDA tests: {results.cells['tests']} (exit {done.returncode})")
+
+
+def run_kernel_bench(seconds: float, results: Results) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "kernel.json"
+        command = [sys.executable, "benchmarks/kernel_bench.py", "--device", "cuda"]
+        done = _run([*command, "--variants", "unscale", "--json", str(out)], seconds)
+        if done.returncode != 0 or not out.exists():
+            raise GpuCheckError(f"kernel_bench.py failed (exit {done.returncode})")
+        report = json.loads(out.read_text())
+    meta, rows = report["meta"], report["rows"]
+    if meta["extension"] != "loaded":
+        raise GpuCheckError(f"the CUDA extension is {meta['extension']}: no kernel was measured")
+    by = {(r["case"], r["dtype"], r["variant"]): r for r in rows}
+    peak = meta["peak_gbps"]
+
+    def pct(gbps: float) -> str:
+        return "" if peak is None else f", {100 * gbps / peak:.0f}% of {peak:.0f} GB/s"
+
+    big = by[("1x1e8", "fp32", "unscale")]
+    results.cells["bandwidth"] = f"{big['ours_gbps']:.0f} GB/s{pct(big['ours_gbps'])}"
+    results.cells["copy"] = f"{big['copy_gbps']:.0f} GB/s{pct(big['copy_gbps'])}"
+    for key, case in (("small", "10000x1e3"), ("medium", "10000x1e4")):
+        row = by[(case, "fp32", "unscale")]
+        results.cells[key] = (
+            f"{row['speedup_vs_torch']:.2f}x ({row['ours_ms']:.3f} ms vs {row['torch_ms']:.3f} ms)"
+        )
+    results.header += f" Peak bandwidth from {meta['peak_source']}."
+
+
+def run_graph_step(seconds: float, results: Results) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "graph.json"
+        done = _run([sys.executable, "benchmarks/graph_step_cuda.py", "--json", str(out)], seconds)
+        if done.returncode != 0 or not out.exists():
+            raise GpuCheckError(f"graph_step_cuda.py failed (exit {done.returncode})")
+        step = json.loads(out.read_text())
+    results.cells["syncs"] = f"{step['syncs_per_step']:g}"
+    results.cells["captured"] = "yes" if step["bit_equal"] else "**no**"
+    results.cells["captured_time"] = (
+        f"{step['captured_ms']:.3f} ms vs {step['eager_ms']:.3f} ms ({step['speedup']:.2f}x)"
+    )
+
+
+STAGES = [(run_tests, 330.0), (run_kernel_bench, 150.0), (run_graph_step, 90.0)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=float, default=570.0, help="seconds for all stages")
+    parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    parser.add_argument("--benchmarks-md", type=Path, default=BENCHMARKS_MD)
+    args = parser.parse_args(argv)
+
+    problems = preflight()
+    if problems:
+        print("\n".join(["", "=" * 78, "GPU CHECK NOT RUN:", *problems, "=" * 78]), file=sys.stderr)
+        return 2
+    import torch
+
+    results = Results()
+    results.header = (
+        f"Measured {datetime.date.today()} by `make gpu-check` on {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}."
+    )
+    deadline = time.monotonic() + args.budget
+    for stage, seconds in STAGES:
+        left = deadline - time.monotonic()
+        try:
+            if left < 10:
+                raise GpuCheckError("out of time before this stage")
+            stage(min(seconds, left), results)
+        except GpuCheckError as error:
+            results.failures.append(f"{stage.__name__}: {error}")
+    section = render(results)
+    print(section)
+    if not args.no_write:
+        path = args.benchmarks_md
+        path.write_text(replace_section(path.read_text(), section))
+        print(f"wrote the GPU table into {path}")
+    return 1 if results.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

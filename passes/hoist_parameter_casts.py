@@ -1,0 +1,88 @@
+"""Pass hoist_parameter_casts: a parameter cast once per training step, not per micro-batch.
+
+With gradient accumulation the captured ``build`` runs once per micro-batch, and so would
+its casts of parameters (torch.autocast casts them again in every micro-batch too). This
+pass takes them out of the graph: they become the items of one new input,
+``low_precision_weights``, which :class:`amp_graph.Graph`'s step graph computes once.
+
+Reads: cast nodes (``role=CAST``, ``x.to(dtype)``) of ``get_attr`` parameters
+(``role=PARAM``). Writes: ``getitem`` nodes in their place with ``role=PARAM``; removes the
+casts and the parameter reads left unused. Guarantees: every consumer receives the same
+value as before (the same cast of the same parameter, made earlier), and autograd still
+flows through each cast into the float32 ``.grad`` of its parameter.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from amp_graph.policy import Rule
+
+from .meta import AMP, AmpInfo, Role, short
+from .result import PassResult
+
+
+def hoist_parameter_casts(gm: fx.GraphModule) -> tuple[PassResult, list[tuple[str, torch.dtype]]]:
+    """Take the casts of parameters out of ``gm``: they become the items of one new input,
+    ``low_precision_weights``, which the step graph computes once for all micro-batches.
+
+    Reads: cast nodes (``role=CAST``, ``x.to(dtype)``) of ``get_attr`` parameters
+    (``role=PARAM``). Writes: ``getitem`` nodes in their place, with ``role=PARAM`` (they
+    are the low-precision parameters: the build graph casts nothing there). Returns the pass
+    result and, in input order, ``(parameter target, dtype)`` of each cast taken out.
+    Guarantees: every consumer receives the same value as before (the same cast of the same
+    parameter, made earlier); autograd still flows through each cast into the float32
+    ``.grad`` of its parameter.
+    """
+    casts = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_method"
+        and n.target == "to"
+        and n.meta.get(AMP) is not None
+        and n.meta[AMP].role is Role.CAST
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "get_attr"
+        and n.args[0].meta[AMP].role is Role.PARAM
+    ]
+    if not casts:
+        return PassResult(gm, modified=False, stats={"casts_hoisted": 0}), []
+    last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last_input):
+        weights = gm.graph.placeholder("low_precision_weights")
+    weights.meta[AMP] = AmpInfo(
+        role=Role.INPUT,
+        op="input",
+        rule=Rule.FOLLOW,
+        source="step",
+        detail="the parameters cast once per step, for every micro-batch",
+    )
+    hoisted = []
+    for i, cast in enumerate(casts):
+        with gm.graph.inserting_before(cast):
+            item = gm.graph.call_function(operator.getitem, (weights, i))
+        target, dtype = cast.args[0].target, cast.args[1]
+        item.meta = {k: v for k, v in cast.meta.items() if k != AMP}  # nn_module_stack and the like
+        item.meta[AMP] = AmpInfo.fixed(
+            Role.PARAM,
+            "getitem",
+            f"{target} cast to {short(dtype)} once per step by the step graph",
+            module_path=cast.meta[AMP].module_path,
+            out_dtype=dtype,
+            exact=True,
+        )
+        cast.replace_all_uses_with(item)
+        hoisted.append((target, dtype))
+        name = cast.name
+        gm.graph.erase_node(cast)
+        item.name = name  # the cast's name (model_fc_weight_bf16) reads better; it is free now
+    for node in list(gm.graph.nodes):  # parameters now read by the step graph alone
+        if node.op == "get_attr" and node.meta[AMP].role is Role.PARAM and not node.users:
+            gm.graph.erase_node(node)
+    return PassResult(gm, modified=True, stats={"casts_hoisted": len(hoisted)}), hoisted
+
+
+__all__ = ["hoist_parameter_casts"]

@@ -1,0 +1,102 @@
+"""``make gpu-check`` (benchmarks/gpu_check.py) without a GPU: it refuses loudly and leaves
+BENCHMARKS.md alone; with its subprocesses faked, it turns their reports into the GPU table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+    """Stands in for the three stages' subprocesses, writing the reports they would write."""
+    out = next((a.split("=", 1)[-1] for a in command if a.startswith("--junitxml=")), None)
+    if out is not None:
+        Path(out).write_text(
+            '<testsuites><testsuite tests="48" failures="0" errors="0" skipped="0"/></testsuites>'
+        )
+    elif "benchmarks/kernel_bench.py" in command:
+        rows = [
+            {"case": case, "dtype": "fp32", "variant": "unscale", "ours_gbps": gbps,
+             "copy_gbps": 3000.0, "speedup_vs_torch": x, "ours_ms": 1.0, "torch_ms": x}
+            for case, gbps, x in (("1x1e8", 3100.0, 1.1), ("10000x1e3", 900.0, 2.5),
+                                  ("10000x1e4", 2500.0, 1.6))
+        ]  # fmt: skip
+        meta = {"peak_gbps": 3350.0, "peak_source": "table entry 'H100'", "extension": "loaded"}
+        Path(command[command.index("--json") + 1]).write_text(
+            json.dumps({"meta": meta, "rows": rows})
+        )
+    else:
+        step = {"syncs_per_step": 0, "bit_equal": True, "eager_ms": 2.0, "captured_ms": 0.5}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(step | {"speedup": 4.0}))
+    return subprocess.CompletedProcess(command, 0, "", "")
+
+
+def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    monkeypatch.setattr(gpu_check, "preflight", lambda: [])
+    monkeypatch.setattr(gpu_check, "_run", _fake_run)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert gpu_check.main(["--benchmarks-md", str(md)]) == 0
+    text = md.read_text()
+    assert "on NVIDIA H100 80GB HBM3" in text
+    assert "| 48 passed, 0 failed, 0 skipped |" in text
+    assert "| 3100 GB/s, 93% of 3350 GB/s |" in text
+    assert "| 2.50x (1.000 ms vs 2.500 ms) |" in text
+    assert "| host syncs per Graph step (fp16 O1, fused AdamW) | 0 | 0 |" in text
+    assert "bit-equal to uncaptured | yes | yes |" in text
+    assert gpu_check.NOT_MEASURED not in text
+    # Only the section changed.
+    before, after = (ROOT / "BENCHMARKS.md").read_text(), text
+    head = before.split(gpu_check.BEGIN)[0]
+    tail = before.split(gpu_check.END)[1]
+    assert after.startswith(head) and after.endswith(tail)
+
+
+def test_a_failing_stage_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        if "benchmarks/graph_step_cuda.py" in command:
+            return subprocess.CompletedProcess(command, 1, "", "boom")
+        return _fake_run(command, seconds)
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    monkeypatch.setattr(gpu_check, "preflight", lambda: [])
+    monkeypatch.setattr(gpu_check, "_run", failing_run)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    assert gpu_check.main(["--benchmarks-md", str(md)]) == 1
+    assert "run_graph_step: graph_step_cuda.py failed (exit 1)" in md.read_text()
+
+
+def test_benchmarks_md_has_the_gpu_table() -> None:
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    section = text.split(gpu_check.BEGIN)[1].split(gpu_check.END)[0]
+    for _, what, target in gpu_check.FIGURES:
+        assert f"| {what} | {target} |" in section
+    with pytest.raises(gpu_check.GpuCheckError, match="exactly one"):
+        gpu_check.replace_section("no markers here", "table")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_it_fails_loudly_and_writes_nothing(tmp_path: Path) -> None:
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--benchmarks-md", str(md)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "GPU CHECK NOT RUN" in run.stderr and "no CUDA GPU" in run.stderr
+    assert md.read_text() == (ROOT / "BENCHMARKS.md").read_text()
