@@ -8,10 +8,12 @@ torch.float32
 """
 
 from amp_graph import fp8, inspect, passes
+from amp_graph.autopolicy import AutopolicyError, autopolicy
 from amp_graph.backend import AmpGraphBackend, backend, captured_graphs
 from amp_graph.compiler import CaptureError, CompiledModule, compile
 from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
+from amp_graph.inspect.numerics import NumericsReport, numerics
 from amp_graph.inspect.report import Report, explain, report
 from amp_graph.passes.insert_casts import cast_if_castable, cast_tree, widest_castable_dtype
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
@@ -23,15 +25,18 @@ __all__ = [
     "KEEP_FP32",
     "PRESETS",
     "AmpGraphBackend",
+    "AutopolicyError",
     "CaptureError",
     "CompiledModule",
     "GradScaler",
     "Graph",
     "GraphConfig",
+    "NumericsReport",
     "Policy",
     "Report",
     "Rule",
     "StaticGradScaler",
+    "autopolicy",
     "backend",
     "captured_graphs",
     "cast_if_castable",
@@ -43,6 +48,7 @@ __all__ = [
     "explain",
     "fp8",
     "inspect",
+    "numerics",
     "passes",
     "report",
     "widest_castable_dtype",

@@ -254,6 +254,11 @@ def quiet_torch(debug: bool) -> Iterator[None]:
 def compile_model(args: argparse.Namespace) -> Any:
     """Load, check and compile the model the arguments name: an ``amp_graph.CompiledModule``
     captured with the example inputs."""
+    return compile_model_and_inputs(args)[0]
+
+
+def compile_model_and_inputs(args: argparse.Namespace) -> tuple[Any, tuple[Any, ...]]:
+    """:func:`compile_model` and the random example inputs it was captured with."""
     import torch
 
     import amp_graph
@@ -264,7 +269,7 @@ def compile_model(args: argparse.Namespace) -> Any:
     policy = build_policy(args, model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     with quiet_torch(args.debug):
-        return amp_graph.compile(model, policy, dtype, example_inputs=inputs)
+        return amp_graph.compile(model, policy, dtype, example_inputs=inputs), inputs
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -319,6 +324,69 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(amp_graph.explain(compiled, args.node))
     except KeyError as error:
         raise UsageError(error.args[0]) from error
+    return 0
+
+
+def _cli_loss(output: Any) -> Any:
+    """The CLI's loss: the output itself when it is a scalar, else the mean square of its
+    floating tensors (a stand-in for a real loss that reaches every output)."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    return sum(t.float().square().mean() for t in leaves if t.is_floating_point())
+
+
+def cmd_numerics(args: argparse.Namespace) -> int:
+    import amp_graph
+
+    compiled, inputs = compile_model_and_inputs(args)
+    loss_fn = _cli_loss if args.backward else None
+    report = amp_graph.numerics(
+        compiled, *inputs, backward=args.backward, loss_fn=loss_fn, scale=args.scale
+    )
+    if args.worst is not None:
+        print("\n".join(report.findings()))
+        print()
+        print(f"the {args.worst} nodes furthest from float32:")
+        for row in report.worst(args.worst):
+            print(
+                f"  {row.node} ({row.op}, module '{row.module or '-'}', "
+                f"{row.dtype}): relative error {row.rel_error:.3g}"
+            )
+    else:
+        print(report)
+    if args.svg:
+        report.plot().save(args.svg)
+        print(f"\nwrote {args.svg}")
+    if args.html:
+        from amp_graph.inspect.html import page
+
+        Path(args.html).write_text(
+            page(
+                f"numerics: {args.model}",
+                [("numerics", report._repr_html_()), ("error along the graph", str(report.plot()))],
+            ),
+            encoding="utf-8",
+        )
+        print(f"wrote {args.html}")
+    if args.autopolicy:
+        policy = amp_graph.autopolicy(
+            compiled.model,
+            compiled.policy,
+            compiled.dtype,
+            sample_inputs=[inputs],
+            loss_fn=loss_fn,
+            scale=args.scale,
+        )
+        print()
+        if not policy.nodes:
+            print(f"autopolicy: {compiled.policy.name} needs no float32 override on this input")
+        for node, note in policy.notes.items():
+            why = note.removeprefix("demoted by autopolicy: ")
+            print(f"autopolicy: keep '{node}' in float32 ({why})")
     return 0
 
 
@@ -426,6 +494,33 @@ def build_parser() -> argparse.ArgumentParser:
         "(linear, linear_1, softmax), parameters (model_fc_weight), casts (linear_fp32)",
     )
     explain_cmd.set_defaults(run=cmd_explain)
+    numerics_cmd = commands.add_parser(
+        "numerics",
+        help="run the compiled model next to a float32 shadow; name the nodes that break",
+        description="Compile MODEL as `inspect` does, run it on random inputs of the given "
+        "shapes next to a float32 shadow of the same graph, and print per node its dtype, "
+        "max |x|, zeros, subnormals, non-finite values and relative error.",
+    )
+    _model_arguments(numerics_cmd)
+    numerics_cmd.add_argument(
+        "--backward",
+        action="store_true",
+        help="also measure gradients (loss: the output if scalar, else its mean square)",
+    )
+    numerics_cmd.add_argument(
+        "--scale", type=float, metavar="S", help="loss scale (default 2**16 for fp16, else 1)"
+    )
+    numerics_cmd.add_argument(
+        "--worst", type=int, metavar="K", help="print the findings and the K worst nodes only"
+    )
+    numerics_cmd.add_argument("--svg", metavar="FILE", help="write the error plot (SVG) here")
+    numerics_cmd.add_argument("--html", metavar="FILE", help="write the report as an HTML page")
+    numerics_cmd.add_argument(
+        "--autopolicy",
+        action="store_true",
+        help="also search for the fewest float32 node overrides that make this input pass",
+    )
+    numerics_cmd.set_defaults(run=cmd_numerics)
     demo_cmd = commands.add_parser(
         "demo",
         help="run amp_graph's demo (what `make demo` runs)",

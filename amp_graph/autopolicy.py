@@ -1,0 +1,310 @@
+"""Find the few nodes that need float32, from data: :func:`autopolicy`.
+
+The search runs the compiled model and its float32 shadow (:mod:`amp_graph.shadow`) on
+each sample input, and while a sample fails (an inf/nan where float32 is finite, outputs
+or gradients further than ``tol`` from float32) demotes the node that the measurements
+blame to float32, with a node override whose note records the evidence. When every sample
+passes it tries to give each demotion back, keeping only those still needed.
+
+Blame, in order:
+
+1. the first node, in graph order, with a non-finite value where float32 is finite;
+2. with finite values but outputs too far from float32: the low-precision node whose
+   relative error grows most over its inputs' (its own rounding, not inherited error);
+3. with ``backward``: the first node, in backward order, whose output gradient is
+   non-finite, else the one nearest the loss whose gradient underflows (zero or subnormal
+   in the low dtype at the loss scale, nonzero in float32), else the largest growth of
+   gradient error.
+
+A blamed cast inserted by amp_graph stands for its consumers: the value is out of the low
+dtype's range there, so the ops reading it are demoted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from amp_graph.compiler import CompiledModule, compile, model_device_type
+from amp_graph.policy import Policy, resolve_policy
+from amp_graph.shadow import NumericsRow, ShadowResult, shadow_run
+
+UNDERFLOW_BLAME = 0.01  # a gradient with more than this fraction underflowing is blamed
+
+
+class AutopolicyError(RuntimeError):
+    """The search could not meet ``tol``; ``.policy`` holds the demotions it made."""
+
+    def __init__(self, message: str, policy: Policy) -> None:
+        super().__init__(message)
+        self.policy = policy
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Why a sample fails, and the nodes to demote for it."""
+
+    nodes: tuple[str, ...]
+    reason: str
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _g(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{value:.2g}"
+
+
+def _scale_text(scale: float) -> str:
+    exponent = math.log2(scale) if scale > 0 else 0.5
+    return f"2**{int(exponent)}" if exponent.is_integer() else f"{scale:g}"
+
+
+class _Blame:
+    """Maps measured rows to the nodes a policy can demote."""
+
+    def __init__(self, result: ShadowResult) -> None:
+        self.rows = {r.node: r for r in result.nodes}
+        self.low = result.dtype
+
+    def runs_low(self, row: NumericsRow) -> bool:
+        return row.role == "op" and row.forward.dtype == self.low
+
+    def demotable(self, row: NumericsRow) -> tuple[str, ...]:
+        """The node itself when it is a low-precision op; a cast's low-precision consumers;
+        otherwise the nearest low-precision ops upstream."""
+        if self.runs_low(row):
+            return (row.node,)
+        if row.role == "cast":
+            users = tuple(u for u in row.users if u in self.rows and self.runs_low(self.rows[u]))
+            if users:
+                return users
+        seen: set[str] = set()
+        frontier = list(row.inputs)
+        found: list[str] = []
+        while frontier:
+            name = frontier.pop()
+            if name in seen or name not in self.rows:
+                continue
+            seen.add(name)
+            upstream = self.rows[name]
+            if self.runs_low(upstream):
+                found.append(name)
+            else:
+                frontier.extend(upstream.inputs)
+        return tuple(found)
+
+
+def _forward_finding(result: ShadowResult, sample: int, tol: float) -> Finding | None:
+    blame = _Blame(result)
+    low = _name(result.dtype)
+    first = next((r for r in result.nodes if r.forward.new_nonfinite), None)
+    if first is not None:
+        limit = torch.finfo(result.dtype).max
+        if first.forward.shadow_max_abs > limit:
+            what = "its input" if first.role == "cast" else "max |x|"
+            reason = (
+                f"{what} {first.forward.shadow_max_abs:.2g} > {low} max {limit:.6g} "
+                f"on sample {sample}"
+            )
+        else:
+            reason = (
+                f"{first.forward.new_nonfinite} inf/nan values where float32 is finite "
+                f"(at '{first.node}') on sample {sample}"
+            )
+        return Finding(blame.demotable(first), reason)
+    output_error = max((o.rel_error for o in result.outputs), default=0.0)
+    if output_error <= tol:
+        return None
+    best, growth = None, -math.inf
+    for row in result.nodes:
+        if not blame.runs_low(row):
+            continue
+        inherited = max(
+            (blame.rows[a].forward.rel_error for a in row.inputs if a in blame.rows), default=0.0
+        )
+        if row.forward.rel_error - inherited > growth:
+            best, growth = row, row.forward.rel_error - inherited
+    if best is None:
+        return Finding((), f"output error {_g(output_error)} > tol {_g(tol)}")
+    return Finding(
+        (best.node,),
+        f"relative error {_g(best.forward.rel_error)} against float32, {_g(growth)} more than "
+        f"its inputs'; output error {_g(output_error)} > tol {_g(tol)} on sample {sample}",
+    )
+
+
+def _backward_finding(result: ShadowResult, sample: int, tol: float) -> Finding | None:
+    blame = _Blame(result)
+    low = _name(result.dtype)
+    scale = _scale_text(result.scale or 1.0)
+    bad_params = [p for p in result.params if p.grad.new_nonfinite or p.grad.rel_error > tol]
+    if not bad_params:
+        return None
+    with_grads = [r for r in result.nodes if r.grad is not None]
+    overflow = [r for r in with_grads if r.grad.new_nonfinite]  # type: ignore[union-attr]
+    if overflow:
+        row = overflow[-1]
+        return Finding(
+            blame.demotable(row),
+            f"gradient overflow: {row.grad.new_nonfinite} inf/nan in its output gradient "  # type: ignore[union-attr]
+            f"at loss scale {scale} on sample {sample}",
+        )
+    underflow = [r for r in with_grads if r.grad.underflow > UNDERFLOW_BLAME]  # type: ignore[union-attr]
+    if underflow:
+        row = underflow[-1]
+        return Finding(
+            blame.demotable(row),
+            f"gradient underflow: {100 * row.grad.underflow:.0f}% of its output gradient is "  # type: ignore[union-attr]
+            f"zero or subnormal in {low} at loss scale {scale} (nonzero in float32) on "
+            f"sample {sample}",
+        )
+    best, growth = None, -math.inf
+    for row in with_grads:
+        if not blame.runs_low(row):
+            continue
+        downstream = max(
+            (
+                blame.rows[u].grad.rel_error  # type: ignore[union-attr]
+                for u in row.users
+                if u in blame.rows and blame.rows[u].grad is not None
+            ),
+            default=0.0,
+        )
+        if row.grad.rel_error - downstream > growth:  # type: ignore[union-attr]
+            best, growth = row, row.grad.rel_error - downstream  # type: ignore[union-attr]
+    worst = max(bad_params, key=lambda p: p.grad.rel_error)
+    reason = (
+        f"gradient error of '{worst.name}' {_g(worst.grad.rel_error)} > tol {_g(tol)} "
+        f"on sample {sample}"
+    )
+    return Finding((best.node,) if best is not None else (), reason)
+
+
+def _as_args(sample: Any) -> tuple:
+    return tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+
+
+class _Search:
+    def __init__(
+        self,
+        model: nn.Module,
+        base: Policy,
+        dtype: torch.dtype | None,
+        samples: Sequence[tuple],
+        tol: float,
+        backward: bool,
+        loss_fn: Callable[[Any], torch.Tensor] | None,
+        scale: float | None,
+    ) -> None:
+        self.model, self.base, self.dtype = model, base, dtype
+        self.samples, self.tol = samples, tol
+        self.backward, self.loss_fn, self.scale = backward, loss_fn, scale
+        self.runs = 0
+
+    def policy(self, demoted: dict[str, str]) -> Policy:
+        if not demoted:
+            return self.base
+        policy = self.base.override(
+            nodes=dict.fromkeys(demoted, "fp32"),
+            notes={n: f"demoted by autopolicy: {why}" for n, why in demoted.items()},
+        )
+        return _renamed(policy, f"{self.base.name}+autopolicy")
+
+    def failure(self, demoted: dict[str, str]) -> Finding | None:
+        compiled = compile(self.model, self.policy(demoted), self.dtype)
+        for i, args in enumerate(self.samples):
+            self.runs += 1
+            result = shadow_run(
+                compiled, args, backward=self.backward, loss_fn=self.loss_fn, scale=self.scale
+            )
+            finding = _forward_finding(result, i, self.tol)
+            if finding is None and self.backward:
+                finding = _backward_finding(result, i, self.tol)
+            if finding is not None:
+                return finding
+        return None
+
+
+def _renamed(policy: Policy, name: str) -> Policy:
+    return replace(policy, name=name)
+
+
+def autopolicy(
+    model: nn.Module,
+    policy: Policy | str = "O3",
+    dtype: torch.dtype | None = torch.float16,
+    *,
+    sample_inputs: Sequence[Any],
+    tol: float | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backward: bool | None = None,
+    scale: float | None = None,
+    max_demotions: int = 32,
+    give_back: bool = True,
+) -> Policy:
+    """``policy`` plus float32 overrides for as few nodes as the samples show need them.
+
+    Args:
+        model: the model (an ``nn.Module``; a :class:`CompiledModule` gives its model).
+        policy, dtype: where to start, as for :func:`amp_graph.compile`.
+        sample_inputs: a list of forward arguments, each a tuple (``[(x,), (x2,)]``) or a
+            single tensor.
+        tol: the largest relative error (L2) of outputs (and, with ``backward``, of every
+            parameter's gradient) against float32. Default: 10 x the dtype's epsilon
+            (about 1e-2 for float16, 8e-2 for bfloat16).
+        loss_fn / backward / scale: check gradients too (``backward`` defaults to whether
+            ``loss_fn`` is given); the loss is ``loss_fn(output)`` (or the scalar output)
+            times ``scale`` (default 2**16 for float16, as GradScaler starts).
+        max_demotions: stop and raise after this many.
+        give_back: after every sample passes, drop each demotion that is not needed.
+
+    Returns:
+        A :class:`Policy`: ``policy`` itself when nothing needs float32, else ``policy``
+        with node overrides to float32 whose ``notes`` say why; :func:`amp_graph.explain`
+        on a demoted node quotes the evidence.
+
+    Raises:
+        AutopolicyError: ``tol`` could not be met (``.policy`` has the demotions so far).
+    """
+    if isinstance(model, CompiledModule):
+        model = model.model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autopolicy takes the model (an nn.Module); got {type(model).__name__}")
+    if isinstance(sample_inputs, torch.Tensor) or not len(sample_inputs):
+        raise ValueError(
+            "sample_inputs is a non-empty list of forward arguments, e.g. [(x,), (x2,)]"
+        )
+    samples = [_as_args(s) for s in sample_inputs]
+    device_type = model_device_type(model, samples[0])
+    base = resolve_policy(policy, device_type)
+    low = dtype if dtype is not None else torch.bfloat16
+    tol = 10 * torch.finfo(low).eps if tol is None else float(tol)
+    backward = loss_fn is not None if backward is None else backward
+    search = _Search(model, base, dtype, samples, tol, backward, loss_fn, scale)
+    demoted: dict[str, str] = {}
+    while (finding := search.failure(demoted)) is not None:
+        new = [n for n in finding.nodes if n not in demoted]
+        if not new or len(demoted) + len(new) > max_demotions:
+            raise AutopolicyError(
+                f"autopolicy could not meet tol={tol:g} after demoting {len(demoted)} nodes "
+                f"({', '.join(demoted) or 'none'}): {finding.reason}"
+                + ("" if new else "; no node left to demote for it")
+                + ". Raise tol, pass a smaller scale, or start from a policy with more "
+                "float32 (e.g. 'O1'); the exception's .policy holds the demotions so far",
+                search.policy(demoted),
+            )
+        for node in new:
+            demoted[node] = finding.reason
+    if give_back:
+        for node in reversed(list(demoted)):
+            trial = {n: why for n, why in demoted.items() if n != node}
+            if search.failure(trial) is None:
+                demoted = trial
+    return search.policy(demoted)

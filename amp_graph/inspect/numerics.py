@@ -1,0 +1,379 @@
+"""Where does low precision break? A per-node report against a float32 shadow run.
+
+>>> import torch, amp_graph
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+>>> compiled = amp_graph.compile(model, "O3", dtype=torch.float16)
+>>> report = amp_graph.numerics(compiled, torch.randn(2, 4))
+>>> report.first_nonfinite is None
+True
+>>> len(report.rows) > 0 and report.output_error < 1e-2
+True
+
+:func:`numerics` runs the compiled graph and a float32 shadow of the same graph
+(:mod:`amp_graph.shadow`) and returns a :class:`NumericsReport`: one row per node with its
+dtype, max |x|, zero/subnormal fractions, non-finite count and relative error against
+float32; ``first_nonfinite`` and ``worst(k)`` name nodes and modules; ``plot()`` draws the
+error along the graph. ``backward=True`` adds each gradient's underflow and overflow at
+the loss scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any
+
+import torch
+
+from amp_graph.passes.meta import short
+from amp_graph.shadow import Measure, NumericsRow, ParamMeasure, ShadowResult, shadow_run
+
+from .draw import SVG
+from .style import DTYPE_COLORS
+
+HEADERS = (
+    "#",
+    "node",
+    "module",
+    "op",
+    "dtype",
+    "max |x|",
+    "fp32 max |x|",
+    "zeros",
+    "subnormal",
+    "underflow",
+    "non-finite",
+    "rel. error",
+)
+GRAD_HEADERS = ("grad dtype", "grad underflow", "grad non-finite", "grad rel. error")
+
+
+def _g(value: float) -> str:
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.3g}"
+
+
+def _pct(value: float) -> str:
+    return "0" if value == 0 else f"{100 * value:.1f}%"
+
+
+def _dtype(dtype: torch.dtype | None) -> str:
+    return "-" if dtype is None else short(dtype)
+
+
+def _cells(row: NumericsRow, grads: bool) -> list[str]:
+    f = row.forward
+    cells = [
+        str(row.index),
+        row.node,
+        row.module or "-",
+        row.op,
+        _dtype(f.dtype),
+        _g(f.max_abs),
+        _g(f.shadow_max_abs),
+        _pct(f.zeros),
+        _pct(f.subnormals),
+        _pct(f.underflow),
+        str(f.nonfinite),
+        _g(f.rel_error),
+    ]
+    if grads:
+        g = row.grad
+        cells += (
+            ["-"] * 4
+            if g is None
+            else [_dtype(g.dtype), _pct(g.underflow), str(g.new_nonfinite), _g(g.rel_error)]
+        )
+    return cells
+
+
+@dataclass
+class NumericsReport:
+    """The measurements of one run: ``rows`` in graph order (inserted casts included),
+    ``params`` (``backward=True``), ``outputs`` (the model's floating outputs).
+
+    ``print(report)`` shows the findings and the table; notebooks show it as HTML.
+    """
+
+    rows: list[NumericsRow]
+    params: list[ParamMeasure]
+    outputs: list[Measure]
+    policy: str
+    dtype: torch.dtype
+    scale: float | None
+    loss: float | None = None
+    shadow_loss: float | None = None
+    result: ShadowResult | None = field(default=None, repr=False, compare=False)
+
+    # ---- findings ----------------------------------------------------------------------
+
+    @property
+    def first_nonfinite(self) -> NumericsRow | None:
+        """The first node, in graph order, with an inf or nan where float32 has a finite
+        value (a ``-inf`` attention mask is not a finding), or None."""
+        return next((r for r in self.rows if r.forward.new_nonfinite), None)
+
+    @property
+    def first_nonfinite_grad(self) -> NumericsRow | None:
+        """``backward=True``: the first node, in backward order, whose output gradient has
+        an inf or nan where float32's is finite, or None."""
+        hits = [r for r in self.rows if r.grad is not None and r.grad.new_nonfinite]
+        return hits[-1] if hits else None
+
+    def worst(self, k: int = 5, *, grad: bool = False) -> list[NumericsRow]:
+        """The ``k`` nodes furthest from float32 (relative error of the value, or with
+        ``grad=True`` of the gradient at their output), worst first."""
+        if grad:
+            rows = [r for r in self.rows if r.grad is not None]
+            return sorted(rows, key=lambda r: -r.grad.rel_error)[:k]  # type: ignore[union-attr]
+        rows = [r for r in self.rows if r.role != "input"]
+        return sorted(rows, key=lambda r: -r.forward.rel_error)[:k]
+
+    def row(self, node: str) -> NumericsRow:
+        for row in self.rows:
+            if row.node == node:
+                return row
+        raise KeyError(f"no node {node!r} in this numerics report")
+
+    @property
+    def output_error(self) -> float:
+        """The largest relative error of the model's outputs against float32."""
+        return max((o.rel_error for o in self.outputs), default=0.0)
+
+    def grad_underflow_by_module(self) -> dict[str, float]:
+        """``backward=True``: per module, the fraction of its parameters' gradient
+        elements that underflow (zero or subnormal in the low dtype at the loss scale,
+        nonzero in float32)."""
+        lost: dict[str, float] = defaultdict(float)
+        size: dict[str, int] = defaultdict(int)
+        for p in self.params:
+            lost[p.module] += p.grad.underflow * p.grad.numel
+            size[p.module] += p.grad.numel
+        return {m: lost[m] / size[m] for m in size if size[m]}
+
+    def findings(self) -> list[str]:
+        """The report in sentences: what broke first, what drifted most, the gradients."""
+        low = short(self.dtype)
+        lines = [
+            f"policy {self.policy}, low dtype {low}: {len(self.rows)} nodes measured; "
+            f"output relative error {_g(self.output_error)} against float32"
+        ]
+        first = self.first_nonfinite
+        if first is None:
+            lines.append("no node produced inf/nan where float32 is finite")
+        else:
+            where = f" in module '{first.module}'" if first.module else ""
+            lines.append(
+                f"first non-finite: '{first.node}' ({first.op}{where}, "
+                f"{_dtype(first.dtype)}): {first.forward.new_nonfinite} of "
+                f"{first.forward.numel} values; float32 max |x| "
+                f"{_g(first.forward.shadow_max_abs)}"
+                + _range_note(first.forward.shadow_max_abs, first.dtype)
+            )
+        worst = ", ".join(f"'{r.node}' {_g(r.rel_error)}" for r in self.worst(3))
+        lines.append(f"furthest from float32: {worst}")
+        if self.scale is not None:
+            lines.append(
+                f"loss {_g(self.loss or 0.0)} (float32 {_g(self.shadow_loss or 0.0)}), "
+                f"gradients at loss scale {_scale_text(self.scale)}"
+            )
+            underflow = self.grad_underflow_by_module()
+            if not any(underflow.values()):
+                lines.append(
+                    f"at scale {_scale_text(self.scale)}, no parameter gradient underflows"
+                )
+            for module, fraction in sorted(underflow.items(), key=lambda kv: -kv[1]):
+                if fraction > 0:
+                    name = module or "<root>"
+                    lines.append(
+                        f"at scale {_scale_text(self.scale)}, {_pct(fraction)} of '{name}' "
+                        f"grads underflow ({low})"
+                    )
+            overflow = [p.name for p in self.params if p.grad.nonfinite]
+            if overflow:
+                lines.append(
+                    f"at scale {_scale_text(self.scale)}, gradients overflow (inf/nan) in "
+                    f"{len(overflow)} parameters: {', '.join(overflow[:5])}"
+                    + (" ..." if len(overflow) > 5 else "")
+                )
+            grad_first = self.first_nonfinite_grad
+            if grad_first is not None:
+                lines.append(f"first non-finite gradient (backward order): '{grad_first.node}'")
+        return lines
+
+    # ---- views -------------------------------------------------------------------------
+
+    def table(self) -> list[list[str]]:
+        grads = self.scale is not None
+        headers = list(HEADERS) + (list(GRAD_HEADERS) if grads else [])
+        return [headers] + [_cells(r, grads) for r in self.rows]
+
+    def __str__(self) -> str:
+        table = self.table()
+        widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join([*self.findings(), "", *(line.rstrip() for line in lines)])
+
+    def __repr__(self) -> str:
+        first = self.first_nonfinite
+        found = f"first non-finite '{first.node}'" if first else "all finite"
+        return (
+            f"<NumericsReport of {len(self.rows)} nodes: {self.policy}, {short(self.dtype)}; "
+            f"{found}; output error {_g(self.output_error)}>"
+        )
+
+    def _repr_html_(self) -> str:
+        return numerics_html(self)
+
+    def plot(self, width: int = 720, height: int = 260) -> SVG:
+        """Relative error against float32 along the graph (log scale), one dot per node
+        coloured by its dtype; non-finite nodes as red crosses on the top edge."""
+        return error_plot(self, width, height)
+
+
+def _scale_text(scale: float) -> str:
+    exponent = math.log2(scale) if scale > 0 else 0.5
+    return f"2**{int(exponent)}" if exponent.is_integer() else _g(scale)
+
+
+def _range_note(shadow_max: float, dtype: torch.dtype | None) -> str:
+    if dtype is None or not dtype.is_floating_point:
+        return ""
+    limit = torch.finfo(dtype).max
+    return f" > {short(dtype)} max {limit:.6g}" if shadow_max > limit else ""
+
+
+# ---- HTML and the plot -------------------------------------------------------------------
+
+
+def _severity(row: NumericsRow) -> str:
+    if row.forward.new_nonfinite:
+        return "background:#ffd6d6"
+    if row.role == "cast":
+        return "background:#fff8db"
+    return ""
+
+
+def numerics_html(report: NumericsReport) -> str:
+    findings = "<br>".join(escape(line) for line in report.findings())
+    table = report.table()
+    cell = "<th style='text-align:left;padding:2px 6px'>{}</th>"
+    head = "".join(cell.format(escape(h)) for h in table[0])
+    body = "".join(
+        f"<tr style='{_severity(row)}'>"
+        + "".join(f"<td style='padding:1px 6px'>{escape(c)}</td>" for c in cells)
+        + "</tr>"
+        for row, cells in zip(report.rows, table[1:], strict=True)
+    )
+    state = " open" if len(report.rows) <= 60 else ""
+    return (
+        "<div style='font-family:sans-serif;font-size:13px'>"
+        f"<b>amp_graph numerics</b><br>{findings}"
+        f"<details{state}><summary>per-node table ({len(report.rows)} nodes)</summary>"
+        f"<table style='border-collapse:collapse;font-size:12px'><tr>{head}</tr>{body}"
+        "</table></details></div>"
+    )
+
+
+def error_plot(report: NumericsReport, width: int, height: int) -> SVG:
+    rows = [r for r in report.rows if r.role != "input"]
+    pad_left, pad_bottom, pad_top = 48, 28, 16
+    plot_w, plot_h = width - pad_left - 10, height - pad_bottom - pad_top
+    finite = [r.rel_error for r in rows if math.isfinite(r.rel_error) and r.rel_error > 0]
+    low = math.floor(math.log10(min(finite))) if finite else -8
+    high = max(math.ceil(math.log10(max(finite))) if finite else 0, low + 1)
+
+    def x_of(i: int) -> float:
+        return pad_left + plot_w * (i + 0.5) / max(len(rows), 1)
+
+    def y_of(error: float) -> float:
+        exponent = math.log10(error) if error > 0 else low
+        return pad_top + plot_h * (high - exponent) / (high - low)
+
+    parts = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+        "font-family='sans-serif' font-size='10'>",
+        f"<rect x='{pad_left}' y='{pad_top}' width='{plot_w}' height='{plot_h}' "
+        "fill='white' stroke='#999'/>",
+    ]
+    for exponent in range(low, high + 1):
+        y = y_of(10.0**exponent)
+        parts.append(
+            f"<line x1='{pad_left}' x2='{pad_left + plot_w}' y1='{y:.1f}' y2='{y:.1f}' "
+            "stroke='#eee'/>"
+            f"<text x='{pad_left - 4}' y='{y + 3:.1f}' text-anchor='end'>1e{exponent}</text>"
+        )
+    for i, row in enumerate(rows):
+        x = x_of(i)
+        where = f"{row.module or '-'}, {_dtype(row.dtype)}"
+        title = escape(f"{row.node} ({where}): {_g(row.rel_error)}")
+        if row.forward.new_nonfinite or not math.isfinite(row.rel_error):
+            parts.append(
+                f"<g stroke='#d62728' stroke-width='2'><title>{title}</title>"
+                f"<line x1='{x - 4:.1f}' y1='{pad_top - 4}' x2='{x + 4:.1f}' y2='{pad_top + 4}'/>"
+                f"<line x1='{x - 4:.1f}' y1='{pad_top + 4}' x2='{x + 4:.1f}' y2='{pad_top - 4}'/>"
+                "</g>"
+            )
+            continue
+        color = DTYPE_COLORS.get(_dtype(row.dtype), DTYPE_COLORS["?"])
+        parts.append(
+            f"<circle cx='{x:.1f}' cy='{y_of(row.rel_error):.1f}' r='2.5' fill='{color}'>"
+            f"<title>{title}</title></circle>"
+        )
+    parts.append(
+        f"<text x='{pad_left + plot_w / 2}' y='{height - 8}' text-anchor='middle'>nodes in "
+        f"graph order ({len(rows)}); relative error against float32, log scale</text></svg>"
+    )
+    return SVG("".join(parts), renderer="plot", dot="", nodes=len(rows))
+
+
+# ---- the entry point ---------------------------------------------------------------------
+
+
+def numerics(
+    compiled: Any,
+    *inputs: Any,
+    backward: bool = False,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    scale: float | None = None,
+    **kwargs: Any,
+) -> NumericsReport:
+    """Run ``compiled`` on ``inputs`` next to a float32 shadow and measure every node.
+
+    Args:
+        compiled: what :func:`amp_graph.compile` returned (or a GraphModule it rewrote).
+        inputs / kwargs: the forward's arguments, as for a call.
+        backward: also back-propagate ``loss_fn(output)`` (the output itself when it is a
+            scalar), scaled by ``scale``, and measure every gradient: per node (at its
+            output) and per parameter (underflow and overflow at that scale).
+        scale: the loss scale; default 2**16 for float16 (``GradScaler``'s initial scale),
+            else 1.
+
+    Nothing about the model changes: parameters, buffers, ``.grad`` and the RNG state are
+    the same afterwards. The cost is about one extra float32 forward (and backward), plus a
+    few reductions per node.
+    """
+    result = shadow_run(compiled, inputs, kwargs, backward=backward, loss_fn=loss_fn, scale=scale)
+    return report_of(result)
+
+
+def report_of(result: ShadowResult) -> NumericsReport:
+    """A :class:`NumericsReport` over a :func:`amp_graph.shadow.shadow_run` result."""
+    record = result.graph_module.meta.get("amp_graph")
+    policy = record.policy.name if record is not None else "?"
+    return NumericsReport(
+        rows=result.nodes,
+        params=result.params,
+        outputs=result.outputs,
+        policy=policy,
+        dtype=result.dtype,
+        scale=result.scale,
+        loss=result.loss,
+        shadow_loss=result.shadow_loss,
+        result=result,
+    )

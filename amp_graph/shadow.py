@@ -1,0 +1,672 @@
+"""Run a rewritten graph and a float32 shadow of it side by side, node by node.
+
+The shadow executes every node of the *same* graph on float32 values: a cast to a low
+floating dtype (amp_graph's, the model's own, a ``dtype=`` argument) becomes a cast to
+float32, the fp8 linears become ``F.linear``. So node ``n``'s shadow value is what ``n``
+computes when the whole model runs in float32, and the two values of a node compare
+directly. Each node's statistics are reduced on the node's device right after it runs
+(before any later in-place op can change its value) and read back once, at the end.
+
+Guarantees: the model's parameters, buffers, gradients and the global RNG state are the
+same after a run as before it. Random ops (dropout) draw the same numbers in both runs.
+
+:func:`shadow_run` is the engine under :func:`amp_graph.numerics` (the report) and
+:func:`amp_graph.autopolicy` (the search).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from amp_graph.compiler import COMPILE_META, CompiledModule, CompileRecord
+from amp_graph.passes.meta import AMP
+from amp_graph.passes.schema import written_storage
+
+LOW_FLOATS = frozenset(
+    {torch.float16, torch.bfloat16}
+    | {getattr(torch, n) for n in dir(torch) if n.startswith("float8_")}
+)
+
+
+@functools.cache
+def shadow_targets() -> dict[Any, Callable[..., Any]]:
+    """Nodes whose float32 counterpart is another function: fp8 ops run their math."""
+    from amp_graph.fp8 import ops  # noqa: F401  (registers torch.ops.amp_graph)
+
+    amp = torch.ops.amp_graph
+    return {
+        amp.fp8_linear.default: lambda x, w, _xq, _xs, _wq, _ws, b, _r: F.linear(x, w, b),
+        amp.fp8_quantize.default: lambda x, scale, _dtype: x.float() * scale,
+    }
+
+
+# ---- per-node statistics ----------------------------------------------------------------
+
+FORWARD_STATS = (
+    "numel",
+    "max_abs",
+    "zeros",
+    "subnormals",
+    "underflow",
+    "nonfinite",
+    "new_nonfinite",
+    "diff_norm",
+    "shadow_norm",
+    "shadow_max_abs",
+)
+
+
+def _stats(
+    value: torch.Tensor, shadow: torch.Tensor, range_of: torch.dtype | None = None
+) -> torch.Tensor | list[float]:
+    """FORWARD_STATS of a low-precision value against its float32 shadow: a list of floats
+    on CPU, else one float64 tensor on the value's device (read back with the others at
+    the end). Subnormal and underflow are judged in ``range_of``
+    (default: the value's own dtype).
+
+    On CPU, where reading a flag costs nothing, all-finite values (the usual case) take a
+    path with fewer passes; elsewhere nothing is read back, so a run does not stall the
+    device once per node.
+    """
+    tiny = torch.finfo(range_of or value.dtype).tiny
+    x = value.detach()  # kept in its dtype: comparisons and reductions need no float copy
+    s = shadow.detach().to(x.device, torch.float32)
+    if s.shape != x.shape:  # a model whose shapes depend on values: not comparable
+        s = torch.full_like(s, float("nan"), dtype=torch.float32).expand(x.shape)
+    magnitude, shadow_magnitude = x.abs(), s.abs()
+    small = magnitude < tiny
+    zeros = (magnitude == 0).sum()
+    if x.device.type == "cpu":  # reading back costs nothing: take the all-finite path
+        peak, shadow_peak = magnitude.amax().item(), shadow_magnitude.amax().item()
+        if math.isfinite(peak) and math.isfinite(shadow_peak):  # amax propagates nan
+            zero_count = zeros.item()
+            return [
+                float(x.numel()),
+                peak,
+                zero_count,
+                small.sum().item() - zero_count,
+                (small & (shadow_magnitude > 0)).sum().item(),
+                0.0,
+                0.0,
+                torch.linalg.vector_norm(x - s).item(),
+                torch.linalg.vector_norm(s).item(),
+                shadow_peak,
+            ]
+    finite = magnitude < math.inf  # False for inf and nan
+    shadow_finite = shadow_magnitude < math.inf
+    both = finite & shadow_finite
+    zero = torch.zeros((), device=x.device)
+    parts = [
+        torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+        torch.where(finite, magnitude, zero).amax(),
+        zeros,
+        small.sum() - zeros,
+        (small & (shadow_magnitude > 0) & shadow_finite).sum(),
+        (~finite).sum(),
+        shadow_finite.sum() - both.sum(),
+        torch.linalg.vector_norm(torch.where(both, x - s, zero)),
+        torch.linalg.vector_norm(torch.where(shadow_finite, s, zero)),
+        torch.where(shadow_finite, shadow_magnitude, zero).amax(),
+    ]
+    if x.device.type == "cpu":
+        return [p.item() for p in parts]
+    return torch.stack([p.double() for p in parts])
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _floating(value: Any) -> list[tuple[int, torch.Tensor]]:
+    return [
+        (i, t) for i, t in enumerate(_tensors(value)) if t.is_floating_point() and t.numel() > 0
+    ]
+
+
+@dataclass
+class Measure:
+    """Forward (or gradient) statistics of one value, summed over its tensors."""
+
+    dtype: torch.dtype | None
+    numel: int = 0
+    max_abs: float = 0.0
+    zeros: float = 0.0  # fractions of numel
+    subnormals: float = 0.0
+    underflow: float = 0.0  # zero or subnormal here, nonzero in float32
+    nonfinite: int = 0
+    new_nonfinite: int = 0  # non-finite here, finite in float32
+    rel_error: float = 0.0  # ||x - x32|| / ||x32|| over the finite positions
+    shadow_max_abs: float = 0.0
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | None, rows: Sequence[Sequence[float]]) -> Measure:
+        total = dict.fromkeys(FORWARD_STATS, 0.0)
+        for row in rows:
+            for name, v in zip(FORWARD_STATS, row, strict=True):
+                if name in ("max_abs", "shadow_max_abs"):
+                    total[name] = max(total[name], v)
+                elif name in ("diff_norm", "shadow_norm"):
+                    total[name] += v * v
+                else:
+                    total[name] += v
+        n = max(total["numel"], 1.0)
+        diff, norm = math.sqrt(total["diff_norm"]), math.sqrt(total["shadow_norm"])
+        if total["new_nonfinite"]:
+            rel = math.inf
+        elif norm > 0:
+            rel = diff / norm
+        else:
+            rel = 0.0 if diff == 0 else math.inf
+        return cls(
+            dtype=dtype,
+            numel=int(total["numel"]),
+            max_abs=total["max_abs"],
+            zeros=total["zeros"] / n,
+            subnormals=total["subnormals"] / n,
+            underflow=total["underflow"] / n,
+            nonfinite=int(total["nonfinite"]),
+            new_nonfinite=int(total["new_nonfinite"]),
+            rel_error=rel,
+            shadow_max_abs=total["shadow_max_abs"],
+        )
+
+
+@dataclass
+class NumericsRow:
+    """One graph node's measurements: ``row.node`` (its name in the graph), ``row.module``
+    (the path of the module that ran it), ``row.forward`` (its value against float32) and,
+    with ``backward=True``, ``row.grad`` (the gradient arriving at its output)."""
+
+    index: int  # position in the graph
+    node: str
+    module: str
+    op: str
+    role: str  # "op", "cast" (amp_graph's), "user_cast", "inplace", "input", ...
+    forward: Measure
+    grad: Measure | None = None  # backward=True: the gradient arriving at its output
+    inputs: tuple[str, ...] = ()  # the nodes it reads (for local-error attribution)
+    users: tuple[str, ...] = ()
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.forward.dtype
+
+    @property
+    def max_abs(self) -> float:
+        return self.forward.max_abs
+
+    @property
+    def nonfinite(self) -> int:
+        return self.forward.nonfinite
+
+    @property
+    def rel_error(self) -> float:
+        return self.forward.rel_error
+
+    @property
+    def zeros(self) -> float:
+        return self.forward.zeros
+
+    @property
+    def subnormals(self) -> float:
+        return self.forward.subnormals
+
+
+@dataclass
+class ParamMeasure:
+    """One parameter's gradient, mixed vs float32, at the loss scale."""
+
+    name: str
+    module: str
+    grad: Measure  # of the scaled gradient: underflow/overflow are at ``scale``
+
+
+@dataclass
+class ShadowResult:
+    nodes: list[NumericsRow]
+    params: list[ParamMeasure]
+    outputs: list[Measure]  # the model's floating outputs, in order
+    dtype: torch.dtype  # the policy's low dtype
+    scale: float | None  # the loss scale of the backward run
+    graph_module: fx.GraphModule
+    sample: int = 0
+    loss: float | None = None
+    shadow_loss: float | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- the lockstep interpreter -------------------------------------------------------------
+
+
+def _to_fp32(value: Any) -> Any:
+    """The float32 counterpart of an argument: low float dtypes and tensors widened."""
+    if isinstance(value, torch.dtype):
+        return torch.float32 if value in LOW_FLOATS else value
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in LOW_FLOATS else value
+    return value
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    if node.op == "call_method":
+        return node.target not in ("to", "size", "view", "reshape", "contiguous", "float")
+    if node.op == "call_function":
+        return not (
+            isinstance(target, torch._ops.OpOverloadPacket)
+            or target in (operator.getitem, operator.add, operator.mul)
+            or getattr(target, "__module__", "") == "amp_graph"
+        )
+    return node.op == "call_module"
+
+
+class _RngStates:
+    """The global generators' states (CPU and every CUDA device the graph touches)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda and torch.cuda.is_available()
+
+    def get(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.cuda else None)
+
+    def set(self, state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state_all(state[1])
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, shadow: bool) -> Any:
+    if node.op == "call_function":
+        target = node.target
+        if shadow:
+            target = shadow_targets().get(target, target)
+        return target(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    raise AssertionError(node.op)
+
+
+@contextlib.contextmanager
+def _model_state_kept(gm: fx.GraphModule, model: nn.Module | None) -> Iterator[None]:
+    """Restore every buffer, and every parameter the graph writes, after the block."""
+    written_attrs = {
+        n.target for n in written_storage(gm.graph) if n.op == "get_attr"
+    }  # roots of written storage
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    owners = [model] if model is not None else []
+    owners.append(gm)
+    seen: set[int] = set()
+    for owner in owners:
+        for tensor in owner.buffers():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                saved.append((tensor, tensor.detach().clone()))
+    for target in written_attrs:
+        tensor = _fetch_attr(gm, target)
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            saved.append((tensor, tensor.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, copy in saved:
+                tensor.copy_(copy)
+
+
+def _role(node: fx.Node) -> str:
+    amp = node.meta.get(AMP)
+    return str(amp.role) if amp is not None else node.op
+
+
+def _module(node: fx.Node) -> str:
+    amp = node.meta.get(AMP)
+    if amp is not None and amp.module_path:
+        return amp.module_path
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return path.removeprefix("L['self'].").removeprefix("model.")
+    return ""
+
+
+def _op(node: fx.Node) -> str:
+    amp = node.meta.get(AMP)
+    if amp is not None and amp.op:
+        return amp.op
+    return str(getattr(node.target, "__name__", node.target))
+
+
+_MEASURED_ROLES = {"op", "cast", "user_cast", "inplace", "input"}
+
+
+def _measured(node: fx.Node) -> bool:
+    if node.op in ("output", "get_attr"):
+        return False
+    role = _role(node)
+    return role in _MEASURED_ROLES or role == node.op
+
+
+SAME_VALUES = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "permute",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "contiguous",
+        "clone",
+        "alias",
+        "detach",
+        "flatten",
+        "unflatten",
+        "movedim",
+    }
+)
+"""Ops whose output holds exactly their first input's values, rearranged: the statistics
+are the same (min, max, fractions, norms), so they are not computed twice."""
+
+
+def _same_values_as(node: fx.Node) -> fx.Node | None:
+    amp = node.meta.get(AMP)
+    if amp is None or amp.aten is None or amp.aten.split(".", 1)[0] not in SAME_VALUES:
+        return None
+    first = node.args[0] if node.args else None
+    return first if isinstance(first, fx.Node) else None
+
+
+def _dtype_of(value: Any) -> torch.dtype | None:
+    floats = _floating(value)
+    return floats[0][1].dtype if floats else None
+
+
+def _scalar_loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    loss = loss_fn(output) if loss_fn is not None else output
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"backward=True needs a scalar floating loss; the "
+            f"{'loss_fn' if loss_fn else 'model'} returned {shape}. Pass "
+            "loss_fn=lambda output: ... that reduces the model's output to a scalar"
+        )
+    return loss.float().reshape(())
+
+
+def _rows(stats: list[torch.Tensor | list[float]]) -> list[list[float]]:
+    """Every statistic as floats: the device tensors read back in one transfer."""
+    on_device = [s for s in stats if isinstance(s, torch.Tensor)]
+    read = iter(torch.stack([s.cpu() for s in on_device]).tolist() if on_device else [])
+    return [next(read) if isinstance(s, torch.Tensor) else s for s in stats]
+
+
+def _prepare(
+    compiled: Any, args: tuple, kwargs: dict
+) -> tuple[fx.GraphModule, list[Any], Callable[[Any], Any], nn.Module | None]:
+    """The rewritten graph for these inputs, its flat inputs and how to rebuild its output."""
+    if isinstance(compiled, CompiledModule):
+        captured, leaves = compiled._captured_for(args, kwargs)
+        gm = captured.graph_module
+        if captured.in_spec is None:
+            leaves = [*args, *kwargs.values()]
+            return gm, leaves, lambda out: out, compiled.model
+
+        def unflatten(out: Any) -> Any:
+            if captured.out_spec is None or captured.out_spec.is_leaf():
+                return out
+            return pytree.tree_unflatten(list(out), captured.out_spec)
+
+        return gm, list(leaves), unflatten, compiled.model
+    if isinstance(compiled, fx.GraphModule) and isinstance(
+        compiled.meta.get(COMPILE_META), CompileRecord
+    ):
+        return compiled, [*args, *kwargs.values()], lambda out: out, None
+    raise TypeError(
+        "numerics runs what amp_graph.compile returned (a CompiledModule) or a GraphModule "
+        f"rewritten by amp_graph; got {type(compiled).__name__}. Compile the model first: "
+        "amp_graph.numerics(amp_graph.compile(model, policy='O3', dtype=torch.float16), x)"
+    )
+
+
+def shadow_run(
+    compiled: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    backward: bool = False,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    scale: float | None = None,
+) -> ShadowResult:
+    """Run ``compiled`` on ``args`` and its float32 shadow, measuring every node.
+
+    ``backward=True`` also back-propagates ``loss_fn(output) * scale`` (the output itself
+    when it is a scalar) through both, measuring the gradient at every node's output and
+    every parameter, without touching ``.grad``. ``scale`` defaults to 2**16 for float16
+    (``torch.amp.GradScaler``'s initial scale) and 1 otherwise.
+    """
+    kwargs = dict(kwargs or {})
+    gm, leaves, unflatten, model = _prepare(compiled, tuple(args), kwargs)
+    record: CompileRecord = gm.meta[COMPILE_META]
+    low = record.dtype
+    if scale is None:
+        scale = 2.0**16 if low == torch.float16 else 1.0
+    scale = float(scale)
+    devices = {t.device.type for t in _tensors(leaves)} | {p.device.type for p in gm.parameters()}
+    rng = _RngStates(cuda="cuda" in devices)
+    start_state = rng.get()
+    grad_mode = torch.enable_grad() if backward else torch.no_grad()
+    nodes = list(gm.graph.nodes)
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    mixed: dict[fx.Node, Any] = {}
+    shadow: dict[fx.Node, Any] = {}
+    stats: list[tuple[fx.Node, list[torch.Tensor], torch.dtype | None]] = []
+    hooks: list[tuple[fx.Node, Any, Any]] = []  # (node, mixed value, shadow value)
+    placeholders = iter(leaves)
+    output = shadow_output = None
+    written = bool(written_storage(gm.graph))  # in-place ops: measure every node itself
+    measured: dict[fx.Node, list] = {}
+    try:
+        with _model_state_kept(gm, model), grad_mode:
+            for i, node in enumerate(nodes):
+                if node.op == "placeholder":
+                    value = next(placeholders, None)
+                    if value is None and node.args:
+                        value = node.args[0]
+                    value = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    mixed[node], shadow[node] = value, _to_fp32(value)
+                elif node.op == "get_attr":
+                    value = _fetch_attr(gm, node.target)
+                    mixed[node], shadow[node] = value, _to_fp32(value)
+                elif node.op == "output":
+                    output = pytree.tree_map_only(fx.Node, mixed.__getitem__, node.args[0])
+                    shadow_output = pytree.tree_map_only(fx.Node, shadow.__getitem__, node.args[0])
+                else:
+                    m_args, m_kwargs = pytree.tree_map_only(
+                        fx.Node, mixed.__getitem__, (node.args, node.kwargs)
+                    )
+                    s_args, s_kwargs = pytree.tree_map(
+                        _to_fp32,
+                        pytree.tree_map_only(fx.Node, shadow.__getitem__, (node.args, node.kwargs)),
+                    )
+                    if _is_random(node):
+                        state = rng.get()
+                        mixed[node] = _run_node(gm, node, m_args, m_kwargs, shadow=False)
+                        rng.set(state)
+                    else:
+                        mixed[node] = _run_node(gm, node, m_args, m_kwargs, shadow=False)
+                    shadow[node] = _run_node(gm, node, s_args, s_kwargs, shadow=True)
+                if _measured(node):
+                    m_floats = _floating(mixed[node])
+                    source = _same_values_as(node) if not written else None
+                    if source is not None and source in measured:
+                        node_stats = measured[source]  # a view or copy: its input's numbers
+                    else:
+                        s_all = _tensors(shadow[node])
+                        node_stats = [_stats(t, s_all[j]) for j, t in m_floats if j < len(s_all)]
+                    measured[node] = node_stats
+                    stats.append((node, node_stats, _dtype_of(mixed[node])))
+                    if backward and m_floats:
+                        hooks.append((node, mixed[node], shadow[node]))
+                if not backward:
+                    for arg in node.all_input_nodes:
+                        if last_use.get(arg) == i and arg.op != "get_attr":
+                            mixed.pop(arg, None)
+                            shadow.pop(arg, None)
+            out = unflatten(output)
+            shadow_out = unflatten(shadow_output)
+            output_stats = [
+                _stats(t, s)
+                for t, s in zip(_tensors(out), _tensors(shadow_out), strict=False)
+                if t.is_floating_point() and t.numel() > 0
+            ]
+            result_extra: dict[str, Any] = {}
+            grads = None
+            if backward:
+                grads = _backward(gm, model, out, shadow_out, hooks, loss_fn, scale, low)
+                result_extra = grads.pop("losses")
+    finally:
+        rng.set(start_state)
+    names = {n: n.name for n in nodes}
+    flat = [s for _, node_stats, _ in stats for s in node_stats]
+    grad_flat = [s for s in (grads or {}).get("node_stats", {}).values() for s in s]
+    param_flat = [s for _, s in (grads or {}).get("param_stats", [])]
+    values = iter(_rows(flat + grad_flat + param_flat + output_stats))
+    measures: list[NumericsRow] = []
+    for index, (node, node_stats, dtype) in enumerate(stats):
+        rows = [next(values) for _ in node_stats]
+        measures.append(
+            NumericsRow(
+                index=index,
+                node=node.name,
+                module=_module(node),
+                op=_op(node),
+                role=_role(node),
+                forward=Measure.of(dtype, rows),
+                inputs=tuple(names[a] for a in node.all_input_nodes),
+                users=tuple(names[u] for u in node.users),
+            )
+        )
+    if grads is not None:
+        by_name = {m.node: m for m in measures}
+        for name, node_stats in grads["node_stats"].items():
+            rows = [next(values) for _ in node_stats]
+            by_name[name].grad = Measure.of(grads["node_dtypes"][name], rows)
+    params = []
+    for name, _ in (grads or {}).get("param_stats", []):
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        params.append(ParamMeasure(name, module, Measure.of(low, [next(values)])))
+    outputs = [Measure.of(None, [next(values)]) for _ in output_stats]
+    return ShadowResult(
+        nodes=measures,
+        params=params,
+        outputs=outputs,
+        dtype=low,
+        scale=scale if backward else None,
+        graph_module=gm,
+        loss=result_extra.get("loss"),
+        shadow_loss=result_extra.get("shadow_loss"),
+    )
+
+
+def _named_parameters(
+    gm: fx.GraphModule, model: nn.Module | None
+) -> list[tuple[str, nn.Parameter]]:
+    owner = model if model is not None else gm
+    return [(n, p) for n, p in owner.named_parameters() if p.requires_grad]
+
+
+def _backward(
+    gm: fx.GraphModule,
+    model: nn.Module | None,
+    out: Any,
+    shadow_out: Any,
+    hooks: list[tuple[fx.Node, Any, Any]],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    scale: float,
+    low: torch.dtype,
+) -> dict[str, Any]:
+    """Gradients of both runs at every node output and parameter, compared; ``.grad`` is
+    never written (``torch.autograd.grad``)."""
+    loss = _scalar_loss(out, loss_fn)
+    shadow_loss = _scalar_loss(shadow_out, loss_fn)
+    params = _named_parameters(gm, model)
+    tensors = [p for _, p in params]
+    shadow_grads: dict[tuple[str, int], torch.Tensor] = {}
+    node_stats: dict[str, list[torch.Tensor]] = {}
+    node_dtypes: dict[str, torch.dtype | None] = {}
+    handles = []
+
+    def keep_shadow(key: tuple[str, int]) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            shadow_grads[key] = shadow_grads[key] + grad if key in shadow_grads else grad.detach()
+
+        return hook
+
+    def compare(key: tuple[str, int]) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            reference = shadow_grads.get(key)
+            if reference is None:
+                reference = torch.zeros_like(grad, dtype=torch.float32)
+            node_stats.setdefault(key[0], []).append(_stats(grad, reference))
+            node_dtypes.setdefault(key[0], grad.dtype)
+
+        return hook
+
+    for node, m_value, s_value in hooks:
+        s_all = _tensors(s_value)
+        for j, t in _floating(m_value):
+            if t.requires_grad and j < len(s_all) and s_all[j].requires_grad:
+                handles.append(s_all[j].register_hook(keep_shadow((node.name, j))))
+                handles.append(t.register_hook(compare((node.name, j))))
+    try:
+        shadow_param_grads = _grads(shadow_loss * scale, tensors)
+        mixed_param_grads = _grads(loss * scale, tensors)
+    finally:
+        for handle in handles:
+            handle.remove()
+    param_stats = []
+    for (name, p), m, s in zip(params, mixed_param_grads, shadow_param_grads, strict=True):
+        if m is None and s is None:
+            continue
+        m = torch.zeros_like(p, dtype=torch.float32) if m is None else m
+        s = torch.zeros_like(p, dtype=torch.float32) if s is None else s
+        # float32 gradients that came through low-precision ops: judged in ``low``'s range
+        param_stats.append((name, _stats(m, s, range_of=low)))
+    return {
+        "node_stats": node_stats,
+        "node_dtypes": node_dtypes,
+        "param_stats": param_stats,
+        "losses": {"loss": loss.item(), "shadow_loss": shadow_loss.item()},
+    }
+
+
+def _grads(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    if not loss.requires_grad:
+        return [None] * len(tensors)
+    return list(torch.autograd.grad(loss, tensors, allow_unused=True))
