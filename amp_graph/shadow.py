@@ -46,7 +46,8 @@ def shadow_targets() -> dict[Any, Callable[..., Any]]:
     from amp_graph.fp8 import ops  # noqa: F401  (registers torch.ops.amp_graph)
 
     amp = torch.ops.amp_graph
-    return {
+    return {  # called with the shadow's tensors and the node's own dtype arguments
+        amp.fp8_scale.default: amp.fp8_scale.default,
         amp.fp8_linear.default: lambda x, w, _xq, _xs, _wq, _ws, b, _r: F.linear(x, w, b),
         amp.fp8_quantize.default: lambda x, scale, _dtype: x.float() * scale,
     }
@@ -82,6 +83,8 @@ def _stats(
     """
     tiny = torch.finfo(range_of or value.dtype).tiny
     x = value.detach()  # kept in its dtype: comparisons and reductions need no float copy
+    if x.dtype.itemsize == 1:  # float8: torch has no comparisons or reductions for it
+        x = x.float()
     s = shadow.detach().to(x.device, torch.float32)
     if s.shape != x.shape:  # a model whose shapes depend on values: not comparable
         s = torch.full_like(s, float("nan"), dtype=torch.float32).expand(x.shape)
@@ -510,10 +513,11 @@ def shadow_run(
                     m_args, m_kwargs = pytree.tree_map_only(
                         fx.Node, mixed.__getitem__, (node.args, node.kwargs)
                     )
-                    s_args, s_kwargs = pytree.tree_map(
-                        _to_fp32,
-                        pytree.tree_map_only(fx.Node, shadow.__getitem__, (node.args, node.kwargs)),
+                    s_args, s_kwargs = pytree.tree_map_only(
+                        fx.Node, shadow.__getitem__, (node.args, node.kwargs)
                     )
+                    if node.target not in shadow_targets():
+                        s_args, s_kwargs = pytree.tree_map(_to_fp32, (s_args, s_kwargs))
                     if _is_random(node):
                         state = rng.get()
                         mixed[node] = _run_node(gm, node, m_args, m_kwargs, shadow=False)

@@ -147,3 +147,32 @@ def test_fp8_graph_trains_a_step_like_bf16():
         losses[policy] = loss.item()
     assert losses["fp8"] < first / 4, (first, losses)  # it learns (memorizes the batch)
     assert abs(losses["fp8"] - losses["O1"]) < 0.1, losses
+
+
+def test_fp8_nodes_show_in_print_draw_dataflow_and_numerics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(4, 32)
+    compiled = amp_graph.compile(model, "fp8", example_inputs=(x,))
+    assert "fp8_linear" in compiled.code and "fp8_quantize" in compiled.code
+    svg = amp_graph.inspect.draw(compiled, renderer="networkx")
+    assert "e4m3" in svg.text
+    flow = amp_graph.inspect.dataflow(compiled)
+    quantized = [c for c in flow.conversions if c.kind == "fp8 quantize"]
+    # x and the first weight, the GELU output and the second weight: one byte per element out
+    assert sorted(c.node for c in quantized) == sorted(
+        ["input_1_e4m3", "model_0_weight_e4m3", "gelu_e4m3", "model_2_weight_e4m3"]
+    )
+    for c in quantized:
+        assert c.target == "e4m3"
+        assert c.forward_bytes == c.numel * ({"fp32": 4, "bf16": 2}[c.source] + 1)
+        assert c.backward_bytes == 0
+    report = amp_graph.numerics(compiled, x)
+    rows = {r.node: r for r in report.rows}
+    assert rows["input_1_e4m3"].dtype == E4M3 and rows["input_1_e4m3"].max_abs == 448
+    assert report.first_nonfinite is None
+    with torch.no_grad():
+        expected = model(x)
+        got = compiled(x).float()
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert report.output_error == pytest.approx(error, rel=1e-3)

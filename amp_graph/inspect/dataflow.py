@@ -52,7 +52,7 @@ class Conversion:
 
     node: str  # the cast, the model's cast, or the op whose gradient is converted
     module: str
-    kind: str  # "cast" (amp_graph's), "model cast", or "promotion" (backward only)
+    kind: str  # "cast" (amp_graph's), "model cast", "fp8 quantize", or "promotion" (backward)
     source: str  # dtype converted from, in the forward direction
     target: str
     numel: int | None
@@ -194,15 +194,15 @@ def needs_grad(gm: fx.GraphModule) -> dict[str, bool]:
     return flags
 
 
+FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
+
+
 def _promoted(fact: Any, out: torch.dtype) -> bool:
     """Whether autograd converts the gradient for a floating input of dtype ``fact`` of an op
     returning ``out``: only when the input is narrower (type promotion widened it)."""
-    return (
-        isinstance(fact, torch.dtype)
-        and fact.is_floating_point
-        and fact != out
-        and torch.promote_types(fact, out) == out
-    )
+    if not isinstance(fact, torch.dtype) or fact in FLOAT8 or out in FLOAT8:
+        return False  # float8 values come from quantize nodes, never from type promotion
+    return fact.is_floating_point and fact != out and torch.promote_types(fact, out) == out
 
 
 def conversions(gm: fx.GraphModule) -> list[Conversion]:
@@ -232,8 +232,26 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
                     moved if grad.get(source.name) else 0,
                 )
             )
+        elif amp.role is Role.OP and amp.op == "fp8 quantize":
+            source = node.all_input_nodes[0]
+            src, dst = source.meta[AMP].out_dtype, amp.out_dtype
+            moved = _size(value_numel(source), src, dst)
+            # the quantized operand is saved for backward; no gradient flows through it
+            found.append(
+                Conversion(
+                    node.name,
+                    modules[node.name],
+                    "fp8 quantize",
+                    short(src),
+                    short(dst),
+                    value_numel(source),
+                    moved,
+                    0,
+                )
+            )
         elif (
             amp.role in (Role.OP, Role.INPLACE)
+            and amp.op != "fp8 scale"  # a scale carries no gradient back to its input
             and isinstance(amp.out_dtype, torch.dtype)
             and amp.out_dtype.is_floating_point
         ):
