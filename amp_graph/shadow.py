@@ -21,7 +21,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -238,16 +238,17 @@ class ParamMeasure:
 
 @dataclass
 class ShadowResult:
+    """What :func:`shadow_run` measured: rows in graph order, parameters (``backward``),
+    outputs, and the losses of both runs (``backward``)."""
+
     nodes: list[NumericsRow]
     params: list[ParamMeasure]
     outputs: list[Measure]  # the model's floating outputs, in order
     dtype: torch.dtype  # the policy's low dtype
     scale: float | None  # the loss scale of the backward run
     graph_module: fx.GraphModule
-    sample: int = 0
     loss: float | None = None
     shadow_loss: float | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- the lockstep interpreter -------------------------------------------------------------
@@ -503,6 +504,8 @@ def shadow_run(
                         value = node.args[0]
                     value = value.detach().clone() if isinstance(value, torch.Tensor) else value
                     mixed[node], shadow[node] = value, _to_fp32(value)
+                    if written and shadow[node] is value and isinstance(value, torch.Tensor):
+                        shadow[node] = value.clone()  # each run writes its own copy
                 elif node.op == "get_attr":
                     value = _fetch_attr(gm, node.target)
                     mixed[node], shadow[node] = value, _to_fp32(value)
@@ -549,11 +552,11 @@ def shadow_run(
                 for t, s in zip(_tensors(out), _tensors(shadow_out), strict=False)
                 if t.is_floating_point() and t.numel() > 0
             ]
-            result_extra: dict[str, Any] = {}
+            losses: dict[str, float] = {}
             grads = None
             if backward:
                 grads = _backward(gm, model, out, shadow_out, hooks, loss_fn, scale, low)
-                result_extra = grads.pop("losses")
+                losses = grads.pop("losses")
     finally:
         rng.set(start_state)
     names = {n: n.name for n in nodes}
@@ -593,8 +596,8 @@ def shadow_run(
         dtype=low,
         scale=scale if backward else None,
         graph_module=gm,
-        loss=result_extra.get("loss"),
-        shadow_loss=result_extra.get("shadow_loss"),
+        loss=losses.get("loss"),
+        shadow_loss=losses.get("shadow_loss"),
     )
 
 
