@@ -426,3 +426,21 @@ def test_shadow_run_result_is_reusable_without_the_report():
     result = shadow_run(o3(OverflowBeforeNorm()), samples(1)[0])
     assert result.dtype == FP16
     assert next(r for r in result.nodes if r.forward.new_nonfinite).node == "linear"
+
+
+def test_a_model_that_writes_its_input_is_measured_on_copies():
+    import zoo
+
+    torch.manual_seed(0)
+    model = zoo.UpdatesInput()
+    x = torch.randn(4, 16)
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    report = amp_graph.numerics(compiled, x.clone())
+    caller = x.clone()
+    amp_graph.numerics(compiled, caller)
+    assert torch.equal(caller, x)  # the caller's tensor is not written by numerics
+    with torch.no_grad():
+        expected = model(x.clone())
+        got = compiled(x.clone()).float()
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert report.outputs[0].rel_error == pytest.approx(error, rel=1e-3)
