@@ -406,6 +406,10 @@ def _same_values_as(node: fx.Node) -> fx.Node | None:
     return first if isinstance(first, fx.Node) else None
 
 
+def _returns_an_input(value: Any, args: tuple) -> bool:
+    return isinstance(value, torch.Tensor) and any(value is a for a in _tensors(args))
+
+
 def _dtype_of(value: Any) -> torch.dtype | None:
     floats = _floating(value)
     return floats[0][1].dtype if floats else None
@@ -528,6 +532,10 @@ def shadow_run(
                     else:
                         mixed[node] = _run_node(gm, node, m_args, m_kwargs, shadow=False)
                     shadow[node] = _run_node(gm, node, s_args, s_kwargs, shadow=True)
+                    if _returns_an_input(shadow[node], s_args) and not _returns_an_input(
+                        mixed[node], m_args
+                    ):  # `.float()` of a float32 tensor is the tensor: copy as the mixed run did
+                        shadow[node] = shadow[node].clone()
                 if _measured(node):
                     m_floats = _floating(mixed[node])
                     source = _same_values_as(node) if not written else None

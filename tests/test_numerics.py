@@ -444,3 +444,21 @@ def test_a_model_that_writes_its_input_is_measured_on_copies():
         got = compiled(x.clone()).float()
     error = ((got - expected).norm() / expected.norm()).item()
     assert report.outputs[0].rel_error == pytest.approx(error, rel=1e-3)
+
+
+def test_shadow_copies_where_the_mixed_run_copied():
+    """``h = tanh(x).float(); fc1(h); h.mul_(2)`` trains under O1 (the bf16 ``.float()`` is
+    a copy); in the float32 shadow ``.float()`` returns ``h`` itself, which would make the
+    in-place update corrupt tanh's saved output. The shadow copies as the mixed run did."""
+    import zoo
+
+    torch.manual_seed(0)
+    model = zoo.UpdateBetweenUses()
+    x = torch.randn(4, 16)
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    report = amp_graph.numerics(compiled, x, backward=True, loss_fn=square_loss)
+    mixed = torch.autograd.grad(square_loss(compiled(x)), list(model.parameters()))
+    for (name, _), grad in zip(model.named_parameters(), mixed, strict=True):
+        row = next(p for p in report.params if p.name == name)
+        assert row.grad.nonfinite == 0 and row.grad.numel == grad.numel()
+    assert report.first_nonfinite is None
