@@ -462,3 +462,15 @@ def test_shadow_copies_where_the_mixed_run_copied():
         row = next(p for p in report.params if p.name == name)
         assert row.grad.nonfinite == 0 and row.grad.numel == grad.numel()
     assert report.first_nonfinite is None
+
+
+def test_findings_name_nodes_whose_values_underflow():
+    torch.manual_seed(0)
+    model = LayerScaleBranch()
+    with torch.no_grad():
+        model.gamma.fill_(1e-9)  # tanh(...) * 1e-9 is below float16's smallest subnormal
+    report = amp_graph.numerics(o3(model), *samples(1)[0])
+    mul = report.row("mul")
+    assert mul.forward.underflow > 0.9 and mul.dtype == FP16
+    line = next(x for x in report.findings() if x.startswith("underflow"))
+    assert f"'mul' {100 * mul.forward.underflow:.1f}% (fp16)" in line

@@ -48,6 +48,7 @@ HEADERS = (
     "non-finite",
     "rel. error",
 )
+UNDERFLOW_FINDING = 0.01  # a node with more of its values underflowing is named in findings()
 GRAD_HEADERS = ("grad dtype", "grad underflow", "grad non-finite", "grad rel. error")
 
 
@@ -176,6 +177,18 @@ class NumericsReport:
             )
         worst = ", ".join(f"'{r.node}' {_g(r.rel_error)}" for r in self.worst(3))
         lines.append(f"furthest from float32: {worst}")
+        flushed = sorted(
+            (r for r in self.rows if r.forward.underflow > UNDERFLOW_FINDING),
+            key=lambda r: -r.forward.underflow,
+        )
+        if flushed:
+            lines.append(
+                "underflow (zero or subnormal here, nonzero in float32): "
+                + ", ".join(
+                    f"'{r.node}' {_pct(r.forward.underflow)} ({_dtype(r.dtype)})"
+                    for r in flushed[:3]
+                )
+            )
         if self.scale is not None:
             lines.append(
                 f"loss {_g(self.loss or 0.0)} (float32 {_g(self.shadow_loss or 0.0)}), "
