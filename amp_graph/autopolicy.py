@@ -29,8 +29,15 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
-from amp_graph.compiler import CompiledModule, compile, model_device_type
+from amp_graph.capture import Captured
+from amp_graph.compiler import (
+    CompiledModule,
+    copy_graph_module,
+    model_device_type,
+    resolve_dtype,
+)
 from amp_graph.policy import Policy, resolve_policy
 from amp_graph.shadow import NumericsRow, ShadowResult, shadow_run
 
@@ -187,6 +194,34 @@ def _backward_finding(result: ShadowResult, sample: int, tol: float) -> Finding 
     return Finding((best.node,) if best is not None else (), reason)
 
 
+class _SharedCaptures(CompiledModule):
+    """A CompiledModule whose captures come from a store the search's policies share: the
+    model is captured once per input signature, and each policy rewrites its own copy (a
+    policy's overrides change the passes' decisions, never what is captured)."""
+
+    def __init__(
+        self, model: nn.Module, policy: Policy, dtype: torch.dtype, device_type: str, store: dict
+    ) -> None:
+        super().__init__(model, policy, dtype, device_type)
+        self._store = store
+
+    def _capture_graph(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (
+            spec,
+            tuple(
+                (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v)
+                for v in leaves
+            ),
+            dynamic,
+            self.policy.casts_nothing,
+        )
+        if key not in self._store:
+            self._store[key] = super()._capture_graph(args, kwargs, dynamic)
+        base = self._store[key]
+        return replace(base, graph_module=copy_graph_module(base.graph_module))
+
+
 def _as_args(sample: Any) -> tuple:
     return tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
 
@@ -206,7 +241,8 @@ class _Search:
         self.model, self.base, self.dtype = model, base, dtype
         self.samples, self.tol = samples, tol
         self.backward, self.loss_fn, self.scale = backward, loss_fn, scale
-        self.runs = 0
+        self.device_type = model_device_type(model, samples[0])
+        self.captures: dict = {}  # one capture per input signature, for every policy tried
 
     def policy(self, demoted: dict[str, str]) -> Policy:
         if not demoted:
@@ -218,9 +254,11 @@ class _Search:
         return _renamed(policy, f"{self.base.name}+autopolicy")
 
     def failure(self, demoted: dict[str, str]) -> Finding | None:
-        compiled = compile(self.model, self.policy(demoted), self.dtype)
+        policy = self.policy(demoted)
+        dtype = resolve_dtype(policy, self.dtype, self.device_type)
+        policy.validate_modules([name for name, _ in self.model.named_modules()])
+        compiled = _SharedCaptures(self.model, policy, dtype, self.device_type, self.captures)
         for i, args in enumerate(self.samples):
-            self.runs += 1
             result = shadow_run(
                 compiled, args, backward=self.backward, loss_fn=self.loss_fn, scale=self.scale
             )

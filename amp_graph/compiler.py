@@ -431,6 +431,23 @@ class CompiledModule(nn.Module):
             )
 
     def _capture_new(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
+        captured = self._capture_graph(args, kwargs, dynamic)
+        gm = captured.graph_module
+        self.policy.validate_nodes([n.name for n in gm.graph.nodes])
+        record = rewrite(
+            gm,
+            self.policy,
+            self.dtype,
+            self.device_type,
+            check_each_pass=self.check_each_pass,
+            seconds={"capture": captured.seconds},
+        )
+        log.info("%s", _summary(gm, record))
+        return captured
+
+    def _capture_graph(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
+        """The model as captured for these inputs, before the passes (a graph of its own:
+        the passes rewrite it in place)."""
         model = self._orig_mod
         if isinstance(model, fx.GraphModule):
             start = time.perf_counter()
@@ -447,17 +464,6 @@ class CompiledModule(nn.Module):
                 autocast_dtype=autocast_dtype,
                 dynamic=dynamic,
             )
-        gm = captured.graph_module
-        self.policy.validate_nodes([n.name for n in gm.graph.nodes])
-        record = rewrite(
-            gm,
-            self.policy,
-            self.dtype,
-            self.device_type,
-            check_each_pass=self.check_each_pass,
-            seconds={"capture": captured.seconds},
-        )
-        log.info("%s", _summary(gm, record))
         return captured
 
 

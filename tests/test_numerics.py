@@ -474,3 +474,25 @@ def test_findings_name_nodes_whose_values_underflow():
     assert mul.forward.underflow > 0.9 and mul.dtype == FP16
     line = next(x for x in report.findings() if x.startswith("underflow"))
     assert f"'mul' {100 * mul.forward.underflow:.1f}% (fp16)" in line
+
+
+def test_autopolicy_captures_the_model_once_per_input_signature(monkeypatch):
+    import amp_graph.compiler as compiler
+
+    calls = []
+    capture = compiler.capture_module
+
+    def counting(*args, **kwargs):
+        calls.append(args[1][0].shape)
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "capture_module", counting)
+    torch.manual_seed(0)
+    model = ExpOfLargeActivations()
+    inputs = [*samples(2), (torch.randn(3, 16),)]  # two signatures
+    policy = amp_graph.autopolicy(model, "O3", FP16, sample_inputs=inputs)
+    assert len(policy.nodes) >= 2  # several policies were tried ...
+    assert sorted(calls) == sorted([torch.Size([8, 16]), torch.Size([3, 16])])  # ... 2 captures
+    # and the shared captures were never rewritten in place: a fresh compile agrees
+    fresh = amp_graph.numerics(o3(model, policy), *samples(1, seed=5)[0])
+    assert fresh.first_nonfinite is None
