@@ -69,6 +69,12 @@ FORWARD_STATS = (
 )
 
 
+def reads_back_per_node(device: torch.device) -> bool:
+    """Whether statistics are read back as each node runs (CPU: free, and it allows an
+    all-finite fast path) or once at the end (devices: no stall per node)."""
+    return device.type == "cpu"
+
+
 def _stats(
     value: torch.Tensor, shadow: torch.Tensor, range_of: torch.dtype | None = None
 ) -> torch.Tensor | list[float]:
@@ -91,7 +97,7 @@ def _stats(
     magnitude, shadow_magnitude = x.abs(), s.abs()
     small = magnitude < tiny
     zeros = (magnitude == 0).sum()
-    if x.device.type == "cpu":  # reading back costs nothing: take the all-finite path
+    if reads_back_per_node(x.device):  # reading back costs nothing: the all-finite path
         peak, shadow_peak = magnitude.amax().item(), shadow_magnitude.amax().item()
         if math.isfinite(peak) and math.isfinite(shadow_peak):  # amax propagates nan
             zero_count = zeros.item()
@@ -123,7 +129,7 @@ def _stats(
         torch.linalg.vector_norm(torch.where(shadow_finite, s, zero)),
         torch.where(shadow_finite, shadow_magnitude, zero).amax(),
     ]
-    if x.device.type == "cpu":
+    if reads_back_per_node(x.device):
         return [p.item() for p in parts]
     return torch.stack([p.double() for p in parts])
 

@@ -496,3 +496,27 @@ def test_autopolicy_captures_the_model_once_per_input_signature(monkeypatch):
     # and the shared captures were never rewritten in place: a fresh compile agrees
     fresh = amp_graph.numerics(o3(model, policy), *samples(1, seed=5)[0])
     assert fresh.first_nonfinite is None
+
+
+def test_the_deferred_read_back_path_gives_the_same_report(monkeypatch):
+    """On a GPU the statistics stay on the device until one read at the end (the path no
+    CPU run takes); run that path here and compare it with the per-node one."""
+    import amp_graph.shadow as shadow
+
+    torch.manual_seed(0)
+    model = OverflowBeforeNorm()
+    x = samples(1)[0]
+    compiled = o3(model)
+    per_node = amp_graph.numerics(compiled, *x, backward=True, loss_fn=square_loss)
+    monkeypatch.setattr(shadow, "reads_back_per_node", lambda device: False)
+    deferred = amp_graph.numerics(compiled, *x, backward=True, loss_fn=square_loss)
+    assert [r.node for r in deferred.rows] == [r.node for r in per_node.rows]
+    for a, b in zip(per_node.rows, deferred.rows, strict=True):
+        for field in ("numel", "zeros", "subnormals", "underflow", "nonfinite", "new_nonfinite"):
+            assert getattr(a.forward, field) == pytest.approx(getattr(b.forward, field)), field
+        assert a.forward.max_abs == pytest.approx(b.forward.max_abs, rel=1e-6)
+        assert a.forward.rel_error == pytest.approx(b.forward.rel_error, rel=1e-5)
+    assert deferred.first_nonfinite.node == per_node.first_nonfinite.node == "linear"
+    assert [p.grad.nonfinite for p in deferred.params] == [
+        p.grad.nonfinite for p in per_node.params
+    ]
