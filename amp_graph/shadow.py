@@ -371,11 +371,11 @@ def _op(node: fx.Node) -> str:
     return str(getattr(node.target, "__name__", node.target))
 
 
-_MEASURED_ROLES = {"op", "cast", "user_cast", "inplace", "input"}
+_MEASURED_ROLES = {"op", "cast", "user_cast", "inplace", "input", "param"}
 
 
 def _measured(node: fx.Node) -> bool:
-    if node.op in ("output", "get_attr"):
+    if node.op == "output":
         return False
     role = _role(node)
     return role in _MEASURED_ROLES or role == node.op
@@ -552,7 +552,8 @@ def shadow_run(
                         node_stats = [_stats(t, s_all[j]) for j, t in m_floats if j < len(s_all)]
                     measured[node] = node_stats
                     stats.append((node, node_stats, _dtype_of(mixed[node])))
-                    if backward and m_floats:
+                    if backward and m_floats and node.op != "get_attr":
+                        # parameters: their gradients are measured as ``params``
                         hooks.append((node, mixed[node], shadow[node]))
                 if not backward:
                     for arg in node.all_input_nodes:

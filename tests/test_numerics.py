@@ -273,13 +273,15 @@ def test_rows_cover_every_node_with_a_floating_value():
     expected = [
         n.name
         for n in gm.graph.nodes
-        if n.op not in ("output", "get_attr")
+        if n.op != "output"
         and isinstance(n.meta[AMP].out_dtype, torch.dtype)
         and n.meta[AMP].out_dtype.is_floating_point
     ]
     assert [r.node for r in report.rows] == expected
     casts = [r for r in report.rows if r.role == "cast"]
     assert casts and all(r.dtype == FP16 for r in casts)
+    params = [r for r in report.rows if r.role == "param"]
+    assert len(params) == 6 and all(r.rel_error == 0 and r.dtype == torch.float32 for r in params)
     assert [r.node for r in report.worst(2)] == [
         r.node for r in sorted(report.rows[1:], key=lambda r: -r.rel_error)[:2]
     ]
