@@ -39,7 +39,7 @@ from amp_graph.compiler import (
     resolve_dtype,
 )
 from amp_graph.policy import Policy, resolve_policy
-from amp_graph.shadow import NumericsRow, ShadowResult, shadow_run
+from amp_graph.shadow import NumericsRow, ShadowResult, scale_text, shadow_run
 
 UNDERFLOW_BLAME = 0.01  # a gradient with more than this fraction underflowing is blamed
 
@@ -62,15 +62,6 @@ class Finding:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _g(value: float) -> str:
-    return "inf" if math.isinf(value) else f"{value:.2g}"
-
-
-def _scale_text(scale: float) -> str:
-    exponent = math.log2(scale) if scale > 0 else 0.5
-    return f"2**{int(exponent)}" if exponent.is_integer() else f"{scale:g}"
 
 
 class _Blame:
@@ -139,18 +130,18 @@ def _forward_finding(result: ShadowResult, sample: int, tol: float) -> Finding |
         if row.forward.rel_error - inherited > growth:
             best, growth = row, row.forward.rel_error - inherited
     if best is None:
-        return Finding((), f"output error {_g(output_error)} > tol {_g(tol)}")
+        return Finding((), f"output error {output_error:.2g} > tol {tol:.2g}")
     return Finding(
         (best.node,),
-        f"relative error {_g(best.forward.rel_error)} against float32, {_g(growth)} more than "
-        f"its inputs'; output error {_g(output_error)} > tol {_g(tol)} on sample {sample}",
+        f"relative error {best.forward.rel_error:.2g} against float32, {growth:.2g} more than "
+        f"its inputs'; output error {output_error:.2g} > tol {tol:.2g} on sample {sample}",
     )
 
 
 def _backward_finding(result: ShadowResult, sample: int, tol: float) -> Finding | None:
     blame = _Blame(result)
     low = _name(result.dtype)
-    scale = _scale_text(result.scale or 1.0)
+    scale = scale_text(result.scale or 1.0)
     bad_params = [p for p in result.params if p.grad.new_nonfinite or p.grad.rel_error > tol]
     if not bad_params:
         return None
@@ -188,7 +179,7 @@ def _backward_finding(result: ShadowResult, sample: int, tol: float) -> Finding 
             best, growth = row, row.grad.rel_error - downstream  # type: ignore[union-attr]
     worst = max(bad_params, key=lambda p: p.grad.rel_error)
     reason = (
-        f"gradient error of '{worst.name}' {_g(worst.grad.rel_error)} > tol {_g(tol)} "
+        f"gradient error of '{worst.name}' {worst.grad.rel_error:.2g} > tol {tol:.2g} "
         f"on sample {sample}"
     )
     return Finding((best.node,) if best is not None else (), reason)
@@ -231,7 +222,8 @@ class _Search:
         self,
         model: nn.Module,
         base: Policy,
-        dtype: torch.dtype | None,
+        dtype: torch.dtype,
+        device_type: str,
         samples: Sequence[tuple],
         tol: float,
         backward: bool,
@@ -241,7 +233,7 @@ class _Search:
         self.model, self.base, self.dtype = model, base, dtype
         self.samples, self.tol = samples, tol
         self.backward, self.loss_fn, self.scale = backward, loss_fn, scale
-        self.device_type = model_device_type(model, samples[0])
+        self.device_type = device_type
         self.captures: dict = {}  # one capture per input signature, for every policy tried
 
     def policy(self, demoted: dict[str, str]) -> Policy:
@@ -251,13 +243,12 @@ class _Search:
             nodes=dict.fromkeys(demoted, "fp32"),
             notes={n: f"demoted by autopolicy: {why}" for n, why in demoted.items()},
         )
-        return _renamed(policy, f"{self.base.name}+autopolicy")
+        return replace(policy, name=f"{self.base.name}+autopolicy")
 
     def failure(self, demoted: dict[str, str]) -> Finding | None:
-        policy = self.policy(demoted)
-        dtype = resolve_dtype(policy, self.dtype, self.device_type)
-        policy.validate_modules([name for name, _ in self.model.named_modules()])
-        compiled = _SharedCaptures(self.model, policy, dtype, self.device_type, self.captures)
+        compiled = _SharedCaptures(
+            self.model, self.policy(demoted), self.dtype, self.device_type, self.captures
+        )
         for i, args in enumerate(self.samples):
             result = shadow_run(
                 compiled, args, backward=self.backward, loss_fn=self.loss_fn, scale=self.scale
@@ -268,10 +259,6 @@ class _Search:
             if finding is not None:
                 return finding
         return None
-
-
-def _renamed(policy: Policy, name: str) -> Policy:
-    return replace(policy, name=name)
 
 
 def autopolicy(
@@ -322,10 +309,11 @@ def autopolicy(
     samples = [_as_args(s) for s in sample_inputs]
     device_type = model_device_type(model, samples[0])
     base = resolve_policy(policy, device_type)
-    low = dtype if dtype is not None else torch.bfloat16
-    tol = 10 * torch.finfo(low).eps if tol is None else float(tol)
+    dtype = resolve_dtype(base, dtype, device_type)  # demotions change neither
+    base.validate_modules([name for name, _ in model.named_modules()])
+    tol = 10 * torch.finfo(dtype).eps if tol is None else float(tol)
     backward = loss_fn is not None if backward is None else backward
-    search = _Search(model, base, dtype, samples, tol, backward, loss_fn, scale)
+    search = _Search(model, base, dtype, device_type, samples, tol, backward, loss_fn, scale)
     demoted: dict[str, str] = {}
     while (finding := search.failure(demoted)) is not None:
         new = [n for n in finding.nodes if n not in demoted]

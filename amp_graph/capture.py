@@ -92,7 +92,10 @@ class Captured:
         return self.guard is None or self.guard.accepts(leaves)
 
     def call(self, leaves: Sequence[Any]) -> Any:
-        out = self.graph_module(*leaves)
+        return self.unflatten(self.graph_module(*leaves))
+
+    def unflatten(self, out: Any) -> Any:
+        """The model's output structure from what the graph returns (its flat leaves)."""
         if self.out_spec is None or self.out_spec.is_leaf():
             return out
         return pytree.tree_unflatten(list(out), self.out_spec)

@@ -31,13 +31,10 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from amp_graph.compiler import COMPILE_META, CompiledModule, CompileRecord
-from amp_graph.passes.meta import AMP
+from amp_graph.passes.meta import AMP, FLOAT8
 from amp_graph.passes.schema import written_storage
 
-LOW_FLOATS = frozenset(
-    {torch.float16, torch.bfloat16}
-    | {getattr(torch, n) for n in dir(torch) if n.startswith("float8_")}
-)
+LOW_FLOATS = frozenset({torch.float16, torch.bfloat16}) | FLOAT8
 
 
 @functools.cache
@@ -257,6 +254,12 @@ class ShadowResult:
     shadow_loss: float | None = None
 
 
+def scale_text(scale: float) -> str:
+    """A loss scale as people write it: ``2**16``, or ``0.3`` when not a power of two."""
+    exponent = math.log2(scale) if scale > 0 else 0.5
+    return f"2**{int(exponent)}" if exponent.is_integer() else f"{scale:.3g}"
+
+
 # ---- the lockstep interpreter -------------------------------------------------------------
 
 
@@ -299,13 +302,6 @@ class _RngStates:
             torch.cuda.set_rng_state_all(state[1])
 
 
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, shadow: bool) -> Any:
     if node.op == "call_function":
         target = node.target
@@ -321,25 +317,16 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, shad
 
 
 @contextlib.contextmanager
-def _model_state_kept(gm: fx.GraphModule, model: nn.Module | None) -> Iterator[None]:
-    """Restore every buffer, and every parameter the graph writes, after the block."""
-    written_attrs = {
-        n.target for n in written_storage(gm.graph) if n.op == "get_attr"
-    }  # roots of written storage
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    owners = [model] if model is not None else []
-    owners.append(gm)
-    seen: set[int] = set()
-    for owner in owners:
-        for tensor in owner.buffers():
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                saved.append((tensor, tensor.detach().clone()))
-    for target in written_attrs:
-        tensor = _fetch_attr(gm, target)
-        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
-            seen.add(id(tensor))
-            saved.append((tensor, tensor.detach().clone()))
+def _model_state_kept(gm: fx.GraphModule, written: set[fx.Node]) -> Iterator[None]:
+    """Restore every buffer, and every parameter the graph writes (``written``: its written
+    storage roots), after the block. The graph reaches all of the model's state."""
+    state = {id(t): t for t in gm.buffers()}
+    for node in written:
+        if node.op == "get_attr":
+            tensor = operator.attrgetter(node.target)(gm)
+            if isinstance(tensor, torch.Tensor):
+                state.setdefault(id(tensor), tensor)
+    saved = [(tensor, tensor.detach().clone()) for tensor in state.values()]
     try:
         yield
     finally:
@@ -349,36 +336,14 @@ def _model_state_kept(gm: fx.GraphModule, model: nn.Module | None) -> Iterator[N
 
 
 def _role(node: fx.Node) -> str:
-    amp = node.meta.get(AMP)
-    return str(amp.role) if amp is not None else node.op
-
-
-def _module(node: fx.Node) -> str:
-    amp = node.meta.get(AMP)
-    if amp is not None and amp.module_path:
-        return amp.module_path
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        return path.removeprefix("L['self'].").removeprefix("model.")
-    return ""
-
-
-def _op(node: fx.Node) -> str:
-    amp = node.meta.get(AMP)
-    if amp is not None and amp.op:
-        return amp.op
-    return str(getattr(node.target, "__name__", node.target))
+    return str(node.meta[AMP].role)
 
 
 _MEASURED_ROLES = {"op", "cast", "user_cast", "inplace", "input", "param"}
 
 
 def _measured(node: fx.Node) -> bool:
-    if node.op == "output":
-        return False
-    role = _role(node)
-    return role in _MEASURED_ROLES or role == node.op
+    return node.op != "output" and _role(node) in _MEASURED_ROLES
 
 
 SAME_VALUES = frozenset(
@@ -446,17 +411,9 @@ def _prepare(
     """The rewritten graph for these inputs, its flat inputs and how to rebuild its output."""
     if isinstance(compiled, CompiledModule):
         captured, leaves = compiled._captured_for(args, kwargs)
-        gm = captured.graph_module
-        if captured.in_spec is None:
+        if captured.in_spec is None:  # a GraphModule the user brought: its own signature
             leaves = [*args, *kwargs.values()]
-            return gm, leaves, lambda out: out, compiled.model
-
-        def unflatten(out: Any) -> Any:
-            if captured.out_spec is None or captured.out_spec.is_leaf():
-                return out
-            return pytree.tree_unflatten(list(out), captured.out_spec)
-
-        return gm, list(leaves), unflatten, compiled.model
+        return captured.graph_module, list(leaves), captured.unflatten, compiled.model
     if isinstance(compiled, fx.GraphModule) and isinstance(
         compiled.meta.get(COMPILE_META), CompileRecord
     ):
@@ -503,10 +460,10 @@ def shadow_run(
     hooks: list[tuple[fx.Node, Any, Any]] = []  # (node, mixed value, shadow value)
     placeholders = iter(leaves)
     output = shadow_output = None
-    written = bool(written_storage(gm.graph))  # in-place ops: measure every node itself
+    written = written_storage(gm.graph)  # in-place ops: measure every node itself
     measured: dict[fx.Node, list] = {}
     try:
-        with _model_state_kept(gm, model), grad_mode:
+        with _model_state_kept(gm, written), grad_mode:
             for i, node in enumerate(nodes):
                 if node.op == "placeholder":
                     value = next(placeholders, None)
@@ -517,7 +474,7 @@ def shadow_run(
                     if written and shadow[node] is value and isinstance(value, torch.Tensor):
                         shadow[node] = value.clone()  # each run writes its own copy
                 elif node.op == "get_attr":
-                    value = _fetch_attr(gm, node.target)
+                    value = operator.attrgetter(node.target)(gm)
                     mixed[node], shadow[node] = value, _to_fp32(value)
                 elif node.op == "output":
                     output = pytree.tree_map_only(fx.Node, mixed.__getitem__, node.args[0])
@@ -586,8 +543,8 @@ def shadow_run(
             NumericsRow(
                 index=index,
                 node=node.name,
-                module=_module(node),
-                op=_op(node),
+                module=node.meta[AMP].module_path,
+                op=node.meta[AMP].op,
                 role=_role(node),
                 forward=Measure.of(dtype, rows),
                 inputs=tuple(names[a] for a in node.all_input_nodes),

@@ -100,6 +100,10 @@ def info(node: fx.Node) -> AmpInfo:
         ) from None
 
 
+FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
+"""Every float8 format this torch has (e4m3fn, e5m2, and the fnuz variants)."""
+
+
 def is_castable(dtype: DtypeFact) -> bool:
     return isinstance(dtype, torch.dtype) and dtype in CASTABLE
 

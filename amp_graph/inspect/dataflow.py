@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.compiler import compile_record, unwrap
-from amp_graph.passes.meta import AMP, UNKNOWN, VAL, Role, short, tensor_facts
+from amp_graph.passes.meta import AMP, FLOAT8, UNKNOWN, VAL, Role, short, tensor_facts
 
 from .modules import module_types, node_modules
 from .style import DTYPE_CLASSES, node_class
@@ -192,9 +192,6 @@ def needs_grad(gm: fx.GraphModule) -> dict[str, bool]:
             inputs = inputs or any(p.requires_grad for p in module.parameters())
         flags[node.name] = inputs and node.op != "output" and _floating(node.meta[AMP].out_dtype)
     return flags
-
-
-FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
 
 
 def _promoted(fact: Any, out: torch.dtype) -> bool:

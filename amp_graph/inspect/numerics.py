@@ -29,10 +29,20 @@ from typing import Any
 import torch
 
 from amp_graph.passes.meta import short
-from amp_graph.shadow import Measure, NumericsRow, ParamMeasure, ShadowResult, shadow_run
+from amp_graph.shadow import (
+    Measure,
+    NumericsRow,
+    ParamMeasure,
+    ShadowResult,
+    scale_text,
+    shadow_run,
+)
 
 from .draw import SVG
+from .html import OPEN_ROWS
+from .modules import node_modules
 from .style import DTYPE_COLORS
+from .tables import badge, html_table, text_table
 
 HEADERS = (
     "#",
@@ -52,12 +62,6 @@ UNDERFLOW_FINDING = 0.01  # a node with more of its values underflowing is named
 GRAD_HEADERS = ("grad dtype", "grad underflow", "grad non-finite", "grad rel. error")
 
 
-def _g(value: float) -> str:
-    if math.isinf(value):
-        return "inf"
-    return f"{value:.3g}"
-
-
 def _pct(value: float) -> str:
     return "0" if value == 0 else f"{100 * value:.1f}%"
 
@@ -74,20 +78,20 @@ def _cells(row: NumericsRow, grads: bool) -> list[str]:
         row.module or "-",
         row.op,
         _dtype(f.dtype),
-        _g(f.max_abs),
-        _g(f.shadow_max_abs),
+        f"{f.max_abs:.3g}",
+        f"{f.shadow_max_abs:.3g}",
         _pct(f.zeros),
         _pct(f.subnormals),
         _pct(f.underflow),
         str(f.nonfinite),
-        _g(f.rel_error),
+        f"{f.rel_error:.3g}",
     ]
     if grads:
         g = row.grad
         cells += (
             ["-"] * 4
             if g is None
-            else [_dtype(g.dtype), _pct(g.underflow), str(g.new_nonfinite), _g(g.rel_error)]
+            else [_dtype(g.dtype), _pct(g.underflow), str(g.new_nonfinite), f"{g.rel_error:.3g}"]
         )
     return cells
 
@@ -161,7 +165,7 @@ class NumericsReport:
         low = short(self.dtype)
         lines = [
             f"policy {self.policy}, low dtype {low}: {len(self.rows)} nodes measured; "
-            f"output relative error {_g(self.output_error)} against float32"
+            f"output relative error {self.output_error:.3g} against float32"
         ]
         first = self.first_nonfinite
         if first is None:
@@ -172,10 +176,10 @@ class NumericsReport:
                 f"first non-finite: '{first.node}' ({first.op}{where}, "
                 f"{_dtype(first.dtype)}): {first.forward.new_nonfinite} of "
                 f"{first.forward.numel} values; float32 max |x| "
-                f"{_g(first.forward.shadow_max_abs)}"
+                f"{first.forward.shadow_max_abs:.3g}"
                 + _range_note(first.forward.shadow_max_abs, first.dtype)
             )
-        worst = ", ".join(f"'{r.node}' {_g(r.rel_error)}" for r in self.worst(3))
+        worst = ", ".join(f"'{r.node}' {r.rel_error:.3g}" for r in self.worst(3))
         lines.append(f"furthest from float32: {worst}")
         flushed = sorted(
             (r for r in self.rows if r.forward.underflow > UNDERFLOW_FINDING),
@@ -191,25 +195,23 @@ class NumericsReport:
             )
         if self.scale is not None:
             lines.append(
-                f"loss {_g(self.loss or 0.0)} (float32 {_g(self.shadow_loss or 0.0)}), "
-                f"gradients at loss scale {_scale_text(self.scale)}"
+                f"loss {self.loss or 0.0:.3g} (float32 {self.shadow_loss or 0.0:.3g}), "
+                f"gradients at loss scale {scale_text(self.scale)}"
             )
             underflow = self.grad_underflow_by_module()
             if not any(underflow.values()):
-                lines.append(
-                    f"at scale {_scale_text(self.scale)}, no parameter gradient underflows"
-                )
+                lines.append(f"at scale {scale_text(self.scale)}, no parameter gradient underflows")
             for module, fraction in sorted(underflow.items(), key=lambda kv: -kv[1]):
                 if fraction > 0:
                     name = module or "<root>"
                     lines.append(
-                        f"at scale {_scale_text(self.scale)}, {_pct(fraction)} of '{name}' "
+                        f"at scale {scale_text(self.scale)}, {_pct(fraction)} of '{name}' "
                         f"grads underflow ({low})"
                     )
             overflow = [p.name for p in self.params if p.grad.nonfinite]
             if overflow:
                 lines.append(
-                    f"at scale {_scale_text(self.scale)}, gradients overflow (inf/nan) in "
+                    f"at scale {scale_text(self.scale)}, gradients overflow (inf/nan) in "
                     f"{len(overflow)} parameters: {', '.join(overflow[:5])}"
                     + (" ..." if len(overflow) > 5 else "")
                 )
@@ -226,18 +228,15 @@ class NumericsReport:
         return [headers] + [_cells(r, grads) for r in self.rows]
 
     def __str__(self) -> str:
-        table = self.table()
-        widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in table]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join([*self.findings(), "", *(line.rstrip() for line in lines)])
+        headers, *rows = self.table()
+        return "\n".join([*self.findings(), "", text_table(headers, rows)])
 
     def __repr__(self) -> str:
         first = self.first_nonfinite
         found = f"first non-finite '{first.node}'" if first else "all finite"
         return (
             f"<NumericsReport of {len(self.rows)} nodes: {self.policy}, {short(self.dtype)}; "
-            f"{found}; output error {_g(self.output_error)}>"
+            f"{found}; output error {self.output_error:.3g}>"
         )
 
     def _repr_html_(self) -> str:
@@ -247,11 +246,6 @@ class NumericsReport:
         """Relative error against float32 along the graph (log scale), one dot per node
         coloured by its dtype; non-finite nodes as red crosses on the top edge."""
         return error_plot(self, width, height)
-
-
-def _scale_text(scale: float) -> str:
-    exponent = math.log2(scale) if scale > 0 else 0.5
-    return f"2**{int(exponent)}" if exponent.is_integer() else _g(scale)
 
 
 def _range_note(shadow_max: float, dtype: torch.dtype | None) -> str:
@@ -274,22 +268,20 @@ def _severity(row: NumericsRow) -> str:
 
 def numerics_html(report: NumericsReport) -> str:
     findings = "<br>".join(escape(line) for line in report.findings())
-    table = report.table()
-    cell = "<th style='text-align:left;padding:2px 6px'>{}</th>"
-    head = "".join(cell.format(escape(h)) for h in table[0])
-    body = "".join(
-        f"<tr style='{_severity(row)}'>"
-        + "".join(f"<td style='padding:1px 6px'>{escape(c)}</td>" for c in cells)
-        + "</tr>"
-        for row, cells in zip(report.rows, table[1:], strict=True)
-    )
-    state = " open" if len(report.rows) <= 60 else ""
+    headers, *rows = report.table()
+    dtype_columns = {i for i, h in enumerate(headers) if h in ("dtype", "grad dtype")}
+
+    def render(column: int, value: object) -> str:
+        text = str(value)
+        return badge(text, text) if column in dtype_columns else escape(text)
+
+    table = html_table(headers, rows, render, lambda i: _severity(report.rows[i]))
+    state = " open" if len(rows) <= OPEN_ROWS else ""
     return (
         "<div style='font-family:sans-serif;font-size:13px'>"
         f"<b>amp_graph numerics</b><br>{findings}"
-        f"<details{state}><summary>per-node table ({len(report.rows)} nodes)</summary>"
-        f"<table style='border-collapse:collapse;font-size:12px'><tr>{head}</tr>{body}"
-        "</table></details></div>"
+        f"<details{state}><summary>per-node table ({len(rows)} nodes)</summary>{table}"
+        "</details></div>"
     )
 
 
@@ -324,7 +316,7 @@ def error_plot(report: NumericsReport, width: int, height: int) -> SVG:
     for i, row in enumerate(rows):
         x = x_of(i)
         where = f"{row.module or '-'}, {_dtype(row.dtype)}"
-        title = escape(f"{row.node} ({where}): {_g(row.rel_error)}")
+        title = escape(f"{row.node} ({where}): {row.rel_error:.3g}")
         if row.forward.new_nonfinite or not math.isfinite(row.rel_error):
             parts.append(
                 f"<g stroke='#d62728' stroke-width='2'><title>{title}</title>"
@@ -379,6 +371,9 @@ def report_of(result: ShadowResult) -> NumericsReport:
     """A :class:`NumericsReport` over a :func:`amp_graph.shadow.shadow_run` result."""
     record = result.graph_module.meta.get("amp_graph")
     policy = record.policy.name if record is not None else "?"
+    modules = node_modules(result.graph_module)  # casts and parameters filed as elsewhere
+    for row in result.nodes:
+        row.module = modules[row.node]
     return NumericsReport(
         rows=result.nodes,
         params=result.params,
