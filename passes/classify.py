@@ -104,6 +104,21 @@ def normalize_module_path(path: str) -> str:
     return path.strip(".")
 
 
+def lifted_source_name(node: fx.Node) -> str:
+    """The name of the source dynamo lifted a placeholder from
+    (``L['self']._modules['bn']._buffers['running_mean']``), or "" for none."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", "")
+    name = name() if callable(name) else name
+    return name if isinstance(name, str) else ""
+
+
+def _is_lifted(node: fx.Node, *kinds: str) -> bool:
+    value = node.meta.get("val", node.meta.get("example_value"))
+    name = lifted_source_name(node)
+    return isinstance(value, nn.Parameter) or any(f"._{kind}[" in name for kind in kinds)
+
+
 def is_model_state(node: fx.Node) -> bool:
     """A placeholder holding a parameter or buffer: dynamo lifts module state to graph inputs.
 
@@ -111,24 +126,12 @@ def is_model_state(node: fx.Node) -> bool:
     source (``L['self']._modules['bn']._buffers['running_mean']``). Such inputs are never
     cast at entry (policy ``cast_inputs``): ops cast them as they cast ``get_attr`` state.
     """
-    value = node.meta.get("val", node.meta.get("example_value"))
-    if isinstance(value, nn.Parameter):
-        return True
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", "")
-    name = name() if callable(name) else name
-    return isinstance(name, str) and ("._parameters[" in name or "._buffers[" in name)
+    return _is_lifted(node, "parameters", "buffers")
 
 
 def is_model_parameter(node: fx.Node) -> bool:
     """A placeholder holding a parameter (not a buffer) of the model (see is_model_state)."""
-    value = node.meta.get("val", node.meta.get("example_value"))
-    if isinstance(value, nn.Parameter):
-        return True
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", "")
-    name = name() if callable(name) else name
-    return isinstance(name, str) and "._parameters[" in name
+    return _is_lifted(node, "parameters")
 
 
 def _submodule_type(root: nn.Module, path: str) -> type | None:

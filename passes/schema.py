@@ -81,6 +81,15 @@ def _nodes_in(value: Any) -> list[fx.Node]:
     return found
 
 
+def _nodes_at(node: fx.Node, positions: tuple[tuple[int, str], ...]) -> list[fx.Node]:
+    """The graph values passed at these schema positions (an argument may be a list)."""
+    return [
+        value
+        for position, name in positions
+        for value in _nodes_in(_argument(node, position, name))
+    ]
+
+
 def is_mutating(node: fx.Node) -> bool:
     """The node writes into one of its arguments (aten schema, else torch's conventions)."""
     op = overload(node)
@@ -93,11 +102,7 @@ def written_inputs(node: fx.Node) -> list[fx.Node]:
     """The graph values the node writes into."""
     op = overload(node)
     if op is not None:
-        return [
-            value
-            for position, name in _written_positions(op)
-            for value in _nodes_in(_argument(node, position, name))
-        ]
+        return _nodes_at(node, _written_positions(op))
     if not _conventionally_inplace(node):
         return []
     out = node.kwargs.get("out")
@@ -114,11 +119,7 @@ def viewed_inputs(node: fx.Node) -> list[fx.Node]:
     """The graph values the node's output may be a view of (shares storage with)."""
     op = overload(node)
     if op is not None:
-        return [
-            value
-            for position, name in _aliased_positions(op)
-            for value in _nodes_in(_argument(node, position, name))
-        ]
+        return _nodes_at(node, _aliased_positions(op))
     if node.op in ("call_function", "call_method", "call_module"):
         # Not an aten op: torch does not say, so assume the output may alias the first
         # tensor argument (views, indexing, getitem). Over-approximating aliases only ever

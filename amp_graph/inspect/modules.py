@@ -21,7 +21,12 @@ import re
 
 import torch.fx as fx
 
-from amp_graph.passes.classify import MODEL_ROOT, model_root, normalize_module_path
+from amp_graph.passes.classify import (
+    MODEL_ROOT,
+    lifted_source_name,
+    model_root,
+    normalize_module_path,
+)
 from amp_graph.passes.meta import AMP, Role
 
 NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
@@ -37,10 +42,8 @@ def _state_owner(node: fx.Node, root: str) -> str:
         if root and target.startswith(f"{root}."):
             target = target[len(root) + 1 :]
         return target.rpartition(".")[0]
-    source = getattr(node.meta.get("grapharg"), "source", None)  # dynamo's lifted state
-    name = getattr(source, "name", "")
-    name = name() if callable(name) else name
-    if not isinstance(name, str) or not name:
+    name = lifted_source_name(node)  # dynamo's lifted state
+    if not name:
         return ""
     path = normalize_module_path(name)  # blocks.0.attn._parameters.weight
     return _STATE_SUFFIX.sub("", path) if _STATE_SUFFIX.search(path) else ""
