@@ -270,11 +270,20 @@ class Graph:
                 list(root.modules()),
                 f"{type(self).__name__}.build",
             )
-        if self.config.accumulation_steps > 1:
+        n = self.config.accumulation_steps
+        if n > 1:
             self._check_divisible(args)
-        captured, leaves = self._cache.get(args, {})
+        # build runs on one micro-batch at a time: capture it on one (shapes that the model
+        # derives from the batch size are fixed in the graph); the step graph splits the batch
+        splits = self.training and n > 1
+        micro = (
+            pytree.tree_map_only(torch.Tensor, lambda t: t.chunk(n)[0], args) if splits else args
+        )
+        captured, leaves = self._cache.get(micro, {})
+        if splits:
+            leaves = pytree.tree_leaves(args)
         if id(captured) not in self._steps:
-            self._steps[id(captured)] = self._step_graph(captured, args)
+            self._steps[id(captured)] = self._step_graph(captured)
         self._last = self._steps[id(captured)]
         if not self.training:
             with torch.no_grad():
@@ -371,7 +380,7 @@ class Graph:
         rewrite(captured.graph_module, policy, dtype, device, seconds={"capture": captured.seconds})
         return captured
 
-    def _step_graph(self, captured: Captured, args: tuple) -> fx.GraphModule:
+    def _step_graph(self, captured: Captured) -> fx.GraphModule:
         """The step graph around a captured build (see :mod:`amp_graph.step_graph`)."""
         build = captured.graph_module
         output_tree, losses = pytree.tree_unflatten(
