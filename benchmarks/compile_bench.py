@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from measure import interleaved_seconds, peak_cpu_step_mb
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_graph
@@ -95,37 +96,6 @@ class CastCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def time_steps(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Interleaved timing (ABCD ABCD ...) so that machine noise hits every variant alike."""
-    for step in steps.values():  # warm up
-        step()
-        step()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def peak_step_mb(step: Callable[[], None]) -> float:
-    """Peak of the bytes allocated during one step (activations, casts, gradients), from the
-    profiler: each event's own allocations minus frees, summed in time order (op granularity)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
-    )
-    live = peak = 0
-    for event in events:
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak / 2**20
-
-
 def bench_workload(name: str, repeats: int, quick: bool) -> dict[str, Any]:
     model, inputs, loss_fn = workload(name, quick)
     steps = {v: make_step(v, model, inputs, loss_fn) for v in VARIANTS}
@@ -135,9 +105,9 @@ def bench_workload(name: str, repeats: int, quick: bool) -> dict[str, Any]:
         with counter:
             step()
         casts[variant] = counter.casts
-    times = time_steps(steps, repeats)
+    times = interleaved_seconds(steps, repeats, warmup=2)
     medians = {v: statistics.median(t) for v, t in times.items()}
-    peak = {v: peak_step_mb(step) for v, step in steps.items()}
+    peak = {v: peak_cpu_step_mb(step) for v, step in steps.items()}
     return {"medians": medians, "casts": casts, "peak_mb": peak}
 
 

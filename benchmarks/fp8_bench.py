@@ -35,16 +35,12 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from amp_graph.passes.fp8_linears import fp8_linears
+from measure import interleaved_seconds, peak_cpu_step_mb, sync
 
 from amp_graph import fp8, models
 
 BF16 = torch.bfloat16
 Step = Callable[[], None]
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def train_step(net: nn.Module, params: nn.Module, inputs: tuple, device: str, dtype) -> Step:
@@ -97,29 +93,11 @@ def peak_mb(step: Step, device: str) -> float:
         step()
         sync(device)
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
-    )
-    live = peak = 0
-    for event in events:
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak / 2**20
+    return peak_cpu_step_mb(step)
 
 
-def median_ms(steps: dict[str, Step], repeats: int, device: str) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():  # interleaved: drift hits every variant alike
-            sync(device)
-            start = time.perf_counter()
-            step()
-            sync(device)
-            times[name].append(time.perf_counter() - start)
+def _median_ms(steps: dict[str, Step], repeats: int, device: str) -> dict[str, float]:
+    times = interleaved_seconds(steps, repeats, device=device)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
@@ -173,7 +151,7 @@ def gpt_section(args: argparse.Namespace) -> None:
         saved[name] = saved_mb(step, model) if eager else {}
         peak[name] = peak_mb(step, device)
         print(f"  warmed up {name} in {warm:.1f} s")
-    med = median_ms({k: v[0] for k, v in variants.items()}, args.repeats, device)
+    med = _median_ms({k: v[0] for k, v in variants.items()}, args.repeats, device)
     ref = med["bf16 autocast"]
     print(
         f"{'variant':<16} {'median ms':>10} {'vs bf16':>8} {'saved for bwd MB':>17} "
@@ -216,7 +194,7 @@ def linear_section(args: argparse.Namespace) -> None:
         steps = {"bf16": bf16_step, "fp8": fp8_step}
         for step in steps.values():
             step()
-        med = median_ms(steps, args.repeats, device)
+        med = _median_ms(steps, args.repeats, device)
         print(f"{f'{m}x{k}x{n}':<20} {med['bf16']:>9.2f} {med['fp8']:>9.2f} "
               f"{med['fp8'] / med['bf16']:>9.2f}")  # fmt: skip
     print()

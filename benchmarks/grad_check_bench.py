@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from measure import interleaved_seconds
 
 from amp_graph import models
 from amp_graph.kernels import ops
@@ -159,15 +159,7 @@ def main() -> int:
         steps = {v: make_step(copy.deepcopy(base), loss_fn, v) for v in VARIANTS}
         n_grads = sum(1 for p in base.parameters() if p.requires_grad)
         n_elems = sum(p.numel() for p in base.parameters())
-        for step in steps.values():
-            step()
-            step()
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for _ in range(repeats):
-            for v, step in steps.items():
-                start = time.perf_counter()
-                step()
-                times[v].append(time.perf_counter() - start)
+        times = interleaved_seconds(steps, repeats, warmup=2)
         none = times["none"]
         print(f"== {name}: {n_grads} gradients, {n_elems / 1e6:.2f}M elements")
         print(f"{'variant':<24} {'median ms':>10} {'added ms (median of rounds)':>28}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from measure import interleaved_seconds
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -256,23 +258,11 @@ def param_grad_bytes(model: torch.nn.Module, graph: Graph | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def interleaved(
     steps: dict[str, Callable], inputs: tuple, repeats: int, device: str
 ) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            sync(device)
-            start = time.perf_counter()
-            step(*inputs)
-            sync(device)
-            times[name].append(time.perf_counter() - start)
-    return times
+    calls = {name: functools.partial(step, *inputs) for name, step in steps.items()}
+    return interleaved_seconds(calls, repeats, device=device)
 
 
 def ratio(times: dict[str, list[float]], name: str, ref: str) -> float:

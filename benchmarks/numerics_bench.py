@@ -18,24 +18,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from measure import interleaved_seconds
 
 import amp_graph
 from amp_graph import models
 
 
 def median_ms(functions: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    for function in functions.values():  # warm-up (captures happen here)
-        function()
-    for _ in range(repeats):
-        for name, function in functions.items():
-            start = time.perf_counter()
-            function()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved_seconds(functions, repeats, warmup=1)  # captures happen in warm-up
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 

@@ -1,0 +1,58 @@
+"""How the benchmarks measure: interleaved timing and the peak memory of one step.
+
+Every script in this folder imports this module (they run as ``python benchmarks/x.py``,
+which puts this folder on ``sys.path``; the tests add it themselves).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_seconds(
+    steps: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    warmup: int = 0,
+    device: str = "cpu",
+) -> dict[str, list[float]]:
+    """Each step's wall times over ``repeats`` rounds, run in turn (ABCD ABCD ...) so that
+    machine drift hits every variant alike; ``warmup`` untimed calls of each first."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            sync(device)
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def peak_cpu_step_mb(step: Callable[[], object]) -> float:
+    """Peak of the bytes allocated during one step (activations, casts, gradients), from the
+    profiler: each event's own allocations minus frees, summed in time order (op granularity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
+    )
+    live = peak = 0
+    for event in events:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak / 2**20
