@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from graph_helpers import TrainGraph
 
 from amp_graph import models
 from amp_graph.data import batches, load_digits
@@ -16,38 +17,6 @@ from amp_graph.graph import Graph
 from amp_graph.scaler import GradScaler, StaticGradScaler
 
 FP16, BF16 = torch.float16, torch.bfloat16
-
-
-class TrainGraph(Graph):
-    def __init__(
-        self,
-        model,
-        optimizer,
-        *,
-        scheduler=None,
-        policy="O1",
-        dtype=FP16,
-        scaler=None,
-        amp=True,
-        clip=None,
-        accumulation=1,
-    ):
-        super().__init__()
-        self.model = model
-        self.loss_fn = nn.CrossEntropyLoss()
-        self.add_optimizer(optimizer, lr_sch=scheduler)
-        self.config.enable_amp(amp, policy=policy, dtype=dtype)
-        if scaler is not None:
-            self.set_grad_scaler(scaler)
-        if clip is not None:
-            self.config.set_gradient_clipping(clip)
-        if accumulation > 1:
-            self.config.set_gradient_accumulation_steps(accumulation)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x).float(), y)
-        loss.backward()
-        return loss
 
 
 class EvalGraph(Graph):

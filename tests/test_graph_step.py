@@ -12,6 +12,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_helpers import TrainGraph
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_graph import master_weights, models
@@ -21,21 +22,9 @@ from amp_graph.master_weights import HAS_GRAD_DTYPE
 BF16 = torch.bfloat16
 
 
-class Step(Graph):
-    def __init__(self, model, optimizer, *, policy="O1", amp=True, clip=None, accumulation=1):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(optimizer)
-        self.config.enable_amp(amp, policy=policy, dtype=BF16)
-        if clip is not None:
-            self.config.set_gradient_clipping(clip)
-        if accumulation > 1:
-            self.config.set_gradient_accumulation_steps(accumulation)
-
-    def build(self, x, y):
-        loss = F.cross_entropy(self.model(x).float(), y)
-        loss.backward()
-        return loss
+def Step(model, optimizer, **options):
+    """The bfloat16 training Graph of these tests."""
+    return TrainGraph(model, optimizer, dtype=BF16, **options)
 
 
 OPTIMIZERS = {
