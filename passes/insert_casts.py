@@ -25,8 +25,6 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from amp_graph.policy import Rule
-
 from .meta import (
     AMP,
     CASTABLE,
@@ -95,17 +93,12 @@ def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str
         node = graph.create_node("call_function", cast_if_castable, (value, dtype), name=name)
     else:
         node = graph.create_node("call_method", "to", (value, dtype), name=name)
-    node.meta[AMP] = AmpInfo(
-        role=Role.CAST,
-        op="cast",
-        rule=Rule.FOLLOW,
-        source="inserted",
-        detail=f"inserted: {value.name} ({short(source.out_dtype)}) to {short(dtype)}",
+    node.meta[AMP] = AmpInfo.inserted_cast(
+        f"inserted: {value.name} ({short(source.out_dtype)}) to {short(dtype)}",
+        consumer,
         module_path=source.module_path,
-        compute_dtype=None,
         out_dtype=cast_fact(source.out_dtype, dtype),
         exact=source.exact,
-        cast_for=(consumer,),
         conditional=conditional or structured,
     )
     return node
@@ -137,15 +130,11 @@ def _insert_runtime_promote(graph: fx.Graph, node: fx.Node, low: torch.dtype) ->
             cast = graph.call_function(
                 cast_if_castable, (value, widest), name=f"{value.name}_promoted"
             )
-            cast.meta[AMP] = AmpInfo(
-                role=Role.CAST,
-                op="cast",
-                rule=Rule.FOLLOW,
-                source="inserted",
-                detail=f"inserted: {value.name} to the widest floating input dtype of {node.name}",
+            cast.meta[AMP] = AmpInfo.inserted_cast(
+                f"inserted: {value.name} to the widest floating input dtype of {node.name}",
+                node.name,
                 module_path=value.meta[AMP].module_path,
                 out_dtype=UNKNOWN,
-                cast_for=(node.name,),
                 conditional=True,
             )
             casts[value] = cast

@@ -89,6 +89,19 @@ class AmpInfo:
         """A node no policy reclassifies: rule FOLLOW, decided by its kind ("fixed")."""
         return cls(role=role, op=op, rule=Rule.FOLLOW, source="fixed", detail=detail, **fields)
 
+    @classmethod
+    def inserted_cast(cls, detail: str, consumer: str, **fields: Any) -> AmpInfo:
+        """A cast amp_graph inserted for ``consumer``: takes its input as it is (FOLLOW)."""
+        return cls(
+            role=Role.CAST,
+            op="cast",
+            rule=Rule.FOLLOW,
+            source="inserted",
+            detail=detail,
+            cast_for=(consumer,),
+            **fields,
+        )
+
 
 def info(node: fx.Node) -> AmpInfo:
     """The node's AmpInfo; a clear error if classify has not run on this graph."""
