@@ -11,7 +11,7 @@ This is torch.autocast's per-op logic, run once over the graph instead of at eve
 float64, integer and bool tensors are never cast (autocast's eligibility rule). With
 policies whose default is ``ALLOW`` (O2, O3), a value the model itself cast to float32
 (``x.float()`` in an RMSNorm) stays float32 until the model casts again: ops that read
-it compute in float32, as they would in Apex O2 (see ``_track_pinning``).
+it compute in float32, as they would in Apex O2 (see :func:`track_pinning`).
 
 Output dtypes come from FakeTensor propagation when every graph input has an example
 value in ``meta["val"]`` (exact: torch computes them), and from the sound rule table in
@@ -239,7 +239,7 @@ class _Planner:
         if not self.plan:
             return self._evaluate(node, amp, args, kwargs)
         facts = tensor_facts(fact((args, kwargs)))
-        rule = self._effective_rule(node, amp)
+        rule = effective_rule(node, amp, self.pinned)
         low = amp.low_dtype or self.low
         amp.compute_dtype = compute_dtype_for(rule, facts, low) if amp.role is Role.OP else None
         promote_later = amp.role is Role.OP and needs_runtime_promote(rule, facts)
@@ -249,7 +249,7 @@ class _Planner:
         out = self._evaluate(node, amp, args, kwargs)
         if amp.runtime_promote is not None:
             out = Abstract(UNKNOWN)
-        self._track_pinning(node, amp, facts, fact(out))
+        track_pinning(node, amp, facts, fact(out), self.pinned)
         return out
 
     def _evaluate(self, node: fx.Node, amp: AmpInfo, args: tuple, kwargs: dict) -> Any:
@@ -303,43 +303,6 @@ class _Planner:
             value = cast_value(value, self.low)
         return value
 
-    def _effective_rule(self, node: fx.Node, amp: AmpInfo) -> Rule:
-        rule = amp.rule or Rule.FOLLOW
-        pinned_inputs = [a for a in node.all_input_nodes if a in self.pinned]
-        if rule is Rule.ALLOW and amp.source == "default" and pinned_inputs:
-            # float32, not "follow": its other inputs may be low, and an op such as
-            # scaled_dot_product_attention needs one dtype
-            amp.detail = (
-                f"{amp.detail}; but input {pinned_inputs[0].name!r} descends from a "
-                "float32 cast written in the model, which default rules never undo: "
-                "computes in float32"
-            )
-            return Rule.DENY
-        return rule
-
-    def _track_pinning(
-        self, node: fx.Node, amp: AmpInfo, input_facts: list[DtypeFact], out: DtypeFact
-    ) -> None:
-        """Pinned: float32 values the model upcast itself, until the model casts again.
-
-        Only a cast written in the model that changes a low-precision (or unproven) value to
-        float32 starts a pinned region (``h = x.float()`` in an RMSNorm); what is computed
-        from it stays pinned while wide. Any other cast the model wrote ends the region:
-        the cast back (``h.type_as(x)``, ``h.to(input_dtype)`` whose dtype the capture
-        saw as float32), ``.to(device)``, ``.to(memory_format=)``, a ``.float()`` of what
-        already is float32, integer-to-float conversions (``arange(T).float()``). So O2 and
-        O3 keep exactly the model's float32 islands in float32, and nothing after them.
-        """
-        if amp.role is Role.USER_CAST:
-            source = input_facts[0] if input_facts else UNKNOWN
-            upcast = out == torch.float32 and (source is UNKNOWN or source in LOW_PRECISION)
-            if upcast:
-                self.pinned.add(node)
-            return
-        wide = out in (torch.float32, torch.float64)
-        if wide and any(a in self.pinned for a in node.all_input_nodes):
-            self.pinned.add(node)
-
     def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         with self.fake_mode:
             if node.op == "call_function":
@@ -357,6 +320,51 @@ class _Planner:
     def _fake_state(self, module: torch.nn.Module) -> dict[str, Any]:
         named = [*module.named_parameters(), *module.named_buffers()]
         return {name: self.fake(t) for name, t in named}
+
+
+def effective_rule(node: fx.Node, amp: AmpInfo, pinned: set[fx.Node]) -> Rule:
+    """The node's rule, after the pinning rule of :func:`track_pinning`: a default ALLOW
+    reading a pinned float32 value computes in float32."""
+    rule = amp.rule or Rule.FOLLOW
+    pinned_inputs = [a for a in node.all_input_nodes if a in pinned]
+    if rule is Rule.ALLOW and amp.source == "default" and pinned_inputs:
+        # float32, not "follow": its other inputs may be low, and an op such as
+        # scaled_dot_product_attention needs one dtype
+        amp.detail = (
+            f"{amp.detail}; but input {pinned_inputs[0].name!r} descends from a "
+            "float32 cast written in the model, which default rules never undo: "
+            "computes in float32"
+        )
+        return Rule.DENY
+    return rule
+
+
+def track_pinning(
+    node: fx.Node,
+    amp: AmpInfo,
+    input_facts: list[DtypeFact],
+    out: DtypeFact,
+    pinned: set[fx.Node],
+) -> None:
+    """Add ``node`` to ``pinned`` when it holds a float32 value the model upcast itself.
+
+    Only a cast written in the model that changes a low-precision (or unproven) value to
+    float32 starts a pinned region (``h = x.float()`` in an RMSNorm); what is computed
+    from it stays pinned while wide. Any other cast the model wrote ends the region:
+    the cast back (``h.type_as(x)``, ``h.to(input_dtype)``), ``.to(device)``,
+    ``.to(memory_format=)``, a ``.float()`` of what already is float32, integer-to-float
+    conversions (``arange(T).float()``). So O2 and O3 keep exactly the model's float32
+    islands in float32, and nothing after them.
+    """
+    if amp.role is Role.USER_CAST:
+        source = input_facts[0] if input_facts else UNKNOWN
+        upcast = out == torch.float32 and (source is UNKNOWN or source in LOW_PRECISION)
+        if upcast:
+            pinned.add(node)
+        return
+    wide = out in (torch.float32, torch.float64)
+    if wide and any(a in pinned for a in node.all_input_nodes):
+        pinned.add(node)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -416,7 +424,9 @@ __all__ = [
     "assign_dtypes",
     "cast_value",
     "compute_dtype_for",
+    "effective_rule",
     "fact",
     "needs_runtime_promote",
     "propagate_dtypes",
+    "track_pinning",
 ]

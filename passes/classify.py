@@ -98,6 +98,7 @@ def normalize_module_path(path: str) -> str:
     """
     path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
     path = re.sub(r"^self\.?", "", path)
+    path = re.sub(r"^_export_root(\.|$)", "", path)  # torch.export's tracing wrapper
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     path = re.sub(r"(^|\.)_modules\.", r"\1", path)
@@ -378,7 +379,21 @@ def _in_region(
     return decision
 
 
-def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
+_FROM_META: Any = object()
+
+
+def classify_node(
+    node: fx.Node,
+    gm: nn.Module,
+    policy: Policy,
+    region: AutocastRegion | None = _FROM_META,
+) -> AmpInfo:
+    """The record of one computing node: its role, and for ops the policy's rule.
+
+    ``gm`` is the module the node's module paths are relative to (the captured
+    GraphModule, or the user's model while it is being captured); ``region`` the model's
+    own autocast block around the node (default: ``meta["autocast_region"]``).
+    """
     paths, _ = module_stack(node, gm)
     fixed = _fixed_role(node, gm)
     if fixed is not None:
@@ -386,7 +401,8 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, policy: Policy) -> AmpInfo:
         return AmpInfo.fixed(role, op, detail, module_path=paths[-1])
     facts = _op_facts(node, gm)
     decision = _refine(policy.decide(facts), node, facts, gm)
-    region: AutocastRegion | None = node.meta.get(REGION)
+    if region is _FROM_META:
+        region = node.meta.get(REGION)
     if region is not None:
         decision = _in_region(decision, facts, region, policy)
     return AmpInfo(
@@ -426,7 +442,7 @@ def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
             role, op, detail = _STRUCTURAL[kind]
             amp = AmpInfo.fixed(role, op, detail)
         else:
-            amp = _op_info(node, gm, policy)
+            amp = classify_node(node, gm, policy)
         node.meta[AMP] = amp
         key = f"rule_{amp.rule}"
         counts[key] = counts.get(key, 0) + 1

@@ -72,6 +72,17 @@ def _region_of(args: tuple) -> AutocastRegion:
     return AutocastRegion(device_type, dtype, bool(enabled))
 
 
+def autocast_marker(node: fx.Node) -> AutocastRegion | str | None:
+    """For a flat ``_enter_autocast`` marker its region, ``"exit"`` for an
+    ``_exit_autocast`` marker, else None (what a tracer records before export wraps the
+    block in a higher-order op)."""
+    if node.op != "call_function":
+        return None
+    if node.target is _ENTER:
+        return _region_of(node.args)
+    return "exit" if node.target is _EXIT else None
+
+
 def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, operands: tuple) -> list:
     """Copy ``body``'s nodes before ``node``; return the copied nodes and the outputs."""
     env: dict[fx.Node, object] = {}
@@ -166,10 +177,11 @@ def _tag_markers(gm: fx.GraphModule) -> int:
     stack: list[AutocastRegion] = []
     markers = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is _ENTER:
-            stack.append(_region_of(node.args))
+        marker = autocast_marker(node)
+        if isinstance(marker, AutocastRegion):
+            stack.append(marker)
             markers.append(node)
-        elif node.op == "call_function" and node.target is _EXIT:
+        elif marker == "exit":
             stack.pop()
             markers.append(node)
         elif stack:
@@ -203,4 +215,4 @@ def inline_regions(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, modified=modified, stats={"autocast_regions": regions})
 
 
-__all__ = ["REGION", "AutocastRegion", "inline_regions"]
+__all__ = ["REGION", "AutocastRegion", "autocast_marker", "inline_regions"]
