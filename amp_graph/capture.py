@@ -9,7 +9,9 @@ with its fake value in ``meta["val"]`` and its module path in ``meta["nn_module_
 The capture runs under ``torch.autocast`` in the policy's dtype (O0 aside), so model code
 that asks ``torch.is_autocast_enabled()`` (HF's ``maybe_autocast``) takes its autocast
 path and its own float32 blocks are recorded. The ops recorded are the model's, not
-autocast's: export traces above the autocast dispatch key.
+autocast's: export traces above the autocast dispatch key. The dtypes the model's Python
+sees are the policy's (:mod:`amp_graph.capture_dtypes`), so that code which reads a dtype
+(``.to(x.dtype)``) records the cast the policy implies.
 
 The exported program is then "unlifted" by :func:`_graph_module`: each parameter and
 buffer placeholder becomes a ``get_attr`` that reads the user's model *at call time*
@@ -34,7 +36,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from amp_graph.capture_dtypes import (
+    half_model_view,
+    policy_capture_hooks,
+    strip_widening_casts,
+)
 from amp_graph.passes.classify import MODEL_ROOT
+from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -119,21 +127,36 @@ def capture_module(
     autocast_dtype: torch.dtype | None,
     dynamic: bool = False,
     model_attr: str | None = MODEL_ATTR,
+    policy: Policy | None = None,
+    low_dtype: torch.dtype | None = None,
 ) -> Captured:
     """Export ``model(*args, **kwargs)`` and unlift it into a GraphModule over ``model``.
 
     ``dynamic=True`` lets export keep the sizes of tensor inputs symbolic where the model
     allows (``Dim.AUTO``), so one graph serves every batch size and sequence length.
     ``model_attr`` is the GraphModule attribute the model is read through (None: its
-    children become the GraphModule's).
+    children become the GraphModule's). With a ``policy`` (and its ``low_dtype``), the
+    model's Python sees the dtypes that policy gives each value
+    (:mod:`amp_graph.capture_dtypes`), not torch.autocast's.
 
     Raises:
         CaptureError: naming the failing construct (file, line, code) and what to do.
     """
     start = time.perf_counter()
     dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs) if dynamic else None
+    low = low_dtype or autocast_dtype or torch.bfloat16
+    planned = (
+        policy_capture_hooks(model, policy, low) if policy is not None else contextlib.nullcontext()
+    )
+    # Apex O2/O3 (the policies that cast inputs at entry): the model's Python sees a half
+    # model
+    half = (
+        half_model_view(model, policy, low)
+        if policy is not None and policy.cast_inputs
+        else contextlib.nullcontext()
+    )
     try:
-        with capture_autocast(device_type, autocast_dtype):
+        with capture_autocast(device_type, autocast_dtype), planned, half:
             program = torch.export.export(
                 model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
             )
@@ -142,6 +165,9 @@ def capture_module(
             raise  # the model's own assert or check failed: that is the user's error as is
         raise _capture_error(model, error) from error
     gm = _graph_module(program, model, model_attr)
+    if isinstance(planned, policy_capture_hooks) and planned.widening_casts:
+        strip_widening_casts(gm, planned.widening_casts)
+        gm.recompile()
     spec = program.call_spec
     return Captured(
         gm, spec.in_spec, spec.out_spec, _shape_guard(gm, program), time.perf_counter() - start

@@ -463,6 +463,8 @@ class CompiledModule(nn.Module):
                 device_type=self.device_type,
                 autocast_dtype=autocast_dtype,
                 dynamic=dynamic,
+                policy=self.policy,
+                low_dtype=self.dtype,
             )
         return captured
 

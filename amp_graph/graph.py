@@ -376,6 +376,8 @@ class Graph:
             autocast_dtype=autocast_dtype,
             dynamic=dynamic,
             model_attr=attr,
+            policy=policy,
+            low_dtype=dtype,
         )
         rewrite(captured.graph_module, policy, dtype, device, seconds={"capture": captured.seconds})
         return captured

@@ -1,0 +1,508 @@
+"""Capture under the policy: the model's Python sees the dtypes the policy will give.
+
+Model code reads dtypes while it is captured: HF GPT-2's ``attn_weights.type(value.dtype)``,
+Llama's RMSNorm ``hidden_states.to(input_dtype)``, T5's ``.to(self.wo.weight.dtype)``,
+``torch.finfo(x.dtype).min`` masks. Whatever dtype such code sees is baked into the graph
+as a constant. Captured under plain ``torch.autocast``, it sees autocast's dtypes, and then
+
+* an fp32 pin (a module override, an autopolicy demotion) does not hold: the pinned
+  attention still rounds its probabilities to the low dtype, because capture saw ``value``
+  in the low dtype and recorded ``.type(bfloat16)``;
+* O2 and O3 come out mostly float32: autocast leaves embeddings and residual adds in
+  float32, so "cast back to the input dtype" is recorded as ``.to(float32)``, a float32
+  island the model seems to have written, which O2/O3 then keep;
+* ops that CUDA autocast reconciles (``dot`` of float16 and float32) cannot be captured
+  on a CPU, whose autocast lists do not promote them.
+
+:class:`PolicyDtypeMode` fixes all three. It is a ``TorchDispatchMode`` entered inside the
+export trace, above the fake-tensor mode and below the pre-dispatch tracer: the tracer has
+already recorded the op as the model wrote it (``aten.linear(x, w, b)``) when the mode
+sees the kernels that compute its fake value. The mode reads that node, decides it the way
+the passes will (:func:`amp_graph.passes.classify.classify_node`, then
+:func:`amp_graph.passes.assign_dtypes.compute_dtype_for` on the planned dtypes of its
+inputs, with O2's pinning rule), and casts the fake inputs of those kernels so the fake
+value, which the model's Python sees, has the planned dtype. The casts are below the
+tracer, so nothing of them is recorded: the graph holds the model's ops, as before, and
+the passes insert the real casts. The capture still runs under ``torch.autocast`` so that
+code asking ``torch.is_autocast_enabled()`` (HF's ``maybe_autocast``) takes its autocast
+path; where autocast's own casts differ from the plan, the mode undoes them.
+
+What the model's Python sees is then what the rewritten graph computes, node for node:
+the test suite checks this by comparing the captured values' dtypes with the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.node import map_aggregate
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amp_graph.passes.assign_dtypes import (
+    compute_dtype_for,
+    effective_rule,
+    fact,
+    track_pinning,
+)
+from amp_graph.passes.classify import classify_node
+from amp_graph.passes.meta import NOT_TENSOR, UNKNOWN, AmpInfo, Role, is_castable, tensor_facts
+from amp_graph.passes.regions import AutocastRegion, autocast_marker
+from amp_graph.policy import OpFacts, Policy, Rule
+from amp_graph.tables import python_ops
+
+log = logging.getLogger(__name__)
+
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _Plan:
+    """One node's decision at capture: cast every floating input to ``compute`` (an op the
+    policy casts), or give each input its planned dtype back (``inputs``: an op that takes
+    its inputs as they come, whose inputs autocast may have cast)."""
+
+    __slots__ = ("amp", "compute", "inputs", "same_op")
+
+    def __init__(
+        self, amp: AmpInfo, compute: torch.dtype | None, inputs: list[Any], same_op: Any
+    ) -> None:
+        self.amp, self.compute, self.inputs, self.same_op = amp, compute, inputs, same_op
+
+
+class PolicyDtypeMode(TorchDispatchMode):
+    """Gives each op's fake value, during capture, the dtype the policy plans for it.
+
+    Entered by :func:`policy_capture_hooks` when the model's forward starts under
+    ``torch.export`` (the pre-dispatch tracer is then known), left when it returns.
+    """
+
+    def __init__(
+        self,
+        tracer: Any,
+        model: nn.Module,
+        policy: Policy,
+        low: torch.dtype,
+        user_inputs: set[fx.Node],
+    ) -> None:
+        super().__init__()
+        self.tracer, self.model, self.policy, self.low = tracer, model, policy, low
+        self.user_inputs = user_inputs  # the nodes of the tensors the model was called with
+        self.pinned: set[fx.Node] = set()
+        self.planned: dict[fx.Node, Any] = {}  # planned dtype facts of nodes already seen
+        self.plans: dict[fx.Node, _Plan | None] = {}
+        self.regions: list[AutocastRegion] = []
+        self.seen: fx.Node | None = None  # the last node walked by _catch_up
+
+    # --- the walk over the tracer's graph -------------------------------------------------
+
+    def _current(self) -> fx.Node | None:
+        """The node whose value is being computed: the tracer's newest node, while it has
+        no value yet (a kernel run for anything else finds a node with one)."""
+        graph = self.tracer.graph
+        node = next(reversed(graph.nodes), None) if len(graph.nodes) else None
+        if node is None or node.op != "call_function" or "val" in node.meta:
+            return None
+        return node
+
+    def _catch_up(self, upto: fx.Node) -> None:
+        """Walk the nodes recorded since the last call (their values are known now): note
+        their planned dtypes, O2's pinned values, and the model's own autocast blocks."""
+        start = self.seen.next if self.seen is not None else next(iter(self.tracer.graph.nodes))
+        node = start
+        while node is not upto and node.op != "root":
+            self._note(node)
+            self.seen = node
+            node = node.next
+
+    def _note(self, node: fx.Node) -> None:
+        marker = autocast_marker(node)
+        if marker == "exit":
+            if self.regions:
+                self.regions.pop()
+            return
+        if isinstance(marker, AutocastRegion):
+            self.regions.append(marker)
+            return
+        value = node.meta.get("val")
+        if node.op == "placeholder":
+            self.planned[node] = self._entry_dtype(node, value)
+            return
+        self.planned[node] = fact(value) if "val" in node.meta else UNKNOWN
+        plan = self.plans.get(node)
+        if plan is None and node.op == "call_function":
+            # a node none of whose kernels needed a plan (a cast, a no-op .to()): its
+            # record still counts for O2's pinning
+            plan = self._decide_quietly(node)
+        if plan is not None:
+            facts = tensor_facts(self._facts((node.args, node.kwargs)))
+            track_pinning(node, plan.amp, facts, self.planned[node], self.pinned)
+
+    def _facts(self, tree: Any) -> Any:
+        """The planned dtype facts of a node's arguments (NOT_TENSOR for constants)."""
+        return map_aggregate(
+            tree, lambda a: self.planned.get(a, UNKNOWN) if isinstance(a, fx.Node) else NOT_TENSOR
+        )
+
+    def _entry_dtype(self, node: fx.Node, value: Any) -> Any:
+        """A graph input's planned dtype: the low dtype where the policy casts inputs at
+        entry (O2, O3), else its own."""
+        dtype = fact(value) if value is not None else UNKNOWN
+        cast = self.policy.cast_inputs and node in self.user_inputs
+        return self.low if cast and is_castable(dtype) else dtype
+
+    # --- one node's decision --------------------------------------------------------------
+
+    def _plan(self, node: fx.Node) -> _Plan | None:
+        if node in self.plans:
+            return self.plans[node]
+        self._catch_up(node)
+        self.plans[node] = self._decide_quietly(node)
+        return self.plans[node]
+
+    def _decide_quietly(self, node: fx.Node) -> _Plan | None:
+        try:
+            return self._decide(node)
+        except Exception as error:  # a node the passes will explain; capture goes on
+            log.debug("no capture-time plan for %s: %s", node.name, error)
+            return None
+
+    def _decide(self, node: fx.Node) -> _Plan | None:
+        region = self.regions[-1] if self.regions else None
+        amp: AmpInfo = classify_node(node, self.model, self.policy, region)
+        facts = tensor_facts(self._facts((node.args, node.kwargs)))
+        compute = None
+        if amp.role is Role.OP:
+            rule = effective_rule(node, amp, self.pinned)
+            compute = compute_dtype_for(rule, facts, amp.low_dtype or self.low)
+        arg_dtypes = pytree.tree_leaves(
+            fx.node.map_arg((node.args, node.kwargs), lambda a: _Slot(self.planned.get(a)))
+        )
+        return _Plan(
+            amp, compute, [s.dtype for s in arg_dtypes if isinstance(s, _Slot)], node.target
+        )
+
+    # --- the kernels under it -------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if not _computes_tensors(func):
+            # casts (their value is their dtype argument's; autocast's own casts of a weight
+            # are undone at the kernel computing with it) and queries (prim.device, which
+            # autograd asks while it holds the tensor's lock: casting it then deadlocks)
+            return func(*args, **kwargs)
+        node = self._current()
+        plan = self._plan(node) if node is not None else None
+        if plan is not None:
+            args, kwargs = _adjusted(func, args, kwargs, plan)
+        return func(*args, **kwargs)
+
+
+class CompositePromoteMode(TorchFunctionMode):
+    """Widens the mixed floating inputs of composite promote ops before they check dtypes.
+
+    A composite op (``bilinear``, ``tensordot``) checks that its inputs share one dtype in
+    its own C++ body, above any dispatch mode; CUDA autocast promotes them first (its
+    kernel runs above the composite), CPU autocast does not list them. So where the policy
+    promotes such an op and the model mixes dtypes, this mode casts the inputs to the
+    widest one at the call. The casts are recorded (this mode is above the tracer); their
+    node names are kept in ``casts`` and :func:`strip_widening_casts` removes them after
+    the capture, leaving the op with the inputs the model gave it, as CUDA autocast's
+    graphs have it. The passes then insert the casts the policy decides.
+    """
+
+    def __init__(self, tracer: Any, policy: Policy, casts: set[str]) -> None:
+        super().__init__()
+        self.tracer, self.policy, self.casts = tracer, policy, casts
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if _composite_promote(func, self.policy):
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            floating = {
+                v.dtype for v in leaves if isinstance(v, torch.Tensor) and v.dtype in _CASTABLE
+            }
+            if len(floating) > 1:
+                wide = _promoted(sorted(floating, key=str))
+                for i, value in enumerate(leaves):
+                    if isinstance(value, torch.Tensor) and value.dtype in floating - {wide}:
+                        leaves[i] = value.to(wide)
+                        self.casts.add(next(reversed(self.tracer.graph.nodes)).name)
+                args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return func(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=512)
+def _composite_op_name(func: Any) -> str | None:
+    """The aten op a torch-level function runs, when that op is a composite."""
+    try:
+        name = torch.overrides.resolve_name(func)
+    except Exception:  # not every callable can be named
+        return None
+    base = (name or "").rsplit(".", 1)[-1]
+    try:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"aten::{base}", "CompositeImplicitAutograd"
+        )
+    except RuntimeError:  # no aten op of that name (a dunder, a property)
+        return None
+    return base if composite else None
+
+
+def _composite_promote(func: Any, policy: Policy) -> bool:
+    name = _composite_op_name(func)
+    return name is not None and name in policy.promote and name not in policy.ops
+
+
+def strip_widening_casts(gm: fx.GraphModule, names: set[str]) -> int:
+    """Remove the casts :class:`CompositePromoteMode` recorded; returns how many."""
+    removed = 0
+    for node in list(gm.graph.nodes):
+        op = getattr(node.target, "_schema", None)
+        if node.name in names and op is not None and op.name in ("aten::to", "aten::_to_copy"):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+@functools.lru_cache(maxsize=2048)
+def _computes_tensors(func: Any) -> bool:
+    """An aten kernel that returns tensors and is not a cast."""
+    op_schema = getattr(func, "_schema", None)
+    if op_schema is None or not op_schema.name.startswith("aten::"):
+        return False
+    if op_schema.name in ("aten::_to_copy", "aten::to", "aten::copy_"):
+        return False
+    return any(isinstance(r.type, torch.TensorType) for r in op_schema.returns) or any(
+        "Tensor" in str(r.type) for r in op_schema.returns
+    )
+
+
+class _Slot:
+    """A node argument's place in an argument tree, holding its planned dtype."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+
+
+def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple, dict]:
+    """The kernel's arguments with the plan's dtypes (written-to arguments never cast)."""
+    written = _written_positions(func)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if plan.compute is not None:
+        targets = {i: plan.compute for i in tensors}
+    elif func is plan.same_op and len(tensors) == len(plan.inputs):
+        # the node's own kernel: each input gets its planned dtype back (autocast's casts,
+        # where the policy makes none, undone)
+        targets = dict(zip(tensors, plan.inputs, strict=True))
+    else:
+        wide = _promoted([d for d in plan.inputs if isinstance(d, torch.dtype)])
+        targets = dict.fromkeys(tensors, wide) if wide is not None else {}
+    changed = False
+    for i, dtype in targets.items():
+        value = leaves[i]
+        if (
+            isinstance(dtype, torch.dtype)
+            and dtype in _CASTABLE
+            and value.dtype in _CASTABLE
+            and value.dtype != dtype
+            and i not in written
+        ):
+            leaves[i] = _cast(value, dtype)
+            changed = True
+    if not changed:
+        return args, kwargs
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A cast under the fake-tensor mode, below every tracer: the aten kernel itself, with
+    torch-function modes (the tracer's own among them) out of the way."""
+    with torch._C.DisableTorchFunction(), torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.aten._to_copy.default(value, dtype=dtype)
+
+
+def _promoted(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    floating = [d for d in dtypes if d in _CASTABLE]
+    if not floating:
+        return None
+    out = floating[0]
+    for dtype in floating[1:]:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def _written_positions(func: Any) -> set[int]:
+    """Flat argument positions a kernel writes in place (``self`` of ``add_``)."""
+    op_schema = getattr(func, "_schema", None)
+    if op_schema is None or not op_schema.is_mutable:
+        return set()
+    return {
+        i
+        for i, argument in enumerate(op_schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    }
+
+
+def _traced_nodes(values: list[Any], tracer: Any) -> set[fx.Node]:
+    """The graph nodes the tracer holds for these tensors (the model's inputs)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    nodes = set()
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            try:
+                nodes.add(get_proxy_slot(value, tracer).proxy.node)
+            except (AttributeError, KeyError, RuntimeError):  # not traced: a constant
+                continue
+    return nodes
+
+
+def _proxy_tracer() -> Any:
+    """The pre-dispatch tracer of the running ``torch.export``, or None."""
+    try:
+        from torch._ops import _get_dispatch_mode_pre_dispatch
+    except ImportError:
+        return None
+    mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
+    return getattr(mode, "tracer", None)
+
+
+class policy_capture_hooks:
+    """While active, a forward of ``model`` under ``torch.export`` runs in a
+    :class:`PolicyDtypeMode` (entered by a forward pre-hook, left by a forward hook that
+    runs even when the forward raises). Where no pre-dispatch tracer is found (another
+    tracer, another torch), the capture runs as before and says so in the log."""
+
+    def __init__(self, model: nn.Module, policy: Policy, low: torch.dtype) -> None:
+        self.model, self.policy, self.low = model, policy, low
+        self.handles: list[Any] = []
+        self.modes: list[tuple[PolicyDtypeMode, CompositePromoteMode] | None] = []
+        self.widening_casts: set[str] = set()
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tracer = _proxy_tracer()
+        if tracer is None:
+            log.warning(
+                "amp_graph: no pre-dispatch tracer found; the model's Python sees "
+                "torch.autocast's dtypes during capture, not the policy's"
+            )
+            self.modes.append(None)
+            return
+        user_inputs = _traced_nodes(pytree.tree_leaves((args, kwargs)), tracer)
+        modes = (
+            PolicyDtypeMode(tracer, module, self.policy, self.low, user_inputs),
+            CompositePromoteMode(tracer, self.policy, self.widening_casts),
+        )
+        for mode in modes:
+            mode.__enter__()
+        self.modes.append(modes)
+
+    def _exit(self, module: nn.Module, args: tuple, out: Any) -> None:
+        # no kwargs: torch calls always_call hooks without them when the forward raises
+        if self.modes:
+            modes = self.modes.pop()
+            for mode in reversed(modes or ()):
+                mode.__exit__(None, None, None)
+
+    def __enter__(self) -> policy_capture_hooks:
+        self.handles = [
+            self.model.register_forward_pre_hook(self._enter, prepend=True, with_kwargs=True),
+            self.model.register_forward_hook(self._exit, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        while self.modes:  # a forward that never reached its hook: leave no mode behind
+            dispatch, function = self.modes.pop() or (None, None)
+            if function is not None and function in _function_mode_stack():
+                function.__exit__(None, None, None)
+            if dispatch is not None and dispatch in _dispatch_mode_stack():
+                dispatch.__exit__(None, None, None)
+
+
+def _dispatch_mode_stack() -> list[Any]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+def _function_mode_stack() -> list[Any]:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
+class half_model_view:
+    """Apex O2/O3's "the model is half", for the capture only: while active, each float32
+    parameter the policy stores in the low dtype is replaced, in its module, by a low-dtype
+    parameter of the same shape (uninitialized: capture reads only its dtype and shape).
+
+    So model code that reads a parameter's dtype (T5's ``.to(self.wo.weight.dtype)``, its
+    layer norm's ``if self.weight.dtype in (float16, bfloat16)``, HF's ``self.dtype``) takes
+    the branch it takes on a half model. Kept float32, as Apex keeps them: parameters of
+    modules the policy computes in float32 (norms in O2's tables, fp32 module overrides).
+    Buffers are not touched. Tied parameters stay tied. Everything is put back on exit;
+    the captured graph reads the real parameters by name, so nothing of the stand-ins
+    survives the capture (their memory, half the model's float32 parameters, is freed).
+    """
+
+    def __init__(self, model: nn.Module, policy: Policy, low: torch.dtype) -> None:
+        self.model, self.policy, self.low = model, policy, low
+        self.swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    def _stores_low(self, path: str, module: nn.Module) -> bool:
+        paths, types = [""], [type(self.model)]
+        parts = path.split(".") if path else []
+        for i in range(len(parts)):
+            prefix = ".".join(parts[: i + 1])
+            paths.append(prefix)
+            types.append(type(self.model.get_submodule(prefix)))
+        op = python_ops.aten_name_of(type(module))
+        facts = OpFacts(
+            "", type(module).__name__, (), (op,) if op else (), tuple(paths), tuple(types)
+        )
+        return self.policy.decide(facts).rule is Rule.ALLOW
+
+    def __enter__(self) -> half_model_view:
+        stand_ins: dict[int, nn.Parameter] = {}
+        for path, module in self.model.named_modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or param.dtype != torch.float32:
+                    continue
+                if id(param) not in stand_ins:
+                    if not self._stores_low(path, module):
+                        continue
+                    stand_ins[id(param)] = nn.Parameter(
+                        torch.empty_like(param, dtype=self.low),
+                        requires_grad=param.requires_grad,
+                    )
+                module._parameters[name] = stand_ins[id(param)]
+                self.swapped.append((module, name, param))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, param in reversed(self.swapped):
+            module._parameters[name] = param
+        self.swapped = []
+
+
+__all__ = [
+    "CompositePromoteMode",
+    "PolicyDtypeMode",
+    "half_model_view",
+    "policy_capture_hooks",
+    "strip_widening_casts",
+]
