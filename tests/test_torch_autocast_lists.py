@@ -3,7 +3,8 @@
 ``torch.testing._internal.autocast_test_lists.AutocastTestLists`` holds the cases torch's
 CUDA autocast tests run (``test/test_cuda.py``): each op with arguments of mixed or
 single dtypes, grouped by what CUDA autocast must do with them (lower precision, float32,
-promote to the widest input, builtin promotion). Every case is captured by
+promote to the widest input, builtin promotion). Every case (its float16 inputs as written,
+and again as bfloat16) is captured by
 ``amp_graph.compile`` (torch.export on the CPU) under O1, and every op of the captured
 graph must compute at the dtype CUDA autocast's own kernels give it on fake CUDA tensors
 (tests/oracles.py), and the graph must return what CUDA autocast returns. Where the op runs
@@ -33,7 +34,7 @@ autocast_test_lists = pytest.importorskip(
     reason="torch's test lists import expecttest (pip install expecttest; in the dev extra)",
 )
 
-# Lists of ops that compute in the low dtype: test_cuda.py runs these with both dtypes.
+# Lists of ops that compute in the low dtype (the others compute in float32, or promote).
 _LOW_LISTS = ("torch_fp16", "nn_fp16", "linalg_fp16", "methods_fp16")
 _LISTS = (
     "torch_expect_builtin_promote",
@@ -89,7 +90,6 @@ def _cases() -> list[Any]:
     lists = autocast_test_lists.AutocastTestLists("cpu")
     found = []
     for list_name in _LISTS:
-        dtypes = (torch.float16, torch.bfloat16) if list_name in _LOW_LISTS else (torch.float16,)
         for index, entry in enumerate(getattr(lists, list_name)):
             op, args = entry[0], entry[1]
             extra = entry[2] if len(entry) > 2 else None
@@ -99,7 +99,10 @@ def _cases() -> list[Any]:
             skipped_by_torch = extra is not None and not isinstance(extra, (dict, torch.dtype))
             if skipped_by_torch or op in _NO_KERNEL or op in _NO_GRAPH:
                 continue
-            for low in dtypes:
+            for low in (
+                torch.float16,
+                torch.bfloat16,
+            ):  # test_cuda.py's float16 inputs as given, and as bfloat16
                 expected = _expected(list_name, low, extra)
                 label = f"{list_name}-{op}-{index}-{str(low).removeprefix('torch.')}"
                 found.append(pytest.param(list_name, op, args, kwargs, low, expected, id=label))
