@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.capture_dtypes import (
     half_model_view,
+    mark_checkpoint_regions,
     policy_capture_hooks,
     strip_widening_casts,
 )
@@ -164,10 +165,21 @@ def capture_module(
         if _raised_by_user_code(error):
             raise  # the model's own assert or check failed: that is the user's error as is
         raise _capture_error(model, error) from error
+    if isinstance(planned, policy_capture_hooks) and planned.reentrant_checkpoint:
+        raise CaptureError(
+            f"{type(model).__name__} calls torch.utils.checkpoint in its reentrant form "
+            "(use_reentrant=True, the default where use_reentrant is not passed), which "
+            "runs the block under torch.no_grad() inside an autograd.Function: one graph "
+            "would compute it without gradients. Pass use_reentrant=False (HF models: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False})); amp_graph then recomputes the block in backward."
+        )
     gm = _graph_module(program, model, model_attr)
-    if isinstance(planned, policy_capture_hooks) and planned.widening_casts:
-        strip_widening_casts(gm, planned.widening_casts)
-        gm.recompile()
+    if isinstance(planned, policy_capture_hooks):
+        if planned.widening_casts:
+            strip_widening_casts(gm, planned.widening_casts)
+            gm.recompile()
+        mark_checkpoint_regions(gm, planned.checkpointed)
     spec = program.call_spec
     return Captured(
         gm, spec.in_spec, spec.out_spec, _shape_guard(gm, program), time.perf_counter() - start

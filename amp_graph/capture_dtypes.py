@@ -51,6 +51,7 @@ from amp_graph.passes.assign_dtypes import (
     fact,
     track_pinning,
 )
+from amp_graph.passes.checkpoints import CHECKPOINT_REGION
 from amp_graph.passes.classify import classify_node
 from amp_graph.passes.meta import NOT_TENSOR, UNKNOWN, AmpInfo, Role, is_castable, tensor_facts
 from amp_graph.passes.regions import AutocastRegion, autocast_marker
@@ -98,6 +99,11 @@ class PolicyDtypeMode(TorchDispatchMode):
         self.plans: dict[fx.Node, _Plan | None] = {}
         self.regions: list[AutocastRegion] = []
         self.seen: fx.Node | None = None  # the last node walked by _catch_up
+        # activation checkpoints: node name -> region number, and whether a reentrant
+        # checkpoint (whose block export records as run without gradients) was met
+        self.checkpointed: dict[str, int] = {}
+        self.checkpoint_frames: dict[int, int] = {}
+        self.reentrant_checkpoint = False
 
     # --- the walk over the tracer's graph -------------------------------------------------
 
@@ -162,8 +168,25 @@ class PolicyDtypeMode(TorchDispatchMode):
         if node in self.plans:
             return self.plans[node]
         self._catch_up(node)
+        self._note_checkpoint(node)
         self.plans[node] = self._decide_quietly(node)
         return self.plans[node]
+
+    def _note_checkpoint(self, node: fx.Node) -> None:
+        """Record the ``torch.utils.checkpoint`` region computing ``node``, if any.
+
+        Export traces through a checkpoint: the block's ops are recorded as plain forward
+        code. What marks them is the checkpoint's own saved-tensor hook, active while the
+        block runs (non-reentrant form); its frame object tells one region from the next.
+        The reentrant form runs its block under ``torch.no_grad()`` inside an
+        ``autograd.Function``, which export records as a block without gradients.
+        """
+        frame = _checkpoint_frame()
+        if frame is not None:
+            region = self.checkpoint_frames.setdefault(id(frame), len(self.checkpoint_frames))
+            self.checkpointed[node.name] = region
+        elif not torch.is_grad_enabled() and _in_reentrant_checkpoint():
+            self.reentrant_checkpoint = True
 
     def _decide_quietly(self, node: fx.Node) -> _Plan | None:
         try:
@@ -201,6 +224,37 @@ class PolicyDtypeMode(TorchDispatchMode):
         if plan is not None:
             args, kwargs = _adjusted(func, args, kwargs, plan)
         return func(*args, **kwargs)
+
+
+def _checkpoint_frame() -> Any:
+    """The running non-reentrant ``torch.utils.checkpoint``'s frame, or None: read from the
+    saved-tensor hook it installs (torch's ``_checkpoint_hook``, whose pack hook closes over
+    the frame). Relies on torch internals; tests/test_checkpointing.py pins it down."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    if "_checkpoint_hook" not in getattr(pack, "__qualname__", ""):
+        return None
+    for cell in getattr(pack, "__closure__", None) or ():
+        if type(cell.cell_contents).__name__ == "_CheckpointFrame":
+            return cell.cell_contents
+    return None
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the Python stack runs a reentrant checkpoint's forward (CheckpointFunction)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename.endswith("utils/checkpoint.py"):
+            owner = frame.f_locals.get("ctx")
+            if owner is not None and "CheckpointFunction" in type(owner).__name__:
+                return True
+        frame = frame.f_back
+    return False
 
 
 class CompositePromoteMode(TorchFunctionMode):
@@ -282,6 +336,16 @@ def _computes_tensors(func: Any) -> bool:
     return any(isinstance(r.type, torch.TensorType) for r in op_schema.returns) or any(
         "Tensor" in str(r.type) for r in op_schema.returns
     )
+
+
+def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None:
+    """Write each checkpointed node's region to ``meta["checkpoint_region"]`` (by name: the
+    exported graph keeps the tracer's node names)."""
+    if not regions:
+        return
+    for node in gm.graph.nodes:
+        if node.name in regions and node.op == "call_function":
+            node.meta[CHECKPOINT_REGION] = regions[node.name]
 
 
 class _Slot:
@@ -379,70 +443,53 @@ def _proxy_tracer() -> Any:
 
 class policy_capture_hooks:
     """While active, a forward of ``model`` under ``torch.export`` runs in a
-    :class:`PolicyDtypeMode` (entered by a forward pre-hook, left by a forward hook that
-    runs even when the forward raises). Where no pre-dispatch tracer is found (another
-    tracer, another torch), the capture runs as before and says so in the log."""
+    :class:`PolicyDtypeMode` and a :class:`CompositePromoteMode`, entered when the forward
+    starts (the pre-dispatch tracer is known then) and left when it returns or raises.
+
+    The forward is wrapped through an instance attribute, removed on exit: module hooks
+    cannot do this, since torch skips ``always_call`` forward hooks on an exception while
+    export traces, and a mode left on the stack would unbalance export's own modes. Where
+    no pre-dispatch tracer is found (another tracer, another torch), the forward runs as
+    before and the log says so.
+    """
 
     def __init__(self, model: nn.Module, policy: Policy, low: torch.dtype) -> None:
         self.model, self.policy, self.low = model, policy, low
-        self.handles: list[Any] = []
-        self.modes: list[tuple[PolicyDtypeMode, CompositePromoteMode] | None] = []
         self.widening_casts: set[str] = set()
+        self.checkpointed: dict[str, int] = {}  # node name -> checkpoint region
+        self.reentrant_checkpoint = False
+        self._had_forward = False
+        self._own_forward: Any = None
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _forward(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
         tracer = _proxy_tracer()
         if tracer is None:
             log.warning(
                 "amp_graph: no pre-dispatch tracer found; the model's Python sees "
                 "torch.autocast's dtypes during capture, not the policy's"
             )
-            self.modes.append(None)
-            return
+            return forward(*args, **kwargs)
         user_inputs = _traced_nodes(pytree.tree_leaves((args, kwargs)), tracer)
-        modes = (
-            PolicyDtypeMode(tracer, module, self.policy, self.low, user_inputs),
-            CompositePromoteMode(tracer, self.policy, self.widening_casts),
-        )
-        for mode in modes:
-            mode.__enter__()
-        self.modes.append(modes)
-
-    def _exit(self, module: nn.Module, args: tuple, out: Any) -> None:
-        # no kwargs: torch calls always_call hooks without them when the forward raises
-        if self.modes:
-            modes = self.modes.pop()
-            for mode in reversed(modes or ()):
-                mode.__exit__(None, None, None)
+        dtypes = PolicyDtypeMode(tracer, self.model, self.policy, self.low, user_inputs)
+        try:
+            with dtypes, CompositePromoteMode(tracer, self.policy, self.widening_casts):
+                return forward(*args, **kwargs)
+        finally:
+            self.checkpointed.update(dtypes.checkpointed)
+            self.reentrant_checkpoint |= dtypes.reentrant_checkpoint
 
     def __enter__(self) -> policy_capture_hooks:
-        self.handles = [
-            self.model.register_forward_pre_hook(self._enter, prepend=True, with_kwargs=True),
-            self.model.register_forward_hook(self._exit, always_call=True),
-        ]
+        self._had_forward = "forward" in self.model.__dict__
+        self._own_forward = self.model.__dict__.get("forward")
+        forward = self.model.forward
+        self.model.forward = functools.wraps(forward)(functools.partial(self._forward, forward))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        while self.modes:  # a forward that never reached its hook: leave no mode behind
-            dispatch, function = self.modes.pop() or (None, None)
-            if function is not None and function in _function_mode_stack():
-                function.__exit__(None, None, None)
-            if dispatch is not None and dispatch in _dispatch_mode_stack():
-                dispatch.__exit__(None, None, None)
-
-
-def _dispatch_mode_stack() -> list[Any]:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return _get_current_dispatch_mode_stack()
-
-
-def _function_mode_stack() -> list[Any]:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return _get_current_function_mode_stack()
+        if self._had_forward:
+            self.model.forward = self._own_forward
+        else:
+            del self.model.forward
 
 
 class half_model_view:
@@ -503,6 +550,7 @@ __all__ = [
     "CompositePromoteMode",
     "PolicyDtypeMode",
     "half_model_view",
+    "mark_checkpoint_regions",
     "policy_capture_hooks",
     "strip_widening_casts",
 ]

@@ -9,7 +9,8 @@ Installed as ``amp_graph.passes``. The passes talk through ``node.meta["amp"]``
 3. :func:`assign_dtypes` - compute dtype and output dtype of every node;
 4. :func:`insert_casts` - the plan as cast nodes, one per (consumer, input);
 5. :func:`simplify_casts` - a rule table removes casts that change nothing;
-6. :func:`verify` - lint plus dtype consistency with the plan.
+6. :func:`verify` - lint plus dtype consistency with the plan;
+7. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward.
 
 Invariants no pass may break: the user's module is never modified; parameters are never
 copied (casts read them); casts the model wrote and in-place ops are never altered;
@@ -17,6 +18,7 @@ integer, bool and float64 values are never cast; a cast chain is folded only if 
 """
 
 from .assign_dtypes import assign_dtypes, propagate_dtypes
+from .checkpoints import CHECKPOINT_REGION, outline_checkpoints
 from .classify import classify
 from .expose_parameters import expose_parameters
 from .insert_casts import cast_if_castable, insert_casts
@@ -30,6 +32,7 @@ from .verify import VerificationError, verify
 
 __all__ = [
     "AMP",
+    "CHECKPOINT_REGION",
     "REGION",
     "SIMPLIFY_RULES",
     "UNKNOWN",
@@ -46,6 +49,7 @@ __all__ = [
     "expose_parameters",
     "inline_regions",
     "insert_casts",
+    "outline_checkpoints",
     "propagate_dtypes",
     "run_passes",
     "simplify_casts",

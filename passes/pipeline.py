@@ -19,6 +19,7 @@ import torch.fx as fx
 from amp_graph.policy import Policy
 
 from .assign_dtypes import assign_dtypes
+from .checkpoints import outline_checkpoints
 from .classify import classify, model_root
 from .expose_parameters import expose_parameters
 from .fp8_linears import fp8_linears
@@ -61,6 +62,8 @@ def amp_passes(
     passes.append(("insert_casts", insert_casts))
     passes.append(("simplify_casts", simplify_casts))
     passes.append(("verify", lambda gm: verify(gm, propagate=full_verify)))
+    # last: it moves checkpointed nodes into submodules, after every dtype is settled
+    passes.append(("outline_checkpoints", outline_checkpoints))
     return passes
 
 
@@ -74,7 +77,8 @@ def run_passes(
         start = time.perf_counter()
         try:
             out = run(gm)
-            if check_each and name not in ("verify", "inline_regions", "fp8_linears"):
+            skip = ("verify", "inline_regions", "fp8_linears", "outline_checkpoints")
+            if check_each and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)
         except Exception as error:

@@ -247,3 +247,25 @@ def test_pins_hold_the_same_through_compile_and_graph() -> None:
             if n.meta[AMP].role is Role.USER_CAST and "softmax" in n.args[0].name
         ]  # the model's .type(v.dtype): v comes from the pinned qkv
         assert softmax_casts == [torch.float32], gm.code
+
+
+class BranchesOnValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.sum() > 0 else x
+
+
+def test_a_failed_capture_leaves_no_mode_and_no_wrapper_behind() -> None:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    model = BranchesOnValues()
+    with pytest.raises(amp_graph.CaptureError):
+        amp_graph.compile(model, "O2", example_inputs=(torch.randn(2, 4),))
+    assert _get_current_function_mode_stack() == []
+    assert _get_current_dispatch_mode_stack() == []
+    assert "forward" not in vars(model)  # the capture's wrapper of forward is gone
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # O2's view undone
