@@ -37,9 +37,9 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture_dtypes import (
+    capture_under_policy,
     half_model_view,
     mark_checkpoint_regions,
-    policy_capture_hooks,
     strip_widening_casts,
 )
 from amp_graph.passes.classify import MODEL_ROOT
@@ -147,7 +147,7 @@ def capture_module(
     dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs) if dynamic else None
     low = low_dtype or autocast_dtype or torch.bfloat16
     planned = (
-        policy_capture_hooks(model, policy, low) if policy is not None else contextlib.nullcontext()
+        capture_under_policy(model, policy, low) if policy is not None else contextlib.nullcontext()
     )
     # Apex O2/O3 (the policies that cast inputs at entry): the model's Python sees a half
     # model
@@ -165,7 +165,7 @@ def capture_module(
         if _raised_by_user_code(error):
             raise  # the model's own assert or check failed: that is the user's error as is
         raise _capture_error(model, error) from error
-    if isinstance(planned, policy_capture_hooks) and planned.reentrant_checkpoint:
+    if isinstance(planned, capture_under_policy) and planned.reentrant_checkpoint:
         raise CaptureError(
             f"{type(model).__name__} calls torch.utils.checkpoint in its reentrant form "
             "(use_reentrant=True, the default where use_reentrant is not passed), which "
@@ -175,7 +175,7 @@ def capture_module(
             "{'use_reentrant': False})); amp_graph then recomputes the block in backward."
         )
     gm = _graph_module(program, model, model_attr)
-    if isinstance(planned, policy_capture_hooks):
+    if isinstance(planned, capture_under_policy):
         if planned.widening_casts:
             strip_widening_casts(gm, planned.widening_casts)
             gm.recompile()

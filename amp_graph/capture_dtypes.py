@@ -79,7 +79,7 @@ class _Plan:
 class PolicyDtypeMode(TorchDispatchMode):
     """Gives each op's fake value, during capture, the dtype the policy plans for it.
 
-    Entered by :func:`policy_capture_hooks` when the model's forward starts under
+    Entered by :func:`capture_under_policy` when the model's forward starts under
     ``torch.export`` (the pre-dispatch tracer is then known), left when it returns.
     """
 
@@ -441,7 +441,7 @@ def _proxy_tracer() -> Any:
     return getattr(mode, "tracer", None)
 
 
-class policy_capture_hooks:
+class capture_under_policy:
     """While active, a forward of ``model`` under ``torch.export`` runs in a
     :class:`PolicyDtypeMode` and a :class:`CompositePromoteMode`, entered when the forward
     starts (the pre-dispatch tracer is known then) and left when it returns or raises.
@@ -478,7 +478,7 @@ class policy_capture_hooks:
             self.checkpointed.update(dtypes.checkpointed)
             self.reentrant_checkpoint |= dtypes.reentrant_checkpoint
 
-    def __enter__(self) -> policy_capture_hooks:
+    def __enter__(self) -> capture_under_policy:
         self._had_forward = "forward" in self.model.__dict__
         self._own_forward = self.model.__dict__.get("forward")
         forward = self.model.forward
@@ -549,8 +549,8 @@ class half_model_view:
 __all__ = [
     "CompositePromoteMode",
     "PolicyDtypeMode",
+    "capture_under_policy",
     "half_model_view",
     "mark_checkpoint_regions",
-    "policy_capture_hooks",
     "strip_widening_casts",
 ]
