@@ -26,7 +26,7 @@ step graph wraps it whose nodes zero the gradients, run the micro-batches, scale
 and run its backward, unscale and check the gradients (the scaler's fused kernel), clip,
 step every optimizer (skipped on overflow), update the scale and step the schedulers.
 Without loss scaling (bfloat16, fp8, AMP off) a
-:class:`~amp_graph.grad_check.NonFiniteGuard` checks the gradients instead: no unscale, no
+:class:`~amp_graph.scaler.NonFiniteGuard` checks the gradients instead: no unscale, no
 scale to update, the same skips. ``config.enable_compile()`` hands the build graph to
 ``torch.compile``. A Graph without ``add_optimizer`` is an evaluation graph: no backward,
 no scaler, run under ``torch.no_grad()``.
@@ -43,6 +43,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
@@ -57,11 +58,10 @@ from amp_graph.compiler import (
     resolve_dtype,
     rewrite,
 )
-from amp_graph.grad_check import NonFiniteGuard
 from amp_graph.master_weights import MasterWeights
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.policy import Policy, nearest, resolve_policy
-from amp_graph.scaler import GradScaler
+from amp_graph.scaler import GradScaler, NonFiniteGuard
 from amp_graph.step_graph import StepPlan, build_step_graph
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class GraphConfig:
         self.accumulation_steps = 1
         self.compile = False
         self.compile_options: dict[str, Any] = {}
+        self.process_group: dist.ProcessGroup | None = None
 
     def enable_amp(
         self, mode: bool = True, *, policy: Policy | str = "O1", dtype: torch.dtype | None = None
@@ -104,6 +105,19 @@ class GraphConfig:
                 f"max_norm must be positive, or None to disable clipping; got {max_norm}"
             )
         self.clip_max_norm = None if max_norm is None else float(max_norm)
+
+    def set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
+        """Ranks of ``process_group`` skip an inf/nan step together when no loss is scaled
+        (bfloat16, float32; a GradScaler takes its own ``process_group``). ``None`` (default):
+        no collective beyond the mesh of DTensor gradients (FSDP2), which is always agreed
+        over. Needed where ranks hold different gradients that DTensor does not describe:
+        pipeline stages, hand-rolled sharding."""
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "set_process_group takes a torch.distributed.ProcessGroup (e.g. "
+                f"dist.new_group(ranks)) or None; got {type(process_group).__name__}"
+            )
+        self.process_group = process_group
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Split each call's batch into ``steps`` micro-batches; one optimizer step per call."""
@@ -243,7 +257,7 @@ class Graph:
     def grad_scaler(self) -> GradScaler | None:
         """The loss scaler the step graph uses (the one set with :meth:`set_grad_scaler`,
         float16). None where no loss is scaled (bfloat16, AMP off): there a
-        :class:`~amp_graph.grad_check.NonFiniteGuard` still skips every step with inf/nan
+        :class:`~amp_graph.scaler.NonFiniteGuard` still skips every step with inf/nan
         gradients (see :attr:`skipped_steps`); and before the first call."""
         return self._scaler_in_use
 
@@ -270,6 +284,8 @@ class Graph:
                 list(root.modules()),
                 f"{type(self).__name__}.build",
             )
+        if self._guard.process_group is not self.config.process_group:
+            self._guard.set_process_group(self.config.process_group)
         n = self.config.accumulation_steps
         if n > 1:
             self._check_divisible(args)

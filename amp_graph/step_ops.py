@@ -8,7 +8,7 @@ readable node. They hold no state of their own.
 A step with a loss scaler (float16) uses ``unscale``/``unscale_and_clip``,
 ``optimizer_step`` and ``update_scale``; a step without one (bfloat16, AMP off) uses
 ``check_finite``/``clip_and_check_finite``, ``step_if_finite`` and ``end_step`` of a
-:class:`~amp_graph.grad_check.NonFiniteGuard`, which skip inf/nan steps just the same.
+:class:`~amp_graph.scaler.NonFiniteGuard`, which skip inf/nan steps just the same.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.grad_check import NonFiniteGuard
 from amp_graph.master_weights import MasterWeights
 from amp_graph.scaler import GradScaler
+from amp_graph.scaler.nonfinite_guard import NonFiniteGuard
 
 
 def zero_grad(optimizer: torch.optim.Optimizer) -> None:

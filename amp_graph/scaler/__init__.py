@@ -17,7 +17,9 @@ Its parts, one job each: :mod:`~amp_graph.scaler.scale_state` (the scale and its
 :mod:`~amp_graph.scaler.grad_check` and :mod:`~amp_graph.scaler.sharding` (gradients ->
 ``found_inf``, across ranks), :mod:`~amp_graph.scaler.monitor` (skips and diagnosis),
 :mod:`~amp_graph.scaler.errors` (torch's errors); :mod:`~amp_graph.scaler.grad_scaler` is the
-facade. The work on gradients is done by the ``amp_graph`` custom ops (:mod:`amp_graph.kernels`).
+facade. :class:`NonFiniteGuard` (:mod:`~amp_graph.scaler.nonfinite_guard`) is the same check
+without a scale, for steps that scale no loss (bfloat16, float32). The work on gradients is
+done by the ``amp_graph`` custom ops (:mod:`amp_graph.kernels`).
 See ``docs/scaler.md`` for the full story and every deliberate difference from torch.
 
 Example::
@@ -40,5 +42,12 @@ Example::
 
 from amp_graph.scaler.errors import ScalerArgumentError, ScalerStateError
 from amp_graph.scaler.grad_scaler import GradScaler, StaticGradScaler
+from amp_graph.scaler.nonfinite_guard import NonFiniteGuard
 
-__all__ = ["GradScaler", "ScalerArgumentError", "ScalerStateError", "StaticGradScaler"]
+__all__ = [
+    "GradScaler",
+    "NonFiniteGuard",
+    "ScalerArgumentError",
+    "ScalerStateError",
+    "StaticGradScaler",
+]

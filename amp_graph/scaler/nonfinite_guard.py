@@ -1,21 +1,19 @@
 """Keep inf/nan gradients off the weights of a step that scales no loss (bfloat16, float32).
 
 Loss scaling is for float16. A :class:`amp_graph.Graph` computing in bfloat16, or with AMP
-off, still skips every step whose gradients are not finite; :class:`NonFiniteGuard` does it
-with as little work as we could measure (``benchmarks/grad_check_bench.py``, BENCHMARKS.md):
+off, still skips every step whose gradients are not finite. :class:`NonFiniteGuard` does it
+with the scaler's own checker, :class:`~amp_graph.scaler.grad_check.GradientCheck`, read-only
+(one gradient checker, one rule for which ranks agree):
 
-* **The check** is one fused call per device over the optimizer's gradients. On the CPU,
-  torch's ``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1: a single
-  vectorized C++ loop, although it writes each value back (``x * 1 == x``, bit for bit).
-  Measured against the read-only alternatives it is the fastest on small models and with
-  many small gradients (1,000 of them: several times faster than per-tensor ``aminmax``),
-  and within noise of ``aminmax`` on larger ones; ``_foreach_norm(inf)`` and
-  post-accumulate-grad hooks (a Python call per gradient) are slower everywhere. On CUDA,
-  amp_graph's read-only kernel ``amp_graph::non_finite_check_`` (half the bytes; not
-  measured on a GPU yet).
-* **With clipping there is no check pass**: the total norm that clipping computes anyway is
-  inf/nan exactly when a gradient is (or when the norm overflows float32, gradients beyond
-  ~1e19, which also skips the step).
+* **The check** is one fused call per (device, shard groups) partition of the optimizer's
+  gradients (``GradientCheck``: amp_graph's read-only kernel on CUDA, torch's fused check with
+  a scale of 1 on the CPU; ``benchmarks/grad_check_bench.py``).
+* **Which ranks agree**: the ranks holding the other shards of DTensor gradients (FSDP2,
+  tensor parallelism), over their mesh, automatically; and ``process_group`` when one is given.
+  Never the world group unasked: ranks that step different numbers of times never block.
+* **With clipping there is no separate check pass**: one pass checks and returns the sum of
+  squares (summed over shards), and a non-finite total norm also skips the step (gradients
+  beyond ~1e19 overflow it).
 * **The skip** happens on the device: torch's fused optimizers (``fused=True``: Adam, AdamW,
   SGD, Adagrad) take ``found_inf`` and leave weights and state untouched when it is set, so
   the step never reads the flag on the host. Any other optimizer needs one host read per step
@@ -30,7 +28,7 @@ live on the device; reading them synchronizes.
 Example::
 
     >>> import torch
-    >>> from amp_graph.grad_check import NonFiniteGuard
+    >>> from amp_graph.scaler import NonFiniteGuard
     >>> model = torch.nn.Linear(2, 1)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     >>> guard = NonFiniteGuard()
@@ -44,41 +42,16 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from amp_graph.kernels import ops
+from amp_graph.scaler.grad_check import GradientCheck
 
 log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteGuard"]
-
-
-def _grads_by_device(optimizer: torch.optim.Optimizer) -> dict[torch.device, list[torch.Tensor]]:
-    grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is not None:
-                grads[grad.device].append(grad._values() if grad.is_sparse else grad)
-    return grads
-
-
-def check_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Set ``found_inf`` (a float32 scalar on the grads' device) to 1 if a grad is inf/nan.
-
-    The values of ``grads`` are unchanged (on the CPU they are rewritten as themselves).
-    """
-    if not grads:
-        return
-    if found_inf.device.type == "cpu":
-        one = torch.ones((), dtype=torch.float32)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-    else:
-        ops.non_finite_check_(grads, found_inf)
 
 
 class NonFiniteGuard:
@@ -86,53 +59,72 @@ class NonFiniteGuard:
 
     One iteration: :meth:`check` (or :meth:`clip_and_check`) for every optimizer, then
     :meth:`step` for every optimizer, then :meth:`end_step`. Every optimizer skips if any of
-    them found inf/nan (and every rank, when ``torch.distributed`` is initialized).
+    them found inf/nan, and so does every rank that agrees with this one (see the module doc).
+
+    Args:
+        process_group: a group whose ranks must skip together (pipeline stages, hand-rolled
+            sharding, DDP with gradients checked before their all-reduce). ``None`` (default):
+            no collective beyond the meshes of DTensor gradients.
     """
 
-    def __init__(self) -> None:
-        self._flags: dict[torch.device, torch.Tensor] = {}  # this iteration's, per device
-        self._found_inf: torch.Tensor | None = None  # all devices (and ranks) combined
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self._check = GradientCheck(process_group)
+        self._found: list[torch.Tensor] = []  # this iteration's flags, one per check
+        self._found_inf: torch.Tensor | None = None  # all of them combined
         self._skipped: torch.Tensor | None = None  # int64 count on the flags' device
         self._initial_skipped = 0
         self._last_step_taken: torch.Tensor | None = None
         self._warned_host_read: set[int] = set()
 
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group whose ranks skip together (besides DTensor meshes), or None."""
+        return self._check.process_group
+
+    def set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
+        """Set the group whose ranks skip together (``None``: none beyond DTensor meshes)."""
+        self._check.process_group = process_group
+        self._check.process_group_lost = False
+
     # ---- the iteration ------------------------------------------------------------------
 
-    def _flag(self, device: torch.device) -> torch.Tensor:
-        flag = self._flags.get(device)
-        if flag is None:
-            flag = self._flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        return flag
-
     def check(self, optimizer: torch.optim.Optimizer) -> None:
-        """Record whether any of the optimizer's gradients is inf/nan. No synchronization."""
-        with torch.no_grad():
-            for device, grads in _grads_by_device(optimizer).items():
-                check_finite_(grads, self._flag(device))
+        """Record whether any of the optimizer's gradients is inf/nan. No synchronization;
+        collectives only as the module doc says."""
+        parts = self._check.collect(optimizer, allow_fp16=True)
+        device = parts[0].device if parts else self._flag_device()
+        self._found.append(self._check.run(parts, device, None).found_inf)
 
     def clip_and_check(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip the total 2-norm of the optimizer's gradients to ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does, and record a non-finite norm as inf/nan.
-        Returns the norm (a device tensor). No synchronization."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        """Clip the total 2-norm of the optimizer's gradients to ``max_norm`` with the rule of
+        ``torch.nn.utils.clip_grad_norm_`` (the norm of all shards of sharded gradients), and
+        record inf/nan gradients or a non-finite norm. Returns the norm (a device tensor).
+        No synchronization."""
+        parts = self._check.collect(optimizer, allow_fp16=True)
+        device = parts[0].device if parts else self._flag_device()
+        one = torch.ones((), dtype=torch.float32, device=device)
+        result = self._check.run(parts, device, one, norm=True)
+        assert result.sum_of_squares is not None
+        total_norm = result.sum_of_squares.sqrt()
+        clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
         with torch.no_grad():
-            flag = self._flag(norm.device)
-            flag.masked_fill_(torch.isfinite(norm).logical_not(), 1.0)
-        return norm
+            for part in parts:
+                torch._foreach_mul_(part.grads, clip_coef.to(part.device, non_blocking=True))
+            # The norm is the same on every rank that summed it: no new disagreement.
+            result.found_inf.masked_fill_(torch.isfinite(total_norm).logical_not(), 1.0)
+        self._found.append(result.found_inf)
+        return total_norm
+
+    def _flag_device(self) -> torch.device:
+        return self._found[0].device if self._found else torch.device("cpu")
 
     def found_inf(self) -> torch.Tensor:
-        """This iteration's flag (1.0: skip), combined over devices and ranks."""
+        """This iteration's flag (1.0: skip), combined over optimizers (and agreeing ranks)."""
         if self._found_inf is None:
-            flags = list(self._flags.values())
-            if not flags:  # no gradients at all: nothing to apply, nothing non-finite
-                flags = [self._flag(torch.device("cpu"))]
+            flags = self._found or [torch.zeros((), dtype=torch.float32)]
             found = flags[0]
             if len(flags) > 1:
                 found = torch.stack([f.to(found.device, non_blocking=True) for f in flags]).amax()
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
             self._found_inf = found
         return self._found_inf
 
@@ -162,8 +154,7 @@ class NonFiniteGuard:
         if self._skipped is None:
             self._skipped = torch.tensor(self._initial_skipped, device=found.device)
         self._skipped.add_(found.to(self._skipped.device, non_blocking=True).long())
-        for flag in self._flags.values():
-            flag.zero_()
+        self._found.clear()
         self._found_inf = None
 
     def _note_host_read(self, optimizer: torch.optim.Optimizer) -> None:
