@@ -31,14 +31,15 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from amp_graph.capture import Captured
-from amp_graph.compiler import (
-    CompiledModule,
-    copy_graph_module,
-    model_device_type,
-    resolve_dtype,
+from amp_graph.amp_request import (
+    check_request,
+    device_type_of,
+    resolve,
+    validate_module_overrides,
 )
-from amp_graph.policy import Policy, resolve_policy
+from amp_graph.capture import Captured
+from amp_graph.compiler import CompiledModule, copy_graph_module
+from amp_graph.policy import Policy
 from amp_graph.shadow import NumericsRow, ShadowResult, scale_text, shadow_run
 
 UNDERFLOW_BLAME = 0.01  # a gradient with more than this fraction underflowing is blamed
@@ -307,10 +308,10 @@ def autopolicy(
             "sample_inputs is a non-empty list of forward arguments, e.g. [(x,), (x2,)]"
         )
     samples = [_as_args(s) for s in sample_inputs]
-    device_type = model_device_type(model, samples[0])
-    base = resolve_policy(policy, device_type)
-    dtype = resolve_dtype(base, dtype, device_type)  # demotions change neither
-    base.validate_modules([name for name, _ in model.named_modules()])
+    check_request(policy, dtype)
+    request = resolve(policy, dtype, device_type_of(model, samples[0]))
+    base, dtype, device_type = request.policy, request.dtype, request.device_type
+    validate_module_overrides(base, [name for name, _ in model.named_modules()])
     tol = 10 * torch.finfo(dtype).eps if tol is None else float(tol)
     backward = loss_fn is not None if backward is None else backward
     search = _Search(model, base, dtype, device_type, samples, tol, backward, loss_fn, scale)

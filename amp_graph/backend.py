@@ -40,12 +40,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph.amp_request import check_request, device_type_of, resolve
 from amp_graph.capture import capture_graph
-from amp_graph.compiler import CompileRecord, check_dtype, copy_graph_module, resolve_dtype, rewrite
+from amp_graph.compiler import CompileRecord, copy_graph_module, rewrite
 from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.meta import VAL, short
-from amp_graph.policy import PRESETS, Policy, nearest, resolve_policy
+from amp_graph.policy import Policy, nearest
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,8 @@ class AmpGraphBackend:
         inductor (as config patches) and are refused for other inner backends.
         """
         start = time.perf_counter()
-        device_type = graph_device_type(gm, example_inputs)
-        policy = resolve_policy(self.policy, device_type)
-        dtype = resolve_dtype(policy, self.dtype, device_type)
+        request = resolve(self.policy, self.dtype, device_type_of(gm, example_inputs))
+        policy, dtype, device_type = request.policy, request.dtype, request.device_type
         aten_gm = capture_graph(gm, example_inputs)
         missing = attach_example_values(aten_gm, example_inputs)
         record = rewrite(
@@ -203,21 +203,7 @@ def backend(
         ValueError: an unknown preset, dtype or inner backend name (naming the nearest one).
         TypeError: a policy, dtype or inner of the wrong type.
     """
-    if isinstance(policy, str):
-        Policy.preset(policy)  # raises ValueError naming the nearest preset
-    elif not isinstance(policy, Policy):
-        raise TypeError(
-            f"policy is a preset name {list(PRESETS)} or an amp_graph.Policy; "
-            f"got {policy!r} of type {type(policy).__name__}"
-        )
-    if dtype is not None:
-        fp8 = resolve_policy(policy, "cpu").fp8 is not None
-        if fp8:
-            from amp_graph.fp8 import check_fp8_low_dtype
-
-            check_fp8_low_dtype(dtype)
-        else:
-            check_dtype(dtype)
+    check_request(policy, dtype)
     return AmpGraphBackend(policy, dtype, _check_inner(inner), check_each_pass=check_each_pass)
 
 
@@ -269,15 +255,6 @@ def _inductor_config_patches(
         patches.update(list_mode_options(mode))
     patches.update(options or {})
     return patches
-
-
-def graph_device_type(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    """The device autocast would use for this graph: the first non-CPU tensor's, else cpu."""
-    tensors = [*gm.parameters(), *gm.buffers(), *example_inputs]
-    for value in tensors:
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            return value.device.type
-    return "cpu"
 
 
 def attach_example_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:

@@ -23,14 +23,20 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from amp_graph.amp_request import (
+    check_request,
+    device_type_of,
+    resolve,
+    validate_module_overrides,
+    validate_node_overrides,
+)
 from amp_graph.capture import Captured, CaptureError, capture_module
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.meta import VAL, short
-from amp_graph.policy import Policy, resolve_policy
+from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
 
-LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 COMPILE_META = "amp_graph"
 MAX_GRAPHS_PER_SIGNATURE = 8  # static captures of one input structure before warning
 
@@ -56,49 +62,6 @@ class CompileRecord:
             graph, root = self._original
             self._original = _graph_module_over(root, graph)
         return self._original
-
-
-def default_dtype(device_type: str) -> torch.dtype:
-    """torch.autocast's default: float16 on CUDA, bfloat16 on CPU."""
-    return torch.float16 if device_type == "cuda" else torch.bfloat16
-
-
-def check_dtype(dtype: Any) -> torch.dtype:
-    if dtype in LOW_PRECISION_DTYPES:
-        return dtype
-    hint = ""
-    if dtype == torch.float32:
-        hint = " For float32 everywhere use policy='O0'."
-    elif isinstance(dtype, str):
-        name = "bfloat16" if "b" in dtype else "float16"
-        hint = f" Pass the torch dtype object, e.g. dtype=torch.{name}."
-    raise ValueError(
-        "dtype is the low-precision compute dtype, torch.float16 or torch.bfloat16; "
-        f"got {dtype!r}.{hint}"
-    )
-
-
-def resolve_dtype(policy: Policy, dtype: Any, device_type: str) -> torch.dtype:
-    """The low dtype a policy computes in on a device, checked: torch.autocast's default
-    (float16 on CUDA, else bfloat16), bfloat16 for fp8 policies, whose float8 matmuls
-    this device must run (a clear error otherwise)."""
-    if policy.fp8 is not None:
-        from amp_graph.fp8 import check_fp8_low_dtype, require_fp8_matmul
-
-        dtype = check_fp8_low_dtype(torch.bfloat16 if dtype is None else dtype)
-        require_fp8_matmul(device_type, policy.fp8.recipe)
-        return dtype
-    return check_dtype(default_dtype(device_type) if dtype is None else dtype)
-
-
-def model_device_type(model: nn.Module, example_inputs: Sequence[Any] | None) -> str:
-    """The device autocast would use: the model's parameters', else the inputs', else cpu."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device.type
-    for value in pytree.tree_leaves(example_inputs or ()):
-        if isinstance(value, torch.Tensor):
-            return value.device.type
-    return "cpu"
 
 
 def drop_string_annotations(gm: fx.GraphModule) -> None:
@@ -433,7 +396,7 @@ class CompiledModule(nn.Module):
     def _capture_new(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
         captured = self._capture_graph(args, kwargs, dynamic)
         gm = captured.graph_module
-        self.policy.validate_nodes([n.name for n in gm.graph.nodes])
+        validate_node_overrides(self.policy, [n.name for n in gm.graph.nodes])
         record = rewrite(
             gm,
             self.policy,
@@ -520,11 +483,12 @@ def compile(
         raise ValueError(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
-    device_type = model_device_type(model, examples)
-    policy = resolve_policy(policy, device_type)
-    dtype = resolve_dtype(policy, dtype, device_type)
-    policy.validate_modules([name for name, _ in model.named_modules()])
-    compiled = CompiledModule(model, policy, dtype, device_type, check_each_pass=check_each_pass)
+    check_request(policy, dtype)
+    request = resolve(policy, dtype, device_type_of(model, examples))
+    validate_module_overrides(request.policy, [name for name, _ in model.named_modules()])
+    compiled = CompiledModule(
+        model, request.policy, request.dtype, request.device_type, check_each_pass=check_each_pass
+    )
     if example_inputs is not None or example_kwargs is not None:
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
         _check_fits_forward(model, args, kwargs)

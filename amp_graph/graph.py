@@ -49,18 +49,18 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture import Captured, capture_module
-from amp_graph.compiler import (
-    COMPILE_META,
-    CaptureCache,
-    check_dtype,
-    model_device_type,
-    resolve_dtype,
-    rewrite,
+from amp_graph.amp_request import (
+    check_request,
+    device_type_of,
+    resolve,
+    validate_module_overrides,
+    validate_node_overrides,
 )
+from amp_graph.capture import Captured, capture_module
+from amp_graph.compiler import COMPILE_META, CaptureCache, rewrite
 from amp_graph.master_weights import MasterWeights
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
-from amp_graph.policy import Policy, nearest, resolve_policy
+from amp_graph.policy import Policy, nearest
 from amp_graph.scaler import GradScaler, NonFiniteGuard
 from amp_graph.step_graph import StepPlan, build_step_graph
 
@@ -87,15 +87,13 @@ class GraphConfig:
     def enable_amp(
         self, mode: bool = True, *, policy: Policy | str = "O1", dtype: torch.dtype | None = None
     ) -> None:
-        """Compute per ``policy`` (O1 by default) in ``dtype`` (the device default if None)."""
-        resolved = resolve_policy(policy, "cpu")  # unknown names fail here, naming the nearest
-        if dtype is not None:
-            if resolved.fp8 is not None:
-                from amp_graph.fp8 import check_fp8_low_dtype
+        """Compute per ``policy`` (O1 by default) in ``dtype`` (the device default if None).
 
-                check_fp8_low_dtype(dtype)
-            else:
-                check_dtype(dtype)
+        The policy means what it means for :func:`amp_graph.compile`, except that module
+        paths start at the Graph (``"model.head"`` for ``self.model = model``): overrides
+        that match no module raise ValueError at the first call, naming the nearest path.
+        """
+        check_request(policy, dtype)  # unknown names and bad dtypes fail here
         self.amp, self.policy, self.dtype = bool(mode), policy, dtype
 
     def set_gradient_clipping(self, max_norm: float | None) -> None:
@@ -365,9 +363,13 @@ class Graph:
             root.add_module(name, module)
         return root
 
-    def _policy(self, device: str) -> tuple[Policy, torch.dtype]:
-        policy = resolve_policy(self.config.policy if self.config.amp else "O0", device)
-        return policy, resolve_dtype(policy, self.config.dtype, device)
+    def _policy(self, root: _Root, device: str) -> tuple[Policy, torch.dtype]:
+        policy = self.config.policy if self.config.amp else "O0"
+        request = resolve(policy, self.config.dtype, device)
+        validate_module_overrides(
+            request.policy, [name for name, _ in root.named_modules()], where="graph"
+        )
+        return request.policy, request.dtype
 
     def _capture(self, root: _Root, args: tuple, dynamic: bool) -> Captured:
         params = list(inspect.signature(self.build).parameters)
@@ -375,9 +377,9 @@ class Graph:
             raise TypeError(
                 f"build takes {len(params)} inputs; the graph was called with {len(args)}"
             )
-        device = model_device_type(root, args)  # the parameters', else the inputs'
-        policy, dtype = self._policy(device)
-        if policy.name.startswith("O2") and self.training and self._master is None:
+        device = device_type_of(root, args)
+        policy, dtype = self._policy(root, device)
+        if policy.master_weights and self.training and self._master is None:
             self._master = MasterWeights.create(self._modules, self._optimizers, dtype)
         autocast_dtype = None if policy.casts_nothing else dtype
         # The graph reads the Graph's modules as its own attributes (self.model.fc.weight),
@@ -395,6 +397,7 @@ class Graph:
             policy=policy,
             low_dtype=dtype,
         )
+        validate_node_overrides(policy, [n.name for n in captured.graph_module.graph.nodes])
         rewrite(captured.graph_module, policy, dtype, device, seconds={"capture": captured.seconds})
         return captured
 

@@ -278,6 +278,10 @@ class Policy:
             ``default`` says. Every op in no table gets ``default``.
         default: the rule for ops in no table: FOLLOW (O0, O1, autocast) or ALLOW (O2, O3).
         cast_inputs: cast floating graph inputs to low precision at entry (Apex O2/O3).
+        master_weights: in a training :class:`amp_graph.Graph`, store the float32
+            parameters in the low dtype (normalization layers excepted) and step float32
+            master copies (Apex O2). Requires ``cast_inputs``. ``compile`` and the backend
+            never change how parameters are stored.
         ops: op-level overrides keyed by aten name, callable or module type.
         module_types: overrides for every node inside a module of that type.
         modules: overrides for every node inside a module whose path matches the glob
@@ -296,6 +300,7 @@ class Policy:
     follow: frozenset[str] = frozenset()
     default: Rule = Rule.FOLLOW
     cast_inputs: bool = False
+    master_weights: bool = False
     ops: Mapping[OpKey, Rule] = field(default_factory=lambda: _frozen(None))
     module_types: Mapping[type, Rule] = field(default_factory=lambda: _frozen(None))
     modules: Mapping[str, Rule] = field(default_factory=lambda: _frozen(None))
@@ -319,6 +324,12 @@ class Policy:
         object.__setattr__(self, "modules", _checked_names("module path", self.modules))
         object.__setattr__(self, "nodes", _checked_names("node name", self.nodes))
         object.__setattr__(self, "notes", _checked_notes(self.notes, self.nodes))
+        if self.master_weights and not self.cast_inputs:
+            raise ValueError(
+                "Policy(master_weights=True) keeps float32 masters of parameters stored in the "
+                "low dtype, which a policy does only with cast_inputs=True (O2's storage); set "
+                "cast_inputs=True, or start from Policy.preset('O2')"
+            )
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(f"Policy fp8 is an amp_graph.fp8.Fp8Config or None; got {self.fp8!r}")
 
@@ -353,6 +364,7 @@ class Policy:
                 follow=mixed,
                 default=Rule.ALLOW,
                 cast_inputs=True,
+                master_weights=True,
             )
         return Policy("O3", default=Rule.ALLOW, cast_inputs=True)
 
@@ -483,14 +495,16 @@ class Policy:
         self.validate_modules(module_paths)
         self.validate_nodes(node_names)
 
-    def validate_modules(self, module_paths: Iterable[str]) -> None:
-        """Raise ValueError for module path globs that match no module, or conflict."""
+    def validate_modules(self, module_paths: Iterable[str], *, where: str = "model") -> None:
+        """Raise ValueError for module path globs that match no module, or conflict.
+        ``where``: ``"model"`` (paths of ``model.named_modules()``) or ``"graph"`` (paths
+        of an ``amp_graph.Graph``, which start at its registered modules)."""
         paths = [p for p in module_paths if p]
         for glob in self.modules:
             if not any(_glob_match(glob, p) for p in paths):
                 raise ValueError(
-                    f"module path override {glob!r} matches no module of the model."
-                    f"{nearest(glob, paths)} Module paths are those of model.named_modules()."
+                    f"module path override {glob!r} matches no module of the {where}."
+                    f"{nearest(glob, paths)} {_PATHS_START[where]}"
                 )
         for path in paths:
             rules = {g: r for g, r in self.modules.items() if _glob_match(g, path)}
@@ -509,6 +523,16 @@ class Policy:
                     f"node override {name!r} names no node of the captured graph."
                     f"{nearest(name, names)} See print(compiled.graph) or amp_graph.report()."
                 )
+
+
+_PATHS_START = {
+    "model": "Module paths are those of model.named_modules().",
+    "graph": (
+        "In an amp_graph.Graph, module paths start at the Graph: the name a module is "
+        "registered under comes first ('model.head' for self.model = model), as in "
+        "graph-level OneFlow; a policy written for amp_graph.compile(model) needs that prefix."
+    ),
+}
 
 
 @functools.lru_cache(maxsize=256)

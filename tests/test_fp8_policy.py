@@ -122,7 +122,7 @@ def test_bad_input_gets_a_clear_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a build without CUDA")
 def test_a_device_without_float8_matmuls_is_refused_before_capture():
-    from amp_graph.compiler import resolve_dtype
+    from amp_graph.amp_request import resolve_dtype
 
     with pytest.raises(Fp8UnsupportedError, match="no float8 matmul on device 'cuda'"):
         resolve_dtype(amp_graph.Policy.preset("fp8"), None, "cuda")

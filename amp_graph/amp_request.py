@@ -1,0 +1,142 @@
+"""One policy front: what every entry point does with the user's policy, dtype and model.
+
+``amp_graph.compile``, the ``torch.compile`` backend and ``amp_graph.Graph`` take the same
+request (a policy, a low dtype, a model) and must mean the same thing by it. This module is
+the only place that decides what it means:
+
+* :func:`check_request`: the checks that need no model, run where the user states the request
+  (``compile(...)``, ``backend(...)``, ``graph.config.enable_amp(...)``), so a bad preset
+  name, dtype or fp8 dtype fails at that line;
+* :func:`device_type_of`: the device a model computes on, one rule for all three;
+* :func:`resolve`: policy object, low dtype and device type (:class:`AmpRequest`), with fp8's
+  device check;
+* :func:`validate_module_overrides` and :func:`validate_node_overrides`: module paths and node
+  names that match nothing raise ``ValueError`` naming the nearest, at every entry point. The
+  paths are those of the module the entry point captures: the model's own
+  ``named_modules()`` for ``compile``, the Graph's (``model.head`` for ``self.model``) for
+  ``Graph``; the backend only warns (dynamo may split a model over graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from amp_graph.policy import PRESETS, Policy, resolve_policy
+
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AmpRequest:
+    """A resolved request: the policy object, the low dtype it computes in, the device type."""
+
+    policy: Policy
+    dtype: torch.dtype
+    device_type: str
+
+
+def default_dtype(device_type: str) -> torch.dtype:
+    """torch.autocast's default: float16 on CUDA, bfloat16 on CPU."""
+    return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+def check_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` if it is a low-precision compute dtype; a ValueError saying what to pass else."""
+    if dtype in LOW_PRECISION_DTYPES:
+        return dtype
+    hint = ""
+    if dtype == torch.float32:
+        hint = " For float32 everywhere use policy='O0'."
+    elif isinstance(dtype, str):
+        name = "bfloat16" if "b" in dtype else "float16"
+        hint = f" Pass the torch dtype object, e.g. dtype=torch.{name}."
+    raise ValueError(
+        "dtype is the low-precision compute dtype, torch.float16 or torch.bfloat16; "
+        f"got {dtype!r}.{hint}"
+    )
+
+
+def check_request(policy: Policy | str, dtype: Any) -> None:
+    """Raise for a policy or dtype that no model could make valid: a policy of the wrong type
+    or an unknown preset (naming the nearest), a dtype that is not a low float, a dtype fp8
+    cannot compute around."""
+    if not isinstance(policy, (Policy, str)):
+        raise TypeError(
+            f"policy is a preset name {list(PRESETS)} or an amp_graph.Policy; "
+            f"got {policy!r} of type {type(policy).__name__}"
+        )
+    resolved = resolve_policy(policy, "cpu")  # an unknown preset fails here
+    if dtype is None:
+        return
+    if resolved.fp8 is not None:
+        from amp_graph.fp8 import check_fp8_low_dtype
+
+        check_fp8_low_dtype(dtype)
+    else:
+        check_dtype(dtype)
+
+
+def resolve_dtype(policy: Policy, dtype: Any, device_type: str) -> torch.dtype:
+    """The low dtype a policy computes in on a device, checked: torch.autocast's default
+    (float16 on CUDA, else bfloat16), bfloat16 for fp8 policies, whose float8 matmuls
+    this device must run (a clear error otherwise)."""
+    if policy.fp8 is not None:
+        from amp_graph.fp8 import check_fp8_low_dtype, require_fp8_matmul
+
+        dtype = check_fp8_low_dtype(torch.bfloat16 if dtype is None else dtype)
+        require_fp8_matmul(device_type, policy.fp8.recipe)
+        return dtype
+    return check_dtype(default_dtype(device_type) if dtype is None else dtype)
+
+
+def device_type_of(module: nn.Module | None, inputs: Any = ()) -> str:
+    """The device autocast would use: the first non-CPU device among the module's parameters
+    and buffers, then the inputs' tensors; else ``"cpu"``. (A CPU buffer registered before
+    CUDA parameters does not make a CUDA model a CPU one.)"""
+    tensors: list[Any] = []
+    if module is not None:
+        tensors += [*module.parameters(), *module.buffers()]
+    tensors += pytree.tree_leaves(inputs)
+    for value in tensors:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device.type
+    return "cpu"
+
+
+def resolve(policy: Policy | str, dtype: Any, device_type: str) -> AmpRequest:
+    """The request as the passes take it (see the module doc)."""
+    resolved = resolve_policy(policy, device_type)
+    return AmpRequest(resolved, resolve_dtype(resolved, dtype, device_type), device_type)
+
+
+def validate_module_overrides(
+    policy: Policy, module_paths: Iterable[str], *, where: str = "model"
+) -> None:
+    """Raise ValueError for a module path glob that matches none of ``module_paths`` (naming
+    the nearest path and where paths start from), or globs that clash."""
+    policy.validate_modules(module_paths, where=where)
+
+
+def validate_node_overrides(policy: Policy, node_names: Iterable[str]) -> None:
+    """Raise ValueError for a node override naming no node of the captured graph."""
+    policy.validate_nodes(node_names)
+
+
+__all__ = [
+    "LOW_PRECISION_DTYPES",
+    "AmpRequest",
+    "check_dtype",
+    "check_request",
+    "default_dtype",
+    "device_type_of",
+    "resolve",
+    "resolve_dtype",
+    "validate_module_overrides",
+    "validate_node_overrides",
+]
