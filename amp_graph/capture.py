@@ -42,7 +42,10 @@ from amp_graph.capture_dtypes import (
     mark_checkpoint_regions,
     strip_widening_casts,
 )
-from amp_graph.passes.classify import MODEL_ROOT
+from amp_graph.capture_fsdp import fsdp_units_unsharded
+from amp_graph.passes.checkpoints import CHECKPOINT_REGION
+from amp_graph.passes.classify import MODEL_ROOT, model_root
+from amp_graph.passes.fsdp_hooks import FSDP_UNITS, stack_unit
 from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -156,11 +159,16 @@ def capture_module(
         if policy is not None and policy.cast_inputs
         else contextlib.nullcontext()
     )
+    # FSDP2: every rank captures its units unsharded with their hooks detached
+    # (amp_graph/capture_fsdp.py); the pass fsdp_hooks calls the hooks in the graph
+    fsdp = fsdp_units_unsharded(model)
     try:
-        with capture_autocast(device_type, autocast_dtype), planned, half:
+        with fsdp as units, capture_autocast(device_type, autocast_dtype), planned, half:
             program = torch.export.export(
                 model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
             )
+    except CaptureError:
+        raise  # an FSDP2 setup amp_graph cannot capture, said as such
     except Exception as error:
         if _raised_by_user_code(error):
             raise  # the model's own assert or check failed: that is the user's error as is
@@ -180,10 +188,33 @@ def capture_module(
             strip_widening_casts(gm, planned.widening_casts)
             gm.recompile()
         mark_checkpoint_regions(gm, planned.checkpointed)
+    if units:
+        gm.meta[FSDP_UNITS] = units
+        _check_checkpoints_within_units(gm, units)
     spec = program.call_spec
     return Captured(
         gm, spec.in_spec, spec.out_spec, _shape_guard(gm, program), time.perf_counter() - start
     )
+
+
+def _check_checkpoints_within_units(gm: fx.GraphModule, units: list[str]) -> None:
+    """An activation checkpoint must lie inside one FSDP2 unit (or outside all of them):
+    FSDP's hooks run at unit boundaries, and one that fell inside a recomputed region
+    would all-gather or reshard again in backward, which the graph cannot express."""
+    found: dict[int, set[str | None]] = {}
+    for node in gm.graph.nodes:
+        if CHECKPOINT_REGION in node.meta:
+            unit = stack_unit(node, gm, units)
+            found.setdefault(node.meta[CHECKPOINT_REGION], set()).add(unit)
+    for region, inside in found.items():
+        if len(inside) > 1:
+            names = ", ".join(sorted(repr(u) for u in inside))
+            raise CaptureError(
+                f"activation checkpoint {region} of {type(model_root(gm)).__name__} spans the "
+                f"FSDP2 units {names}: amp_graph can keep a checkpoint only inside one unit. "
+                "Checkpoint each FSDP2 unit (or a part of one) on its own, e.g. "
+                "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) per block."
+            )
 
 
 def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:

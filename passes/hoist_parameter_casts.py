@@ -6,10 +6,12 @@ pass takes them out of the graph: they become the items of one new input,
 ``low_precision_weights``, which :class:`amp_graph.Graph`'s step graph computes once.
 
 Reads: cast nodes (``role=CAST``, ``x.to(dtype)``) of ``get_attr`` parameters
-(``role=PARAM``). Writes: ``getitem`` nodes in their place with ``role=PARAM``; removes the
-casts and the parameter reads left unused. Guarantees: every consumer receives the same
-value as before (the same cast of the same parameter, made earlier), and autograd still
-flows through each cast into the float32 ``.grad`` of its parameter.
+(``role=PARAM``), except those of FSDP2 units' parameters (``meta["fsdp_unit"]``: a shard
+until the unit's pre-forward hook runs). Writes: ``getitem`` nodes in their place with
+``role=PARAM``; removes the casts and the parameter reads left unused. Guarantees: every
+consumer receives the same value as before (the same cast of the same parameter, made
+earlier), and autograd still flows through each cast into the float32 ``.grad`` of its
+parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.fx as fx
 
 from amp_graph.policy import Rule
 
+from .fsdp_hooks import FSDP_UNIT
 from .meta import AMP, AmpInfo, Role, short
 from .result import PassResult
 
@@ -47,6 +50,8 @@ def hoist_parameter_casts(gm: fx.GraphModule) -> tuple[PassResult, list[tuple[st
         and isinstance(n.args[0], fx.Node)
         and n.args[0].op == "get_attr"
         and n.args[0].meta[AMP].role is Role.PARAM
+        # a parameter of an FSDP2 unit is a shard outside the unit's region: cast it there
+        and FSDP_UNIT not in n.args[0].meta
     ]
     if not casts:
         return PassResult(gm, modified=False, stats={"casts_hoisted": 0}), []

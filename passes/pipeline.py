@@ -1,7 +1,8 @@
 """The driver: runs the passes in order, and says which one failed.
 
 Order: inline_regions -> classify -> (fp8_linears, under an fp8 policy) -> expose_parameters
--> assign_dtypes -> insert_casts -> simplify_casts -> verify. With ``check_each=True`` (the
+-> assign_dtypes -> insert_casts -> simplify_casts -> verify -> fsdp_hooks (models sharded
+with FSDP2) -> outline_checkpoints. With ``check_each=True`` (the
 tests use it) the verifier also runs after every pass, so a pass that breaks an invariant is
 caught where it happens.
 """
@@ -23,6 +24,7 @@ from .checkpoints import outline_checkpoints
 from .classify import classify, model_root
 from .expose_parameters import expose_parameters
 from .fp8_linears import fp8_linears
+from .fsdp_hooks import fsdp_hooks
 from .insert_casts import insert_casts
 from .regions import inline_regions
 from .result import PassResult
@@ -62,6 +64,9 @@ def amp_passes(
     passes.append(("insert_casts", insert_casts))
     passes.append(("simplify_casts", simplify_casts))
     passes.append(("verify", lambda gm: verify(gm, propagate=full_verify)))
+    # after every dtype is settled (its calls run collectives: no pass may run the graph
+    # after it); before the outlining, which then finds checkpoints inside units' regions
+    passes.append(("fsdp_hooks", fsdp_hooks))
     # last: it moves checkpointed nodes into submodules, after every dtype is settled
     passes.append(("outline_checkpoints", outline_checkpoints))
     return passes
@@ -77,7 +82,7 @@ def run_passes(
         start = time.perf_counter()
         try:
             out = run(gm)
-            skip = ("verify", "inline_regions", "fp8_linears", "outline_checkpoints")
+            skip = ("verify", "inline_regions", "fp8_linears", "fsdp_hooks", "outline_checkpoints")
             if check_each and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)

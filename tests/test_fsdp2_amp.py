@@ -1,0 +1,431 @@
+"""amp_graph on models sharded with FSDP2 (``fully_shard``) and on DDP: 2 CPU processes, gloo.
+
+Each test trains the same sharded model two ways from the same initialization, on each
+rank's own data: through amp_graph (``compile`` or ``Graph``) and by a hand-written
+``torch.autocast`` loop, the oracle. Every rank returns its losses and the full
+parameters (``p.full_tensor()``) through a file; the parent compares them.
+
+Why amp_graph's numbers can differ from the oracle's at all: the per-op dtypes are the same
+(asserted below: O1 decides these ops as CPU autocast does), but amp_graph casts each value
+once per dtype where autocast casts it per consumer, so autograd sums the low-precision
+gradients of a shared cast in bfloat16 before the float32 accumulation (README, "Known
+limits"), a few bfloat16 ulps (2**-8 relative) in those gradients. After 3 AdamW steps at
+lr 1e-2 each parameter moves by at most 3e-2, and a few-ulp difference in a gradient
+changes AdamW's step by far less than that; the tolerances below (1e-3 on parameters,
+5e-3 relative on the losses) are 30x below a single step and would catch a missed
+unshard (shard-sized garbage), a dropped hook (no reduce-scatter: ranks diverge) or a
+wrong dtype (fp32 vs bf16 differ by ~1e-2 on these losses).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+WORLD = 2
+STEPS = 3
+VOCAB, DIM, SEQ, BATCH = 32, 16, 8, 4
+JOIN_SECONDS = 90  # a rank that hangs on a collective fails the test instead of hanging it
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, two pre-norm MLP blocks, a final norm and a head: nanoGPT's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def sharded_model(**fully_shard_kwargs: Any) -> TinyLM:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # the same full parameters on every rank before sharding
+    model = TinyLM()
+    for block in model.blocks:
+        fully_shard(block, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def train_autocast(model: nn.Module, rank: int, dtype: torch.dtype) -> list[float]:
+    """The oracle: eager FSDP2 under torch.autocast."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches(rank):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_compiled(step_model: nn.Module, model: nn.Module, rank: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches(rank):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(step_model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# ---- the scenarios, one per test: each runs on every rank and returns what it measured ----
+
+
+def compile_bf16(rank: int) -> dict[str, Any]:
+    import amp_graph
+
+    model = sharded_model()
+    compiled = amp_graph.compile(model, policy="O1", dtype=torch.bfloat16)
+    losses = train_compiled(compiled, model, rank)
+    gm = compiled.graph_module
+    reference = sharded_model()
+    return {
+        "losses": losses,
+        "params": full_parameters(model),
+        "ref_losses": train_autocast(reference, rank, torch.bfloat16),
+        "ref_params": full_parameters(reference),
+        "code": gm.code,
+        "targets": [str(n.target) for n in gm.graph.nodes],
+        "shares": _shares_parameters(gm, model),
+    }
+
+
+def graph_bf16(rank: int) -> dict[str, Any]:
+    import amp_graph
+
+    class TrainStep(amp_graph.Graph):
+        def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, policy="O1", dtype=torch.bfloat16)
+
+        def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(self.model(x), y)
+            loss.backward()
+            return loss
+
+    model = sharded_model()
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = [step(x, y).item() for x, y in batches(rank)]
+    reference = sharded_model()
+    return {
+        "losses": losses,
+        "params": full_parameters(model),
+        "ref_losses": train_autocast(reference, rank, torch.bfloat16),
+        "ref_params": full_parameters(reference),
+        "code": step.build_graph.code,
+        "skipped": step.skipped_steps,
+    }
+
+
+POISONED_STEP = 1
+
+
+def _train_scaled(forward: Callable, model: nn.Module, rank: int, autocast: bool) -> dict:
+    """float16 with amp_graph.GradScaler; rank 1's shard of one gradient is inf at
+    POISONED_STEP, so the scaler (checking the sharded gradients over the mesh) must make
+    every rank skip that step."""
+    from amp_graph.scaler import GradScaler
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = GradScaler(init_scale=2.0**10)
+    taken = []
+    for step, (x, y) in enumerate(batches(rank)):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            logits = forward(x)
+        scaler.scale(loss_fn(logits, y)).backward()
+        if step == POISONED_STEP and rank == 1:
+            model.blocks[1].fc2.weight.grad.to_local()[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        taken.append(bool(scaler.last_step_taken))
+    return {"taken": taken, "params": full_parameters(model), "scale": scaler.get_scale()}
+
+
+def compile_fp16_scaler(rank: int) -> dict[str, Any]:
+    import amp_graph
+
+    model = sharded_model()
+    compiled = amp_graph.compile(model, policy="O1", dtype=torch.float16)
+    ours = _train_scaled(compiled, model, rank, autocast=False)
+    reference = sharded_model()
+    theirs = _train_scaled(reference, reference, rank, autocast=True)
+    return {"ours": ours, "theirs": theirs}
+
+
+def ddp_compile(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import amp_graph
+
+    torch.manual_seed(0)
+    model, reference = TinyLM(), TinyLM()
+    reference.load_state_dict(model.state_dict())
+    compiled = DDP(amp_graph.compile(model, policy="O1", dtype=torch.bfloat16))
+    losses = train_compiled(compiled, model, rank)
+    ref = DDP(reference)
+    return {
+        "losses": losses,
+        "params": full_parameters(model),
+        "ref_losses": train_autocast(ref, rank, torch.bfloat16),
+        "ref_params": full_parameters(reference),
+    }
+
+
+def param_dtype_refused(rank: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import amp_graph
+
+    model = sharded_model(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    hooks_before = [dict(m._forward_pre_hooks) for m in model.modules()]
+    try:
+        amp_graph.compile(model, policy="O1", dtype=torch.bfloat16)(batches(rank)[0][0])
+    except amp_graph.CaptureError as error:
+        message = str(error)
+    else:
+        message = ""
+    hooks_after = [dict(m._forward_pre_hooks) for m in model.modules()]
+    return {"message": message, "hooks_kept": hooks_before == hooks_after}
+
+
+class CheckpointedLM(TinyLM):
+    """Blocks 0 and 1 recomputed in backward: one checkpoint per block (supported) or one
+    over both (spans two FSDP units: refused)."""
+
+    def __init__(self, per_block: bool) -> None:
+        super().__init__()
+        self.per_block = per_block
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(idx)
+        if self.per_block:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+        else:
+            x = checkpoint(lambda h: self.blocks[1](self.blocks[0](h)), x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def _sharded_checkpointed(per_block: bool) -> CheckpointedLM:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = CheckpointedLM(per_block)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def checkpoints(rank: int) -> dict[str, Any]:
+    import amp_graph
+
+    model = _sharded_checkpointed(per_block=True)
+    compiled = amp_graph.compile(model, policy="O1", dtype=torch.bfloat16)
+    losses = train_compiled(compiled, model, rank)
+    reference = _sharded_checkpointed(per_block=True)
+    spanning = _sharded_checkpointed(per_block=False)
+    try:
+        amp_graph.compile(spanning, policy="O1", dtype=torch.bfloat16)(batches(rank)[0][0])
+    except amp_graph.CaptureError as error:
+        message = str(error)
+    else:
+        message = ""
+    return {
+        "losses": losses,
+        "params": full_parameters(model),
+        "ref_losses": train_autocast(reference, rank, torch.bfloat16),
+        "ref_params": full_parameters(reference),
+        "code": compiled.graph_module.code,
+        "spanning": message,
+    }
+
+
+def _shares_parameters(gm: Any, model: nn.Module) -> bool:
+    """The graph reads the model itself (no copy): its parameter reads name the model's
+    attributes, and the graph's model is the user's object."""
+    return gm.get_submodule("model") is model
+
+
+# ---- the harness ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    torch.set_num_threads(1)
+    try:
+        result = SCENARIOS[scenario](rank)
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """Run ``scenario`` on WORLD processes; fail (not hang) if a rank fails or stalls."""
+    context = mp.spawn(
+        _worker, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, join=False
+    )
+    deadline = time.monotonic() + JOIN_SECONDS
+    try:
+        # join returns when one process ends (raising if it failed, after ending the others)
+        while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{scenario}: ranks still running after {JOIN_SECONDS} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "compile_bf16": compile_bf16,
+    "graph_bf16": graph_bf16,
+    "compile_fp16_scaler": compile_fp16_scaler,
+    "ddp_compile": ddp_compile,
+    "param_dtype_refused": param_dtype_refused,
+    "checkpoints": checkpoints,
+}
+
+
+def _assert_close_to_reference(ranks: list[dict[str, Any]], atol: float = 1e-3) -> None:
+    for result in ranks:
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), rtol=5e-3, atol=0
+        )
+        assert result["params"].keys() == result["ref_params"].keys()
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, result["ref_params"][name], rtol=0, atol=atol)
+    for name, value in ranks[0]["params"].items():  # one model: the ranks agree exactly
+        assert torch.equal(value, ranks[1]["params"][name]), name
+
+
+def test_compile_fsdp2_bf16_matches_autocast(tmp_path: Path) -> None:
+    ranks = run_ranks("compile_bf16", tmp_path)
+    _assert_close_to_reference(ranks)
+    code = ranks[0]["code"]
+    for unit in ("root", "blocks_0", "blocks_1"):
+        assert f"fsdp_unshard_{unit} = " in code and f"fsdp_reshard_{unit} = " in code
+    targets = ranks[0]["targets"]
+    assert targets.count("<function fsdp_pre_forward") == 0  # named by str() of a function
+    assert ranks[0]["shares"]
+
+
+def test_graph_fsdp2_bf16_matches_autocast(tmp_path: Path) -> None:
+    ranks = run_ranks("graph_bf16", tmp_path)
+    _assert_close_to_reference(ranks)
+    assert "fsdp_unshard_model_blocks_1 = " in ranks[0]["code"]
+    assert all(r["skipped"] == 0 for r in ranks)
+
+
+def test_compile_fsdp2_fp16_scaler_skips_a_step_poisoned_on_one_rank(tmp_path: Path) -> None:
+    ranks = run_ranks("compile_fp16_scaler", tmp_path)
+    for result in ranks:
+        ours, theirs = result["ours"], result["theirs"]
+        assert ours["taken"] == [step != POISONED_STEP for step in range(STEPS)]
+        assert ours["taken"] == theirs["taken"] and ours["scale"] == theirs["scale"]
+        for name, value in ours["params"].items():
+            torch.testing.assert_close(value, theirs["params"][name], rtol=0, atol=1e-6)
+    for name, value in ranks[0]["ours"]["params"].items():
+        assert torch.equal(value, ranks[1]["ours"]["params"][name]), name
+
+
+def test_ddp_of_compiled_module_matches_ddp_autocast(tmp_path: Path) -> None:
+    _assert_close_to_reference(run_ranks("ddp_compile", tmp_path))
+
+
+def test_fsdp2_param_dtype_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    for result in run_ranks("param_dtype_refused", tmp_path):
+        assert "leave param_dtype and output_dtype unset" in result["message"]
+        assert result["hooks_kept"]
+
+
+def test_fsdp2_checkpoint_per_block_kept_and_spanning_refused(tmp_path: Path) -> None:
+    ranks = run_ranks("checkpoints", tmp_path)
+    _assert_close_to_reference(ranks)
+    code = ranks[0]["code"]
+    assert code.count("torch.utils.checkpoint.checkpoint(") == 2
+    assert "spans the FSDP2 units 'blocks.0', 'blocks.1'" in ranks[0]["spanning"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
