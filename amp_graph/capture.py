@@ -42,7 +42,7 @@ from amp_graph.capture_dtypes import (
     mark_checkpoint_regions,
     strip_widening_casts,
 )
-from amp_graph.capture_fsdp import fsdp_units_unsharded
+from amp_graph.capture_fsdp import UnsupportedFSDP, fsdp_units_unsharded
 from amp_graph.passes.checkpoints import CHECKPOINT_REGION
 from amp_graph.passes.classify import MODEL_ROOT, model_root
 from amp_graph.passes.fsdp_hooks import FSDP_UNITS, stack_unit
@@ -167,8 +167,8 @@ def capture_module(
             program = torch.export.export(
                 model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
             )
-    except CaptureError:
-        raise  # an FSDP2 setup amp_graph cannot capture, said as such
+    except UnsupportedFSDP as error:
+        raise CaptureError(str(error)) from None  # says what to do; the trace adds nothing
     except Exception as error:
         if _raised_by_user_code(error):
             raise  # the model's own assert or check failed: that is the user's error as is

@@ -16,7 +16,8 @@ are its input (``gm.meta["amp_graph.fsdp_units"]``).
 FSDP's own mixed precision (``MixedPrecisionPolicy(param_dtype=..., output_dtype=...)``)
 is refused: amp_graph casts each op's inputs itself, and a second set of casts inside the
 hooks, which the capture cannot see, would give the graph values of other dtypes than the
-ones it was planned for. ``reduce_dtype`` is fine (it is the gradient all-reduce's).
+ones it was planned for (:class:`UnsupportedFSDP`, raised as a ``CaptureError``).
+``reduce_dtype`` is fine (it is the gradient reduce-scatter's).
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
-
-FSDP_UNITS = "amp_graph.fsdp_units"
-"""``gm.meta`` key: the module paths of the FSDP2 units of the captured model (relative to
-the model root the graph's module paths name), outermost first (``named_modules`` order)."""
 
 
 def fsdp_module_type() -> type | None:
@@ -49,21 +46,23 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, fsdp)]
 
 
+class UnsupportedFSDP(ValueError):
+    """An FSDP2 setup amp_graph cannot capture; the capture raises it as a CaptureError."""
+
+
 def _check_supported(path: str, module: nn.Module) -> Any:
     """The unit's FSDPState, or an error saying what amp_graph cannot capture and why."""
-    from amp_graph.capture import CaptureError
-
     state = module._get_fsdp_state()
     name = path or type(module).__name__
     if len(getattr(state, "_modules", (module,))) != 1:
-        raise CaptureError(
+        raise UnsupportedFSDP(
             f"amp_graph cannot capture the FSDP2 unit {name!r}: it was made by "
             "fully_shard([...]) over several modules, whose hooks fire per module; call "
             "fully_shard on each module (or on their common parent) instead."
         )
     policy = state._mp_policy
     if policy.param_dtype is not None or policy.output_dtype is not None:
-        raise CaptureError(
+        raise UnsupportedFSDP(
             f"the FSDP2 unit {name!r} has MixedPrecisionPolicy(param_dtype="
             f"{policy.param_dtype}, output_dtype={policy.output_dtype}): amp_graph casts each "
             "op's inputs itself, so leave param_dtype and output_dtype unset (keep "
@@ -105,4 +104,4 @@ def fsdp_units_unsharded(model: nn.Module) -> Iterator[list[str]]:
         yield [path for path, _ in units]
 
 
-__all__ = ["FSDP_UNITS", "fsdp_module_type", "fsdp_units", "fsdp_units_unsharded"]
+__all__ = ["UnsupportedFSDP", "fsdp_module_type", "fsdp_units", "fsdp_units_unsharded"]
