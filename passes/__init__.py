@@ -10,7 +10,8 @@ Installed as ``amp_graph.passes``. The passes talk through ``node.meta["amp"]``
 4. :func:`insert_casts` - the plan as cast nodes, one per (consumer, input);
 5. :func:`simplify_casts` - a rule table removes casts that change nothing;
 6. :func:`verify` - lint plus dtype consistency with the plan;
-7. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward.
+7. :func:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
+8. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward.
 
 Invariants no pass may break: the user's module is never modified; parameters are never
 copied (casts read them); casts the model wrote and in-place ops are never altered;
@@ -21,6 +22,7 @@ from .assign_dtypes import assign_dtypes, propagate_dtypes
 from .checkpoints import CHECKPOINT_REGION, outline_checkpoints
 from .classify import classify
 from .expose_parameters import expose_parameters
+from .fsdp_hooks import fsdp_hooks
 from .insert_casts import cast_if_castable, insert_casts
 from .meta import AMP, UNKNOWN, AmpInfo, Role
 from .pipeline import PassError, PipelineResult, run_passes
@@ -47,6 +49,7 @@ __all__ = [
     "cast_if_castable",
     "classify",
     "expose_parameters",
+    "fsdp_hooks",
     "inline_regions",
     "insert_casts",
     "outline_checkpoints",

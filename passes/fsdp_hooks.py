@@ -106,7 +106,7 @@ def _homes(gm: fx.GraphModule, units: list[str]) -> tuple[dict[fx.Node, str], se
     """Each node's unit (the innermost region it must run in), and the nodes computed from
     parameters alone that read a unit's parameter (they move next to their first user)."""
     root = model_root(gm)
-    prefix = (gm.meta.get(MODEL_ROOT) or "") + "." if gm.meta.get(MODEL_ROOT) else ""
+    prefix = f"{gm.meta[MODEL_ROOT]}." if gm.meta.get(MODEL_ROOT) else ""
     parameters = {name for name, _ in root.named_parameters(remove_duplicate=False)}
     home: dict[fx.Node, str] = {}
     constant: dict[fx.Node, set[str]] = {}  # parameter-only nodes: the units they read
@@ -138,21 +138,10 @@ def _homes(gm: fx.GraphModule, units: list[str]) -> tuple[dict[fx.Node, str], se
         if amp is None or amp.role is not Role.CAST or "nn_module_stack" in node.meta:
             continue
         readers = [home.get(u) for u in node.users]
-        if readers and None not in readers and node not in constant:
-            home[node] = _common(readers)
+        holding = [u for u in units if readers and all(_within(r or "?", u) for r in readers)]
+        if holding and node not in constant:
+            home[node] = max(holding, key=len)  # the innermost unit holding every reader
     return home, {n for n, r in constant.items() if r}
-
-
-def _common(units: list[str]) -> str:
-    """The innermost unit holding all of ``units``."""
-    common = units[0].split(".") if units[0] else []
-    for unit in units[1:]:
-        parts = unit.split(".") if unit else []
-        n = 0
-        while n < min(len(common), len(parts)) and common[n] == parts[n]:
-            n += 1
-        common = common[:n]
-    return ".".join(common)
 
 
 def _is_tensor(node: fx.Node) -> bool:
