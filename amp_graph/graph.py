@@ -57,6 +57,7 @@ from amp_graph.amp_request import (
     validate_node_overrides,
 )
 from amp_graph.capture import Captured, capture_module
+from amp_graph.capture_fsdp import fsdp_units
 from amp_graph.compiler import COMPILE_META, CaptureCache, rewrite
 from amp_graph.master_weights import MasterWeights
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
@@ -380,6 +381,7 @@ class Graph:
         device = device_type_of(root, args)
         policy, dtype = self._policy(root, device)
         if policy.master_weights and self.training and self._master is None:
+            _refuse_masters_of_sharded(root, policy)
             self._master = MasterWeights.create(self._modules, self._optimizers, dtype)
         autocast_dtype = None if policy.casts_nothing else dtype
         # The graph reads the Graph's modules as its own attributes (self.model.fc.weight),
@@ -530,3 +532,17 @@ class Graph:
         if self.training:
             parts += ["build graph:", self.build_graph.code.strip()]
         return "\n".join(parts)
+
+
+def _refuse_masters_of_sharded(root: nn.Module, policy: Policy) -> None:
+    """Master weights replace the model's parameters with low-precision copies, which would
+    take FSDP2's sharded parameters from under it: refuse, saying what does work."""
+    units = [path or "<root>" for path, _ in fsdp_units(root)]
+    if units:
+        raise ValueError(
+            f"policy {policy.name!r} keeps float32 master weights (master_weights=True), which "
+            f"would replace the parameters FSDP2 shards (units {units[:3]}...). With FSDP2 the "
+            "sharded float32 parameters already are the masters: use "
+            "dataclasses.replace(Policy.preset('O2'), master_weights=False) for O2's compute "
+            "dtypes, or O1/O3."
+        )

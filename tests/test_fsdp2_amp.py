@@ -285,7 +285,26 @@ def refusals(rank: int) -> dict[str, Any]:
     )
     loss = loss_fn(branching(batches(rank)[0][0]), batches(rank)[0][1])
     loss.backward()  # eager FSDP still works after the failed capture
+
+    class O2Step(amp_graph.Graph):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+            self.config.enable_amp(True, policy="O2", dtype=torch.bfloat16)
+
+        def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(self.model(x), y)
+            loss.backward()
+            return loss
+
+    try:
+        O2Step(sharded_model())(*batches(rank)[0])
+        masters = ""
+    except ValueError as error:
+        masters = str(error)
     return {
+        "masters": masters,
         "param_dtype": capture_error(mixed),
         "failed": failed,
         "hooks_kept": before == _hooks(branching),
@@ -498,6 +517,7 @@ def test_ddp_of_compiled_module_matches_ddp_autocast(tmp_path: Path) -> None:
 def test_fsdp2_refusals_say_what_to_do_and_leave_fsdp_as_it_was(tmp_path: Path) -> None:
     for result in run_ranks("refusals", tmp_path):
         assert "leave param_dtype and output_dtype unset" in result["param_dtype"]
+        assert "already are the masters" in result["masters"]
         assert "branches on the values inside a tensor" in result["failed"]
         assert result["hooks_kept"] and result["resharded"] and result["grads"]
         assert result["pinned"]
