@@ -15,6 +15,12 @@ Graph with ``config.enable_compile()`` (inductor). The runs take their steps in 
 prints test accuracy, median step time and its ratio to fp32 and to torch.autocast, the
 bytes of parameters, gradients and master weights, the skipped steps, and the cast report
 of O1.
+
+By default the demo is quick on any CPU (about half a minute of training): it times a few
+warm-up steps of every run, says whether bfloat16 is slow here (emulated, or without a fast
+kernel for these layers) and what that means for the ratios, and picks the number of steps
+that fits its time budget. ``--full`` is the long run (300 steps of 128, width 32);
+``--steps N`` fixes the number of steps.
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ from amp_graph import models
 from amp_graph.data import Split, batches, load_digits
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LEARNING_RATE = 1e-2  # reaches ~95% test accuracy in the quick demo's ~40-200 steps
+WARMUP_STEPS = 3  # timed before choosing the number of steps; the first one also captures
+SLOW_LOW_PRECISION = 3.0  # autocast step / fp32 step above which low precision is "slow here"
+QUICK = {"budget": 25.0, "width": 16, "batch": 64, "min_steps": 10, "max_steps": 300}
+FULL = {"steps": 300, "width": 32, "batch": 128}
 
 
 def progress(items: Iterator, total: int, label: str, stream: TextIO = sys.stderr) -> Iterator:
@@ -49,6 +60,71 @@ def progress(items: Iterator, total: int, label: str, stream: TextIO = sys.stder
             stream.flush()
         yield item
     stream.write("\n")
+
+
+def cpu_low_precision_units() -> list[str]:
+    """The CPU's native bfloat16/float16 instruction sets, from /proc/cpuinfo (Linux; empty
+    elsewhere or when it has none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if "flags" in line), [])
+    except OSError:
+        return []
+    wanted = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+    return [flag for flag in wanted if flag in flags]
+
+
+def low_precision_verdict(ratio: float, dtype: torch.dtype, units: list[str]) -> str:
+    """What the measured low-precision/fp32 step ratio means for the demo's numbers."""
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    have = f"this CPU has {', '.join(units)}" if units else f"this CPU has no native {name} units"
+    if ratio <= SLOW_LOW_PRECISION:
+        return (
+            f"{name} is usable here: a torch.autocast step takes {ratio:.1f}x the float32 step "
+            f"({have}). The 'vs fp32' column is a speed comparison."
+        )
+    why = (
+        "it is emulated"
+        if not units
+        else "oneDNN has no fast low-precision kernel for layers this small"
+    )
+    return (
+        f"{name} is slow here: a torch.autocast step takes {ratio:.1f}x the float32 step "
+        f"({have}; {why}). The 'vs fp32' column then measures this CPU's {name} kernels, not "
+        "amp_graph: read 'vs autocast', where both sides run the same low-precision kernels. "
+        "On a GPU (or a CPU with AMX) low precision is the fast side."
+    )
+
+
+def timed_steps(
+    take: Callable[[torch.Tensor, torch.Tensor], None],
+    stream: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    budget: float,
+    low: int,
+    high: int,
+    stream_out: TextIO = sys.stderr,
+) -> int:
+    """Take steps until ``budget`` seconds have passed (at least ``low``, at most ``high``),
+    with a progress bar over the budget; returns how many were taken."""
+    width, live = 30, stream_out.isatty()
+    start, taken = time.perf_counter(), 0
+    while taken < high and (taken < low or time.perf_counter() - start < budget):
+        take(*next(stream))
+        taken += 1
+        elapsed = time.perf_counter() - start
+        if live:
+            done = min(width, int(width * elapsed / budget))
+            stream_out.write(
+                f"\r  {'all runs, in turn':<24} [{'#' * done}{'.' * (width - done)}] "
+                f"{elapsed:4.0f}/{budget:g} s, {taken} steps"
+            )
+            stream_out.flush()
+    elapsed = time.perf_counter() - start
+    stream_out.write(
+        f"\r  {'all runs, in turn':<24} [{'#' * width}] {elapsed:4.0f}/{budget:g} s, "
+        f"{taken} steps\n"
+    )
+    return taken
 
 
 class DigitsStep(amp_graph.Graph):
@@ -79,7 +155,7 @@ class DigitsStep(amp_graph.Graph):
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """Fused AdamW: it skips a step on the device when a gradient is inf/nan (no host read)."""
-    return torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
 
 
 def eager_step(model: nn.Module, dtype: torch.dtype | None, compile: bool = False) -> Callable:
@@ -143,9 +219,25 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--channels", type=int, default=32, help="ConvNet width")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps per run (default: what fits the time budget; 300 with --full)",
+    )
+    parser.add_argument("--batch", type=int, default=None, help="default 64 (128 with --full)")
+    parser.add_argument(
+        "--channels", type=int, default=None, help="ConvNet width (default 16; 32 with --full)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=QUICK["budget"],
+        help="seconds of training the quick demo aims for (default %(default)s)",
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="the long run: 300 steps of 128, width 32"
+    )
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -159,16 +251,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]
+    size = FULL if args.full else QUICK
+    channels = args.channels or size["width"]
+    batch = args.batch or size["batch"]
+    fixed_steps = args.steps or (FULL["steps"] if args.full else None)
 
     torch.manual_seed(0)
     train_split, test_split = load_digits()
+    steps_text = f"{fixed_steps}" if fixed_steps else f"about {args.budget:g} s of"
     print(
-        f"amp_graph demo: ConvNet (width {args.channels}, BatchNorm) on scikit-learn digits "
-        f"({len(train_split.y)} train / {len(test_split.y)} test images), {args.steps} fused "
-        f"AdamW steps of {args.batch}, low precision {dtype}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads\n"
+        f"amp_graph demo: ConvNet (width {channels}, BatchNorm) on scikit-learn digits "
+        f"({len(train_split.y)} train / {len(test_split.y)} test images), {steps_text} fused "
+        f"AdamW steps of {batch}, low precision {dtype}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads{'' if args.full else ' (quick; --full: long run)'}\n"
     )
-    base = models.ConvNet(channels=args.channels)
+    base = models.ConvNet(channels=channels)
 
     runs: dict[str, tuple[nn.Module, Callable, amp_graph.Graph | None]] = {}
     model = copy.deepcopy(base)
@@ -189,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     # every run takes the same batches, in turn: step i of each run before step i + 1
     times: dict[str, list[float]] = {label: [] for label in runs}
     scales: dict[str, list[float]] = {label: [] for label in runs}
-    data = list(batches(train_split, args.batch, args.steps))
-    for x, y in progress(iter(data), args.steps, "all runs, in turn"):
+
+    def take(x: torch.Tensor, y: torch.Tensor) -> None:
         for label, (_, step, graph) in runs.items():
             start = time.perf_counter()
             step(x, y)
@@ -198,12 +295,29 @@ def main(argv: list[str] | None = None) -> int:
             if graph is not None and graph.grad_scaler is not None:
                 scales[label].append(graph.grad_scaler.get_scale())
 
+    stream = batches(train_split, batch, 10**9)
+    for x, y in progress(
+        (next(stream) for _ in range(WARMUP_STEPS)), WARMUP_STEPS, "warm-up (and capture)"
+    ):
+        take(x, y)
+    last = {label: t[-1] for label, t in times.items()}  # after capture and first-step costs
+    ratio = last["torch.autocast eager"] / last["fp32 eager"]
+    print(f"  {low_precision_verdict(ratio, dtype, cpu_low_precision_units())}")
+    if fixed_steps:
+        rest = fixed_steps - WARMUP_STEPS
+        for x, y in progress((next(stream) for _ in range(rest)), rest, "all runs, in turn"):
+            take(x, y)
+    else:  # as many steps as fit the budget, measured as they run (machines are noisy)
+        timed_steps(take, stream, args.budget, QUICK["min_steps"], QUICK["max_steps"])
+    steps = len(times["fp32 eager"])
+    print(f"  {steps} steps per run")
+
     results = {}
     for label, (model, _, graph) in runs.items():
         eval_dtype = None if label == "fp32 eager" else dtype  # O2 weights are low precision
         acc = accuracy(model, test_split, eval_dtype)
         skipped = graph.skipped_steps if graph is not None else None
-        step_time = statistics.median(times[label][5:] or times[label])
+        step_time = statistics.median(times[label][WARMUP_STEPS:] or times[label])
         results[label] = (acc, step_time, scales[label], skipped, parameter_bytes(model, graph))
 
     print("\nCast report of the Graph's build (policy O1):")
@@ -242,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if dtype != torch.float16:
         print("\nLoss scaling at work: float16, MLP, Graph O1 with amp_graph.GradScaler")
-        loss_scaling_run(train_split, steps=200, batch=64)
+        loss_scaling_run(train_split, steps=200 if args.full else 40, batch=64)
     return 0
 
 

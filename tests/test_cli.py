@@ -5,11 +5,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 from amp_graph.cli import UsageError, main, parse_shape
 
@@ -247,3 +249,38 @@ def test_demo_help_and_forwarding(monkeypatch, capsys):
 def test_parse_shape():
     assert parse_shape("8,3,32,32") == (8, 3, 32, 32)
     assert parse_shape(" 4 ") == (4,)
+
+
+def test_demo_says_when_low_precision_is_slow_here():
+    from amp_graph.demo import low_precision_verdict
+
+    emulated = low_precision_verdict(30.0, torch.bfloat16, [])
+    assert "slow here" in emulated and "emulated" in emulated and "'vs autocast'" in emulated
+    no_kernel = low_precision_verdict(8.0, torch.bfloat16, ["avx512_bf16"])
+    assert "slow here" in no_kernel and "avx512_bf16" in no_kernel and "emulated" not in no_kernel
+    fast = low_precision_verdict(0.6, torch.bfloat16, ["amx_bf16"])
+    assert "usable here" in fast and "speed comparison" in fast
+
+
+def test_demo_steps_fit_the_budget_but_never_fewer_than_the_minimum():
+    import io
+    import itertools
+
+    from amp_graph.demo import timed_steps
+
+    taken = []
+    stream = itertools.repeat((torch.zeros(1), torch.zeros(1)))
+    slow = timed_steps(
+        lambda x, y: (taken.append(1), time.sleep(0.02)), stream, 0.1, 3, 50, io.StringIO()
+    )
+    assert 3 <= slow <= 8 and slow == len(taken)  # the budget stops it (0.1 s of 0.02 s steps)
+    assert timed_steps(lambda x, y: time.sleep(0.05), stream, 0.01, 4, 50, io.StringIO()) == 4
+    assert timed_steps(lambda x, y: None, stream, 10.0, 1, 7, io.StringIO()) == 7
+
+
+def test_quick_demo_runs_end_to_end(capsys):
+    from amp_graph.demo import main as demo_main
+
+    assert demo_main(["--steps", "4", "--batch", "16", "--channels", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "float32 step" in out and "4 steps per run" in out and "amp_graph.Graph O2" in out
