@@ -1,0 +1,274 @@
+"""A Lightning precision plugin: amp_graph's graph rewrite and scaler instead of torch.autocast.
+
+``Trainer(precision="16-mixed")`` wraps every step in ``torch.autocast`` and uses torch's
+GradScaler. :class:`AmpGraphPrecision` does the same jobs with amp_graph (the jobs of
+Lightning's ``MixedPrecision`` plugin, ``lightning/pytorch/plugins/precision/amp.py``):
+
+* **compile** (``connect``, after Lightning has moved the model to its device, so that
+  :func:`amp_graph.compile` sees the device the model trains on): every direct child of the
+  LightningModule that holds parameters (or the children named in ``modules``) is compiled
+  with :func:`amp_graph.compile` and called through it, the way ``nn.Module.compile()``
+  installs torch.compile: the child keeps its class, attributes and ``state_dict`` keys, so
+  checkpoints load with or without the plugin. The LightningModule itself is not compiled
+  (its ``training_step`` is Python that Lightning calls; its ``forward`` need not be the
+  training path).
+* **no torch.autocast** (``forward_context`` is a null context): the compiled graphs already
+  compute each op at the dtype the policy gives it.
+* **float16**: :class:`amp_graph.GradScaler` scales the loss in ``pre_backward``; in
+  ``optimizer_step`` the closure runs, the gradients are unscaled (so clipping sees true
+  gradients), then ``step`` (skipped on inf/nan) and ``update``, as ``MixedPrecision`` does.
+* **bfloat16**: no scale, but steps whose gradients hold inf/nan are still skipped
+  (:class:`amp_graph.scaler.NonFiniteGuard`), after clipping.
+* **state**: the scaler's (or the guard's) state is the plugin's ``state_dict()``, which
+  Lightning writes into every checkpoint and restores on ``fit(ckpt_path=...)``.
+
+Lightning is an optional dependency: ``pip install lightning`` (or ``amp_graph[lightning]``).
+``import amp_graph`` never imports it.
+
+Example::
+
+    import lightning, torch
+    from amp_graph.lightning import AmpGraphPrecision
+
+    trainer = lightning.Trainer(plugins=[AmpGraphPrecision(dtype=torch.float16)])
+    trainer.fit(lightning_module, dataloader)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "amp_graph.lightning needs Lightning, which is not installed: "
+        "pip install lightning  (or: pip install 'amp_graph[lightning]')"
+    ) from error
+
+from amp_graph.compiler import CompiledModule
+from amp_graph.compiler import compile as amp_compile
+from amp_graph.policy import Policy
+from amp_graph.scaler import GradScaler, NonFiniteGuard
+
+__all__ = ["AmpGraphPrecision", "compile_in_place"]
+
+_PRECISION = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
+
+
+def compile_in_place(module: nn.Module, policy: Policy | str, dtype: torch.dtype) -> None:
+    """Make ``module(...)`` run through ``amp_graph.compile(module, policy, dtype)``.
+
+    What ``nn.Module.compile()`` does for torch.compile: the compiled callable is installed as
+    the module's ``_compiled_call_impl``, so the module keeps its class, attributes, hooks'
+    owner and ``state_dict`` keys (a :class:`~amp_graph.CompiledModule` in its place would
+    add ``_orig_mod.`` to every key). The capture itself calls the module too; that call (and
+    any other made while the compiled one runs) goes to the module's own forward.
+    """
+    compiled = amp_compile(module, policy=policy, dtype=dtype)
+    running = False
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal running
+        if running:  # the capture tracing the module: its own forward
+            return module._call_impl(*args, **kwargs)
+        running = True
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            running = False
+
+    call.compiled = compiled  # type: ignore[attr-defined]  # for inspection: print(...compiled)
+    # object.__setattr__: nn.Module.__setattr__ would not register a function, but be explicit
+    # that this is not a submodule (no state_dict entries, no parameters).
+    object.__setattr__(module, "_compiled_call_impl", call)
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return isinstance(module, CompiledModule) or module._compiled_call_impl is not None
+
+
+class AmpGraphPrecision(Precision):
+    """Lightning ``Precision`` plugin: amp_graph-compiled modules, no torch.autocast, and
+    amp_graph's loss scaler (float16) or inf/nan step skipping (bfloat16).
+
+    Args:
+        policy: the :func:`amp_graph.compile` policy (a preset name or a ``Policy``).
+        dtype: ``torch.float16`` (with a loss scaler) or ``torch.bfloat16`` (without).
+        scaler: the :class:`amp_graph.GradScaler` for float16 (default: ``GradScaler()``, the
+            device taken from the first loss). Refused with bfloat16, as by ``MixedPrecision``.
+        modules: names of the LightningModule's direct children to compile. Default: every
+            child that holds parameters (so metrics and parameterless losses are left alone).
+
+    Raises:
+        ValueError: a dtype other than float16/bfloat16, or an unknown name in ``modules``.
+        MisconfigurationException: a scaler with bfloat16; the LBFGS optimizer.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str = "O1",
+        dtype: torch.dtype = torch.float16,
+        scaler: GradScaler | None = None,
+        *,
+        modules: Sequence[str] | None = None,
+    ) -> None:
+        if dtype not in _PRECISION:
+            raise ValueError(
+                f"AmpGraphPrecision(dtype={dtype}): dtype must be torch.float16 or "
+                "torch.bfloat16 (float32 training needs no precision plugin)"
+            )
+        if scaler is not None and dtype is torch.bfloat16:
+            raise MisconfigurationException(
+                f"AmpGraphPrecision(dtype=torch.bfloat16) does not scale the loss, found {scaler}; "
+                "inf/nan steps are skipped without a scaler"
+            )
+        self.policy = policy
+        self.dtype = dtype
+        self.precision = _PRECISION[dtype]  # type: ignore[assignment]
+        self.modules = None if modules is None else list(modules)
+        self.scaler: GradScaler | None = None
+        self.guard: NonFiniteGuard | None = None
+        if dtype is torch.float16:
+            self.scaler = scaler if scaler is not None else GradScaler()
+        else:
+            self.guard = NonFiniteGuard()
+
+    # ---- the model -----------------------------------------------------------------------
+
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Compile the LightningModule's children (:meth:`compile_modules`). Lightning calls
+        this after moving the model to its device and wrapping it (DDP), not
+        ``convert_module``, which runs before the move: the compiled graphs are for the
+        device the model trains on. Returns its arguments."""
+        lightning_module = model
+        while not isinstance(lightning_module, pl.LightningModule):
+            inner = getattr(lightning_module, "module", None)
+            if not isinstance(inner, nn.Module):
+                raise TypeError(
+                    f"AmpGraphPrecision found no LightningModule in {type(model).__name__}"
+                )
+            lightning_module = inner
+        self.compile_modules(lightning_module)
+        return model, optimizers, lr_schedulers
+
+    def compile_modules(self, module: nn.Module) -> None:
+        """Compile ``module``'s children in place (see the module doc). Children already
+        compiled are left as they are."""
+        children = dict(module.named_children())
+        if self.modules is None:
+            names = [n for n, c in children.items() if any(True for _ in c.parameters())]
+        else:
+            unknown = [n for n in self.modules if n not in children]
+            if unknown:
+                raise ValueError(
+                    f"AmpGraphPrecision(modules=...): {type(module).__name__} has no child "
+                    f"{unknown[0]!r}; its children are {sorted(children)}"
+                )
+            names = self.modules
+        for name in names:
+            if not _is_compiled(children[name]):
+                compile_in_place(children[name], self.policy, self.dtype)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """No torch.autocast: the compiled graphs carry their casts."""
+        return contextlib.nullcontext()
+
+    # ---- backward and step ---------------------------------------------------------------
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        """Scale the loss (float16), then Lightning's ``on_before_backward`` hooks."""
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (forward, backward), unscale (float16), clip through Lightning's
+        hooks, then step unless a gradient is inf/nan; float16 then updates the scale."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise MisconfigurationException(
+                "AmpGraphPrecision and the LBFGS optimizer are not compatible: LBFGS calls the "
+                "closure several times per step, and a skipped step cannot be undone inside it"
+            )
+        closure_result = closure()
+        # Automatic optimization whose training_step returned None: no backward ran.
+        skip = closure_result is None and model.automatic_optimization
+        if self.scaler is not None and not skip and not _handles_unscaling(optimizer):
+            self.scaler.unscale_(optimizer)  # before clipping in _after_closure
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        if self.scaler is not None:
+            output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            return output
+        assert self.guard is not None
+        self.guard.check(optimizer)
+        output = self.guard.step(optimizer, **kwargs)
+        self.guard.end_step()
+        return output
+
+    # ---- clipping ------------------------------------------------------------------------
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the (already unscaled) gradients; refused for optimizers that unscale inside
+        their own step (fused ones), whose gradients are still scaled here."""
+        if clip_val > 0 and self.scaler is not None and _handles_unscaling(optimizer):
+            raise RuntimeError(
+                f"{type(optimizer).__qualname__} unscales gradients inside its step (fused=True), "
+                "so they are still scaled when Lightning clips them: use a non-fused optimizer "
+                "to clip with dtype=torch.float16"
+            )
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the optimizer's gradients now (float16; a no-op for bfloat16)."""
+        if self.scaler is None:
+            return
+        if _handles_unscaling(optimizer):
+            raise NotImplementedError(
+                f"{type(optimizer).__qualname__} unscales gradients inside its step (fused=True)"
+            )
+        self.scaler.unscale_(optimizer)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (float16) or the guard's skip count (bfloat16)."""
+        if self.scaler is not None:
+            return self.scaler.state_dict()
+        assert self.guard is not None
+        return self.guard.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict)
+        elif self.guard is not None and state_dict:
+            self.guard.load_state_dict(state_dict)
+
+
+def _handles_unscaling(optimizer: Any) -> bool:
+    """Whether the optimizer takes ``grad_scale``/``found_inf`` and unscales in its step."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

@@ -1,0 +1,221 @@
+"""amp_graph.lightning.AmpGraphPrecision in a real lightning.Trainer (CPU), checked against a
+hand-written amp_graph + GradScaler loop on the same data."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+import amp_graph  # noqa: E402
+from amp_graph.lightning import AmpGraphPrecision  # noqa: E402
+
+BATCH, STEPS_PER_EPOCH, INF_STEP, CLIP = 4, 4, 1, 0.5
+
+
+class Regressor(pl.LightningModule):
+    """A tiny MLP; records, per training step, the loss and whether autocast was on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.losses: list[float] = []
+        self.autocast: list[bool] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Recorder(pl.Callback):
+    """Parameters, scale and gradient norms (before and after clipping) after every step."""
+
+    def __init__(self) -> None:
+        self.params: list[list[torch.Tensor]] = []
+        self.scales: list[float] = []
+        self.norm_before_clip: list[float] = []
+        self.norm_after_clip: list[float] = []
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self.norm_before_clip.append(_grad_norm(pl_module))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any
+    ) -> None:
+        self.norm_after_clip.append(_grad_norm(pl_module))  # grads live until the next step
+        self.params.append([p.detach().clone() for p in pl_module.parameters()])
+        scaler = trainer.precision_plugin.scaler
+        self.scales.append(scaler.get_scale() if scaler is not None else 1.0)
+
+
+def _same(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
+    """Whether two parameter lists are bit-equal."""
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _grad_norm(module: nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+
+def _data(inf: bool) -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * STEPS_PER_EPOCH, 4, generator=gen)
+    y = x.sum(1, keepdim=True).sin()
+    if inf:
+        x[INF_STEP * BATCH, 0] = float("inf")  # one batch overflows in every epoch
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+def _model(seed: int = 0) -> Regressor:
+    torch.manual_seed(seed)
+    return Regressor()
+
+
+def _fit(
+    model: Regressor,
+    plugin: AmpGraphPrecision,
+    epochs: int,
+    inf: bool = True,
+    ckpt_path: str | None = None,
+    clip: float | None = CLIP,
+) -> tuple[pl.Trainer, Recorder]:
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        plugins=[plugin],
+        callbacks=[recorder],
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(model, _data(inf), ckpt_path=ckpt_path)
+    return trainer, recorder
+
+
+def _fp16_plugin() -> AmpGraphPrecision:
+    scaler = amp_graph.GradScaler(init_scale=2.0**8, growth_interval=3)
+    return AmpGraphPrecision(policy="O1", dtype=torch.float16, scaler=scaler)
+
+
+def test_fp16_skips_the_inf_step_like_a_hand_written_loop() -> None:
+    model = _model()
+    reference = copy.deepcopy(model.net)
+    trainer, rec = _fit(model, _fp16_plugin(), epochs=1)
+
+    # The plugin compiled the network in place: same class, same state_dict keys, no autocast.
+    assert model.net._compiled_call_impl is not None
+    assert list(model.net.state_dict()) == list(reference.state_dict())
+    assert model.autocast == [False] * STEPS_PER_EPOCH
+    # The inf step is skipped (parameters unchanged, scale halved); the others are taken.
+    assert _same(rec.params[INF_STEP - 1], rec.params[INF_STEP])
+    assert rec.scales[INF_STEP] == rec.scales[INF_STEP - 1] / 2
+    for before, after in zip(rec.params[INF_STEP:-1], rec.params[INF_STEP + 1 :], strict=True):
+        assert not _same(before, after)
+    assert trainer.precision_plugin.scaler.skipped_steps == 1
+    # Clipping saw unscaled gradients: their norm is that of the loss, not of loss * scale.
+    assert max(rec.norm_after_clip[i] for i in (0, 2, 3)) <= CLIP * (1 + 1e-5)
+    assert 0 < rec.norm_before_clip[0] < 100, rec.norm_before_clip  # scale is 256
+
+    # The same steps by hand: amp_graph.compile + GradScaler + clip on unscaled gradients.
+    net = amp_graph.compile(reference, policy="O1", dtype=torch.float16)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scaler = amp_graph.GradScaler(init_scale=2.0**8, growth_interval=3)
+    for x, y in _data(inf=True):
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(net(x).float(), y)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        scaler.step(opt)
+        scaler.update()
+    assert _same(model.net.parameters(), reference.parameters())
+    assert trainer.precision_plugin.scaler.get_scale() == scaler.get_scale()
+
+
+def test_fp16_resume_from_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+    whole, _ = _fit(_model(), _fp16_plugin(), epochs=3)
+
+    first, _ = _fit(_model(), _fp16_plugin(), epochs=1)
+    path = str(tmp_path / "epoch1.ckpt")
+    first.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["AmpGraphPrecision"]
+    assert saved["scale"] == first.precision_plugin.scaler.get_scale()
+    assert saved["_growth_tracker"] == 2  # two finite steps since the backoff: restored below
+
+    resumed_model = _model(seed=1)  # other weights: the checkpoint must bring them back
+    resumed, _ = _fit(resumed_model, _fp16_plugin(), epochs=3, ckpt_path=path)
+
+    assert _same(resumed_model.parameters(), whole.lightning_module.parameters())
+    assert resumed.precision_plugin.state_dict() == whole.precision_plugin.state_dict()
+    assert resumed.precision_plugin.scaler.get_scale() == whole.precision_plugin.scaler.get_scale()
+
+
+def test_bf16_no_autocast_loss_falls_skips_inf_and_clips() -> None:
+    model, epochs = _model(), 5
+    plugin = AmpGraphPrecision(policy="O1", dtype=torch.bfloat16)
+    _, rec = _fit(model, plugin, epochs=epochs)
+
+    assert model.autocast == [False] * epochs * STEPS_PER_EPOCH
+    # Loss falls on every finite batch from the first epoch to the last.
+    first, last = model.losses[:STEPS_PER_EPOCH], model.losses[-STEPS_PER_EPOCH:]
+    for i in range(STEPS_PER_EPOCH):
+        if i != INF_STEP:
+            assert last[i] < 0.8 * first[i], model.losses
+    # Each epoch's inf batch is skipped: parameters unchanged across it.
+    assert plugin.guard is not None and plugin.guard.skipped_steps == epochs
+    for step in range(INF_STEP, epochs * STEPS_PER_EPOCH, STEPS_PER_EPOCH):
+        assert _same(rec.params[step - 1], rec.params[step])
+    assert max(rec.norm_before_clip) > CLIP  # clipping had work to do ...
+    finite_steps = [i for i in range(len(rec.params)) if i % STEPS_PER_EPOCH != INF_STEP]
+    assert max(rec.norm_after_clip[i] for i in finite_steps) <= CLIP * (1 + 1e-5)  # ... and did
+    assert plugin.state_dict() == {"skipped_steps": epochs}
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"float16 or torch\.bfloat16"):
+        AmpGraphPrecision(dtype=torch.float32)
+    with pytest.raises(MisconfigurationException, match="does not scale the loss"):
+        AmpGraphPrecision(dtype=torch.bfloat16, scaler=amp_graph.GradScaler())
+    with pytest.raises(ValueError, match="no child 'nett'"):
+        AmpGraphPrecision(modules=["nett"]).compile_modules(_model())
+
+
+def test_lightning_stays_optional() -> None:
+    code = (
+        "import sys, amp_graph; assert 'lightning' not in sys.modules, 'imported lightning'\n"
+        "sys.modules['lightning'] = None\n"
+        "try:\n"
+        "    import amp_graph.lightning\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install lightning' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('no ImportError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
