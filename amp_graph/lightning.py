@@ -68,28 +68,34 @@ def compile_in_place(module: nn.Module, policy: Policy | str, dtype: torch.dtype
     """Make ``module(...)`` run through ``amp_graph.compile(module, policy, dtype)``.
 
     What ``nn.Module.compile()`` does for torch.compile: the compiled callable is installed as
-    the module's ``_compiled_call_impl``, so the module keeps its class, attributes, hooks'
-    owner and ``state_dict`` keys (a :class:`~amp_graph.CompiledModule` in its place would
-    add ``_orig_mod.`` to every key). The capture itself calls the module too; that call (and
-    any other made while the compiled one runs) goes to the module's own forward.
+    the module's ``_compiled_call_impl``, so the module keeps its class, attributes and
+    ``state_dict`` keys (a :class:`~amp_graph.CompiledModule` in its place would add
+    ``_orig_mod.`` to every key). Bad policies and dtypes are refused here, not at the first
+    call. As with ``nn.Module.compile()``, a copy of the module (``copy.deepcopy``, pickling)
+    is not compiled: torch's ``Module.__getstate__`` drops ``_compiled_call_impl``, so the copy
+    runs its own weights through its own forward.
     """
-    compiled = amp_compile(module, policy=policy, dtype=dtype)
-    running = False
+    object.__setattr__(module, "_compiled_call_impl", _CompiledCall(module, policy, dtype))
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal running
-        if running:  # the capture tracing the module: its own forward
-            return module._call_impl(*args, **kwargs)
-        running = True
+
+class _CompiledCall:
+    """A module's ``_compiled_call_impl``: calls go to its :class:`~amp_graph.CompiledModule`,
+    except the call the capture itself makes (torch.export calls the module), which runs the
+    module's own forward."""
+
+    def __init__(self, module: nn.Module, policy: Policy | str, dtype: torch.dtype) -> None:
+        self.module = module
+        self.compiled = amp_compile(module, policy=policy, dtype=dtype)
+        self.running = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.running:  # the capture tracing the module: its own forward
+            return self.module._call_impl(*args, **kwargs)
+        self.running = True
         try:
-            return compiled(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
         finally:
-            running = False
-
-    call.compiled = compiled  # type: ignore[attr-defined]  # for inspection: print(...compiled)
-    # object.__setattr__: nn.Module.__setattr__ would not register a function, but be explicit
-    # that this is not a submodule (no state_dict entries, no parameters).
-    object.__setattr__(module, "_compiled_call_impl", call)
+            self.running = False
 
 
 def _is_compiled(module: nn.Module) -> bool:

@@ -4,6 +4,7 @@ hand-written amp_graph + GradScaler loop on the same data."""
 from __future__ import annotations
 
 import copy
+import pickle
 import subprocess
 import sys
 import warnings
@@ -219,3 +220,16 @@ def test_lightning_stays_optional() -> None:
         "    raise SystemExit('no ImportError')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_copy_of_a_compiled_child_runs_its_own_weights() -> None:
+    model = _model()
+    AmpGraphPrecision(dtype=torch.float16).compile_modules(model)
+    x = torch.randn(2, 4)
+    model.net(x)  # captured
+    for clone in (copy.deepcopy(model.net), pickle.loads(pickle.dumps(model.net))):
+        assert clone._compiled_call_impl is None  # as torch does for nn.Module.compile()
+        with torch.no_grad():
+            clone[2].bias.fill_(100.0)
+        assert torch.all(clone(x) > 50) and torch.all(model.net(x) < 50)
+        assert list(clone.state_dict()) == list(model.net.state_dict())
