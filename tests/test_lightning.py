@@ -117,6 +117,7 @@ def _fit(
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*no `val_dataloader`.*")
         trainer.fit(model, _data(inf), ckpt_path=ckpt_path)
     return trainer, recorder
 
@@ -233,3 +234,58 @@ def test_a_copy_of_a_compiled_child_runs_its_own_weights() -> None:
             clone[2].bias.fill_(100.0)
         assert torch.all(clone(x) > 50) and torch.all(model.net(x) < 50)
         assert list(clone.state_dict()) == list(model.net.state_dict())
+
+
+class ManualRegressor(Regressor):
+    """Manual optimization with a fused Adam: the scaler skips on the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y))
+        opt.step()
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).float(), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_manual_optimization_with_a_fused_optimizer_and_validation(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ManualRegressor()
+    reference = copy.deepcopy(model.net)
+    plugin = _fp16_plugin()
+    trainer, rec = _fit(model, plugin, epochs=1, clip=None)
+    assert _same(rec.params[INF_STEP - 1], rec.params[INF_STEP])
+    assert plugin.scaler.skipped_steps == 1
+
+    net = amp_graph.compile(reference, policy="O1", dtype=torch.float16)
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2, fused=True)
+    scaler = amp_graph.GradScaler(init_scale=2.0**8, growth_interval=3)
+    for x, y in _data(inf=True):
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(net(x).float(), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert _same(model.net.parameters(), reference.parameters())
+
+    # Validation runs through the same compiled child (in eval mode), without autocast.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        (metrics,) = trainer.validate(model, _data(inf=False), verbose=False)
+    assert 0 < metrics["val_loss"] < 10
+
+    # A checkpoint written with the plugin loads into a model without it: same keys.
+    path = tmp_path / "manual.ckpt"
+    trainer.save_checkpoint(path)
+    plain = Regressor()
+    plain.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+    assert _same(plain.parameters(), model.parameters())
