@@ -16,11 +16,12 @@ prints test accuracy, median step time and its ratio to fp32 and to torch.autoca
 bytes of parameters, gradients and master weights, the skipped steps, and the cast report
 of O1.
 
-By default the demo is quick on any CPU (about half a minute of training): it times a few
-warm-up steps of every run, says whether bfloat16 is slow here (emulated, or without a fast
-kernel for these layers) and what that means for the ratios, and picks the number of steps
-that fits its time budget. ``--full`` is the long run (300 steps of 128, width 32);
-``--steps N`` fixes the number of steps.
+By default the demo is quick on any CPU (about half a minute of training): after a few
+warm-up steps (which capture the Graphs) it takes as many steps as fit its time budget,
+measured as they run, and from the median step times says whether bfloat16 is slow here
+(emulated, or without a fast kernel for these layers) and what that means for the ratios.
+``--full`` is the long run (300 steps of 128, width 32); ``--steps N`` fixes the number of
+steps.
 """
 
 from __future__ import annotations
@@ -300,9 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         (next(stream) for _ in range(WARMUP_STEPS)), WARMUP_STEPS, "warm-up (and capture)"
     ):
         take(x, y)
-    last = {label: t[-1] for label, t in times.items()}  # after capture and first-step costs
-    ratio = last["torch.autocast eager"] / last["fp32 eager"]
-    print(f"  {low_precision_verdict(ratio, dtype, cpu_low_precision_units())}")
     if fixed_steps:
         rest = fixed_steps - WARMUP_STEPS
         for x, y in progress((next(stream) for _ in range(rest)), rest, "all runs, in turn"):
@@ -329,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
 
     fp32_time = results["fp32 eager"][1]
     autocast_time = results["torch.autocast eager"][1]
+    # from the medians of the whole run: a few warm-up steps are too noisy to judge by
+    verdict = low_precision_verdict(autocast_time / fp32_time, dtype, cpu_low_precision_units())
+    print(f"\n{verdict}")
     print(
         f"\n{'run':<28} {'test acc':>9} {'median step':>12} {'vs fp32':>8} {'vs autocast':>12} "
         f"{'params+grads(+masters)':>23}"
