@@ -10,6 +10,7 @@ structure, dtype or rank, behind :class:`CompiledModule`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import warnings
@@ -272,6 +273,29 @@ class CaptureCache:
         return captured
 
 
+class _SignedForward:
+    """A ``forward`` set as an instance attribute: calls ``run`` and shows the model's
+    signature to ``inspect.signature`` (HF ``Trainer`` picks dataset columns from it,
+    ``generate`` its keyword arguments). A callable object rather than a closure, so that
+    ``copy.deepcopy`` rebinds ``run`` to the copy."""
+
+    def __init__(self, run: Callable[..., Any], signature: inspect.Signature | None) -> None:
+        self.run = run
+        if signature is not None:
+            self.__signature__ = signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+def _forward_signature(model: nn.Module) -> inspect.Signature | None:
+    """The signature of ``model``'s forward, or None where inspect cannot tell."""
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
 class CompiledModule(nn.Module):
     """What :func:`amp_graph.compile` returns: the model, captured and rewritten per input
     signature, behind the model's own call signature.
@@ -283,6 +307,13 @@ class CompiledModule(nn.Module):
     ``.graph`` and ``.graph_module`` show the graph of the last call; ``graph_modules``
     lists all of them. Parameters and buffers are the model's own (the graph reads them from
     the model at every call).
+
+    As torch.compile's ``OptimizedModule``: ``inspect.signature(compiled.forward)`` is the
+    model's, and attributes the wrapper lacks are the model's (``compiled.config``,
+    ``compiled.save_pretrained``); those methods run the model's own code, uncompiled
+    (``compiled.generate`` decodes eagerly). ``state_dict()`` keys carry the ``_orig_mod.``
+    prefix, as torch.compile's do: to keep the model's class and keys, compile in place with
+    :func:`amp_graph.compile_`.
     """
 
     def __init__(
@@ -301,6 +332,17 @@ class CompiledModule(nn.Module):
         self._cache = self._new_cache()
         self._last: Captured | None = None
         self._warned_autocast = False
+        self.forward = _SignedForward(self._call, _forward_signature(model))
+
+    def __getattr__(self, name: str) -> Any:
+        """The model's attribute where the wrapper has none (``config``, ``generate``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("_orig_mod")
+            if model is None or name.startswith("__"):
+                raise
+            return getattr(model, name)
 
     # ---- the graphs --------------------------------------------------------------------
 
@@ -371,6 +413,11 @@ class CompiledModule(nn.Module):
         return captured, leaves
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the graph for these inputs (capturing it first if needed). Replaced per
+        instance by a :class:`_SignedForward` that shows the model's signature."""
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         captured, leaves = self._captured_for(args, kwargs)
         if torch.is_autocast_enabled(self.device_type):
             self._warn_autocast()
@@ -389,7 +436,9 @@ class CompiledModule(nn.Module):
             warnings.warn(
                 "an amp_graph compiled module was called inside torch.autocast: its graph "
                 "already computes each op at the dtype its policy decides, so autocast is "
-                "disabled inside it. Call it outside torch.autocast to silence this.",
+                "disabled inside it. Call it outside torch.autocast to silence this (with HF "
+                "Trainer or accelerate: leave bf16/fp16 and mixed_precision off, see "
+                "docs/integrations.md).",
                 stacklevel=3,
             )
 
@@ -505,7 +554,6 @@ def compile(
 
 def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """A clear error for example inputs the forward cannot take (before any tracing)."""
-    import inspect
 
     try:
         signature = inspect.signature(model.forward)

@@ -172,3 +172,20 @@ def test_called_inside_torch_autocast_warns_once_and_keeps_its_plan():
     expected = compiled(x)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="inside"):
         assert torch.equal(compiled(x), expected)
+
+
+def test_shows_the_model_signature_and_its_attributes_as_torch_compile_does():
+    import inspect
+
+    model = models.MLP()
+    model.note = "the model's own attribute"
+    compiled = amp_graph.compile(model, "O1")
+    assert inspect.signature(compiled.forward) == inspect.signature(model.forward)
+    assert list(inspect.signature(compiled.forward).parameters) == ["x"]
+    assert compiled.note == "the model's own attribute" and compiled.fc1 is model.fc1
+    assert compiled.policy.name == "O1"  # the wrapper's own attributes come first
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        _ = compiled.no_such_thing
+    x = torch.randn(2, 64)
+    clone = copy.deepcopy(compiled)  # its forward runs the copy, not the original
+    assert clone.forward.run.__self__ is clone and torch.equal(clone(x), compiled(x))
