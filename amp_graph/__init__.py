@@ -10,7 +10,7 @@ torch.float32
 from amp_graph import fp8, inspect, passes
 from amp_graph.autopolicy import AutopolicyError, autopolicy
 from amp_graph.backend import AmpGraphBackend, backend, captured_graphs
-from amp_graph.compiler import CaptureError, CompiledModule, compile
+from amp_graph.compiler import CaptureError, CompiledModule, compile, compile_, uncompile
 from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.inspect.numerics import NumericsReport, numerics
@@ -42,6 +42,7 @@ __all__ = [
     "cast_if_castable",
     "cast_tree",
     "compile",
+    "compile_",
     "dataflow",
     "diff",
     "draw",
@@ -51,5 +52,6 @@ __all__ = [
     "numerics",
     "passes",
     "report",
+    "uncompile",
     "widest_castable_dtype",
 ]

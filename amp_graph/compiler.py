@@ -10,12 +10,13 @@ structure, dtype or rank, behind :class:`CompiledModule`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,6 +333,7 @@ class CompiledModule(nn.Module):
         self._cache = self._new_cache()
         self._last: Captured | None = None
         self._warned_autocast = False
+        self._in_place = False  # set by compile_: capture the class's forward
         self.forward = _SignedForward(self._call, _forward_signature(model))
 
     def __getattr__(self, name: str) -> Any:
@@ -468,16 +470,17 @@ class CompiledModule(nn.Module):
             captured = Captured(gm, None, None, seconds=time.perf_counter() - start)
         else:
             autocast_dtype = None if self.policy.casts_nothing else self.dtype
-            captured = capture_module(
-                model,
-                args,
-                kwargs,
-                device_type=self.device_type,
-                autocast_dtype=autocast_dtype,
-                dynamic=dynamic,
-                policy=self.policy,
-                low_dtype=self.dtype,
-            )
+            with _class_forward(model) if self._in_place else contextlib.nullcontext():
+                captured = capture_module(
+                    model,
+                    args,
+                    kwargs,
+                    device_type=self.device_type,
+                    autocast_dtype=autocast_dtype,
+                    dynamic=dynamic,
+                    policy=self.policy,
+                    low_dtype=self.dtype,
+                )
         return captured
 
 
@@ -552,6 +555,129 @@ def compile(
     return compiled
 
 
+class _InplaceForward(_SignedForward):
+    """The ``forward`` :func:`compile_` sets on a model: runs the model's graph, except for
+    calls that decode with a KV cache (``past_key_values`` given, or ``use_cache=True``), which
+    run the class's own forward eagerly: a cache object is state a graph cannot take or
+    return (HF ``generate`` makes these calls)."""
+
+    def __init__(self, compiled: CompiledModule, signature: inspect.Signature | None) -> None:
+        super().__init__(compiled._call, signature)
+        self.compiled = compiled
+        self._logged_eager = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+            model = self.compiled.model
+            if not self._logged_eager:
+                self._logged_eager = True
+                log.info(
+                    "amp_graph: %s called with a KV cache (use_cache / past_key_values) runs "
+                    "its own forward, eagerly and in float32",
+                    type(model).__name__,
+                )
+            return type(model).forward(model, *args, **kwargs)
+        return self.run(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _class_forward(model: nn.Module) -> Iterator[None]:
+    """While active, ``model.forward`` is its class's again: for a model :func:`compile_`
+    compiled, the capture traces the model's own code, not the graph set on the instance
+    (nor a wrapper another library set over it, as accelerate's autocast)."""
+    if "forward" not in model.__dict__:
+        yield
+        return
+    forward = model.__dict__["forward"]
+    del model.__dict__["forward"]
+    try:
+        yield
+    finally:
+        model.__dict__["forward"] = forward
+
+
+def compile_(
+    model: nn.Module,
+    policy: Policy | str = "O1",
+    dtype: torch.dtype | None = None,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    check_each_pass: bool = False,
+) -> nn.Module:
+    """Compile ``model`` in place, as ``nn.Module.compile()`` does for torch.compile: the
+    model stays the user's object (its class, attributes, ``state_dict()`` keys,
+    ``save_pretrained``, ``generate``), and its ``forward`` runs the amp_graph graph.
+
+    A separate function, not a flag of :func:`compile`: it mutates ``model`` and returns it,
+    where :func:`compile` never touches the model and returns a wrapper (the trailing
+    underscore is PyTorch's mark of an in-place function, as ``nn.init.normal_``).
+
+    The graph is set as an instance attribute ``forward`` (nothing global is patched); the
+    capture still traces the class's forward. ``inspect.signature(model.forward)`` is the
+    model's. Calls that decode with a KV cache (``past_key_values`` given or
+    ``use_cache=True``, as HF ``generate`` makes) run the model's own forward eagerly, in
+    float32; for training, HF models want ``config.use_cache = False`` (a cache object is not
+    a graph output). :func:`uncompile` undoes it; :func:`as_graph_module` reads the graph.
+
+    Args and Raises: as :func:`compile`; also ``ValueError`` for a model whose ``forward`` is
+    already an instance attribute (compiled in place already, or wrapped by another library),
+    and ``TypeError`` for a ``torch.fx.GraphModule`` (compile it with :func:`compile`).
+
+    Returns:
+        ``model`` itself.
+    """
+    if isinstance(model, fx.GraphModule):
+        raise TypeError(
+            "amp_graph.compile_ compiles a model's code; compile a GraphModule with "
+            "amp_graph.compile"
+        )
+    if isinstance(model, nn.Module) and "forward" in model.__dict__:
+        already = isinstance(model.__dict__["forward"], _InplaceForward)
+        raise ValueError(
+            f"{type(model).__name__} "
+            + (
+                "is compiled in place already; amp_graph.uncompile(model) undoes it"
+                if already
+                else "has a forward set on the instance (another wrapper?); amp_graph.compile_ "
+                "sets its own there: compile the model before wrapping it, or use "
+                "amp_graph.compile"
+            )
+        )
+    compiled = compile(
+        model,
+        policy,
+        dtype,
+        example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
+        check_each_pass=check_each_pass,
+    )
+    compiled._in_place = True
+    model.__dict__["forward"] = _InplaceForward(compiled, _forward_signature(model))
+    return model
+
+
+def uncompile(model: nn.Module) -> nn.Module:
+    """Undo :func:`compile_`: ``model.forward`` is its class's again. Returns ``model``."""
+    if not isinstance(model.__dict__.get("forward"), _InplaceForward):
+        raise ValueError(
+            f"{type(model).__name__} was not compiled in place by amp_graph.compile_"
+            + (
+                " (its forward is set by something else, which wraps amp_graph's: undo that first)"
+                if "forward" in model.__dict__
+                else ""
+            )
+        )
+    del model.__dict__["forward"]
+    return model
+
+
+def _compiled_in_place(model: Any) -> CompiledModule | None:
+    """The :class:`CompiledModule` behind a model :func:`compile_` compiled, or None."""
+    forward = getattr(model, "__dict__", {}).get("forward")
+    return forward.compiled if isinstance(forward, _InplaceForward) else None
+
+
 def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """A clear error for example inputs the forward cannot take (before any tracing)."""
 
@@ -568,12 +694,16 @@ def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def unwrap(compiled: Any) -> Any:
-    """A :class:`CompiledModule`'s current GraphModule; anything else as it is."""
+    """A :class:`CompiledModule`'s current GraphModule (or that of a model :func:`compile_`
+    compiled); anything else as it is."""
+    compiled = _compiled_in_place(compiled) or compiled
     return compiled.graph_module if isinstance(compiled, CompiledModule) else compiled
 
 
 def as_graph_module(compiled: Any) -> fx.GraphModule:
-    """The rewritten GraphModule behind what ``compile``, the backend or ``Graph`` made."""
+    """The rewritten GraphModule behind what ``compile``, ``compile_``, the backend or
+    ``Graph`` made."""
+    compiled = _compiled_in_place(compiled) or compiled
     if isinstance(compiled, CompiledModule):
         return compiled.graph_module
     if isinstance(compiled, fx.GraphModule) and COMPILE_META in getattr(compiled, "meta", {}):
@@ -596,7 +726,9 @@ __all__ = [
     "CompiledModule",
     "as_graph_module",
     "compile",
+    "compile_",
     "compile_record",
     "rewrite",
+    "uncompile",
     "unwrap",
 ]

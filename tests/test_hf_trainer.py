@@ -1,0 +1,131 @@
+"""The model stays the user's object: ``amp_graph.compile_`` keeps an HF model's class,
+attributes and checkpoint format, and HF ``Trainer`` trains it with default arguments."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import amp_graph
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+VOCAB, SEQ = 100, 16
+
+
+def _gpt2() -> transformers.GPT2LMHeadModel:
+    """A tiny random GPT-2; ``use_cache=False`` for training (a cache is not a graph output)."""
+    config = transformers.GPT2Config(
+        n_positions=32, n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, use_cache=False
+    )
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _ids(batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _dataset(rows: int = 4) -> list[dict[str, torch.Tensor]]:
+    """One repeated set of rows, with a column the model does not take (Trainer drops it by
+    the forward's signature)."""
+    ids = _ids(rows)
+    return [
+        {"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r, "row": torch.tensor(i)}
+        for i, r in enumerate(ids)
+    ]
+
+
+def _trainer(model: torch.nn.Module, out: Path, **args: object) -> transformers.Trainer:
+    arguments = transformers.TrainingArguments(
+        output_dir=str(out),
+        report_to=[],
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        use_cpu=True,
+        save_strategy="no",
+        **args,
+    )
+    return transformers.Trainer(model=model, args=arguments, train_dataset=_dataset())
+
+
+def _losses(trainer: transformers.Trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_compile_in_place_keeps_the_model_class_attributes_and_state_dict_keys():
+    model = _gpt2().eval()
+    keys, signature = list(model.state_dict()), inspect.signature(model.forward)
+    assert amp_graph.compile_(model, "O1") is model
+    assert isinstance(model, transformers.GPT2LMHeadModel) and model.config.n_embd == 32
+    assert list(model.state_dict()) == keys and inspect.signature(model.forward) == signature
+    ids = _ids()
+    out = model(input_ids=ids, labels=ids)  # the graph runs (no recursion into itself)
+    gm = amp_graph.compiler.as_graph_module(model)
+    assert any(n.target == torch.ops.aten.to.dtype for n in gm.graph.nodes if n.op != "output")
+    assert "bfloat16" in gm.code
+    with pytest.raises(ValueError, match="compiled in place already"):
+        amp_graph.compile_(model)
+    amp_graph.uncompile(model)
+    assert "forward" not in model.__dict__
+    torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids).loss, atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="not compiled in place"):
+        amp_graph.uncompile(model)
+
+
+def test_generate_with_a_kv_cache_runs_the_models_own_forward(caplog):
+    model = _gpt2().eval()
+    prompt = _ids()[:, :4]
+    generate = dict(max_new_tokens=4, do_sample=False, use_cache=True)
+    expected = model.generate(prompt, **generate)
+    amp_graph.compile_(model, "O1", example_kwargs={"input_ids": prompt})
+    with caplog.at_level(logging.INFO, logger="amp_graph.compiler"):
+        assert torch.equal(model.generate(prompt, **generate), expected)
+    assert "KV cache" in caplog.text
+    assert len(model.forward.compiled.graph_modules) == 1  # nothing captured for decoding
+
+
+def test_trainer_with_default_arguments_trains_and_saves_a_loadable_checkpoint(tmp_path):
+    model = amp_graph.compile_(_gpt2(), "O1")
+    trainer = _trainer(model, tmp_path / "run")
+    trainer.train()
+    losses = _losses(trainer)
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0]
+    assert amp_graph.compiler.as_graph_module(model) is not None  # trained through the graph
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    assert type(loaded) is transformers.GPT2LMHeadModel
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+def test_trainer_bf16_autocast_is_turned_off_inside_the_graph_with_one_warning(tmp_path):
+    model = amp_graph.compile_(_gpt2(), "O1")
+    trainer = _trainer(model, tmp_path / "run", bf16=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    inside = [w for w in caught if "inside torch.autocast" in str(w.message)]
+    assert len(inside) == 1 and "docs/integrations.md" in str(inside[0].message)
+    losses = _losses(trainer)
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_wrapper_shows_config_generate_and_save_pretrained_of_the_model(tmp_path):
+    model = _gpt2().eval()
+    compiled = amp_graph.compile(model, "O1")
+    assert compiled.config is model.config and compiled.generate.__self__ is model
+    assert inspect.signature(compiled.forward) == inspect.signature(model.forward)
+    compiled.save_pretrained(tmp_path)  # the model's own method: its own keys
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
