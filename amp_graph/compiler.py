@@ -673,8 +673,11 @@ def uncompile(model: nn.Module) -> nn.Module:
 
 
 def _compiled_in_place(model: Any) -> CompiledModule | None:
-    """The :class:`CompiledModule` behind a model :func:`compile_` compiled, or None."""
+    """The :class:`CompiledModule` behind a model :func:`compile_` compiled, or None; also
+    through wrappers set over its forward with ``functools.wraps`` (accelerate's autocast)."""
     forward = getattr(model, "__dict__", {}).get("forward")
+    if forward is not None:
+        forward = inspect.unwrap(forward, stop=lambda f: isinstance(f, _InplaceForward))
     return forward.compiled if isinstance(forward, _InplaceForward) else None
 
 

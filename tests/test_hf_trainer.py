@@ -108,17 +108,32 @@ def test_trainer_with_default_arguments_trains_and_saves_a_loadable_checkpoint(t
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
 
 
-def test_trainer_bf16_autocast_is_turned_off_inside_the_graph_with_one_warning(tmp_path):
-    model = amp_graph.compile_(_gpt2(), "O1")
-    trainer = _trainer(model, tmp_path / "run", bf16=True)
+@pytest.mark.parametrize("flag, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_trainer_bf16_fp16_autocast_is_turned_off_inside_the_graph_warning_once(
+    tmp_path, flag, dtype
+):
+    model = amp_graph.compile_(_gpt2(), "O1", dtype)
+    trainer = _trainer(model, tmp_path / "run", **{flag: True})
+    assert trainer.accelerator.scaler is None  # on CPU accelerate adds none, fp16 included
+    assert trainer.accelerator.mixed_precision == flag
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
     inside = [w for w in caught if "inside torch.autocast" in str(w.message)]
-    assert len(inside) == 1 and "docs/integrations.md" in str(inside[0].message)
+    autocasts = trainer.accelerator.native_amp
+    assert autocasts == (flag == "bf16")  # on CPU accelerate autocasts for bf16 only
+    assert len(inside) == autocasts
+    assert all("docs/integrations.md" in str(w.message) for w in inside)
     losses = _losses(trainer)
     assert losses[-1] < 0.8 * losses[0]
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert str(dtype) in amp_graph.compiler.as_graph_module(model).code
+
+
+def test_trainer_takes_the_wrapper_too_its_signature_keeps_the_columns(tmp_path):
+    trainer = _trainer(amp_graph.compile(_gpt2(), "O1"), tmp_path / "run")
+    trainer.train()  # default remove_unused_columns: the columns forward names are kept
+    assert _losses(trainer)[-1] < 0.8 * _losses(trainer)[0]
 
 
 def test_wrapper_shows_config_generate_and_save_pretrained_of_the_model(tmp_path):
