@@ -3,6 +3,7 @@ attributes and checkpoint format, and HF ``Trainer`` trains it with default argu
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import warnings
@@ -74,6 +75,8 @@ def test_compile_in_place_keeps_the_model_class_attributes_and_state_dict_keys()
     assert "bfloat16" in gm.code
     with pytest.raises(ValueError, match="compiled in place already"):
         amp_graph.compile_(model)
+    clone = copy.deepcopy(model)  # its graph reads the copy's parameters
+    assert clone.forward.compiled.model is clone and clone.forward.run.__self__.model is clone
     amp_graph.uncompile(model)
     assert "forward" not in model.__dict__
     torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids).loss, atol=2e-2, rtol=0)
