@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from dist_helpers import end_rank
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 WORLD = 2
@@ -103,6 +104,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             json.dump(result, file)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def test_ddp_training_on_two_processes(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_helpers import end_rank
 
 POISONED_ITER = 2
 N_ITERS = 4
@@ -98,6 +99,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(runs, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def _train_alone(scaler) -> dict:

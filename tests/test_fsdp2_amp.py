@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from dist_helpers import end_rank
 
 WORLD = 2
 STEPS = 3
@@ -417,6 +418,7 @@ def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
     finally:
         dist.destroy_process_group()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    end_rank()
 
 
 def run_ranks(scenario: str, tmp_path: Path) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_helpers import end_rank
 
 WORLD = 2
 STEPS = 6
@@ -129,6 +130,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def test_fsdp2_ranks_skip_a_step_poisoned_on_one_shard(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_helpers import end_rank
 
 WORLD = 2
 BF16 = torch.bfloat16
@@ -130,6 +131,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def test_guard_agrees_only_where_asked_and_never_blocks(tmp_path: Path) -> None:
