@@ -43,9 +43,8 @@ from amp_graph.capture_dtypes import (
     strip_widening_casts,
 )
 from amp_graph.capture_fsdp import UnsupportedFSDP, fsdp_units_unsharded
-from amp_graph.passes.checkpoints import CHECKPOINT_REGION
-from amp_graph.passes.classify import MODEL_ROOT, model_root
-from amp_graph.passes.fsdp_hooks import FSDP_UNITS, stack_unit
+from amp_graph.passes.fsdp_hooks import stack_unit
+from amp_graph.passes.meta import CHECKPOINT_REGION, FSDP_UNITS, MODEL_ROOT, model_root
 from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)

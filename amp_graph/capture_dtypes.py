@@ -51,9 +51,16 @@ from amp_graph.passes.assign_dtypes import (
     fact,
     track_pinning,
 )
-from amp_graph.passes.checkpoints import CHECKPOINT_REGION
 from amp_graph.passes.classify import classify_node
-from amp_graph.passes.meta import NOT_TENSOR, UNKNOWN, AmpInfo, Role, is_castable, tensor_facts
+from amp_graph.passes.meta import (
+    CHECKPOINT_REGION,
+    NOT_TENSOR,
+    UNKNOWN,
+    AmpInfo,
+    Role,
+    is_castable,
+    tensor_facts,
+)
 from amp_graph.passes.regions import AutocastRegion, autocast_marker
 from amp_graph.policy import OpFacts, Policy, Rule
 from amp_graph.tables import python_ops

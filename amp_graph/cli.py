@@ -300,7 +300,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _write_html(path: str, title: str, compiled: Any, report: Any, flow: Any, svg: Any) -> None:
     from amp_graph import inspect
-    from amp_graph.inspect.html import legend_html, page, report_summary_html
+    from amp_graph.inspect.html import legend_html, page
+    from amp_graph.inspect.report import report_summary_html
 
     change = inspect.diff(compiled)
     html = page(

@@ -114,9 +114,13 @@ def rewrite(
     own timings to the record.
     """
     drop_string_annotations(gm)
-    inline_regions(gm)  # the graph as captured, in the form the passes and the diffs read
+    start = time.perf_counter()
+    inlined = inline_regions(gm)  # the graph as captured, in the form the passes and the diffs read
+    inlined_seconds = time.perf_counter() - start
     original = (_copy_graph(gm), gm)
-    result = run_passes(gm, policy, dtype, check_each=check_each_pass)
+    result = run_passes(
+        gm, policy, dtype, check_each=check_each_pass, regions_inlined=(inlined, inlined_seconds)
+    )
     record = CompileRecord(
         policy,
         dtype,

@@ -25,28 +25,15 @@ import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from amp_graph.fp8.recipe import Fp8Config
+from amp_graph.rule import Rule
 from amp_graph.tables import autocast_lists as lists
 from amp_graph.tables import python_ops
-
-
-class Rule(str, Enum):
-    """How a node computes. The four categories of torch.autocast and TF's AMP pass."""
-
-    ALLOW = "allow"  # low precision: floating inputs are cast to the policy dtype
-    DENY = "deny"  # float32: floating inputs are cast to float32
-    PROMOTE = "promote"  # floating inputs are cast to the widest floating input dtype
-    FOLLOW = "follow"  # no casts: inputs as they come, torch's own type promotion
-
-    def __str__(self) -> str:
-        return self.value
-
 
 KEEP_FP32 = Rule.DENY
 """The explicit way to say "keep this in float32" in an override."""

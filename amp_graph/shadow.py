@@ -40,7 +40,7 @@ LOW_FLOATS = frozenset({torch.float16, torch.bfloat16}) | FLOAT8
 @functools.cache
 def shadow_targets() -> dict[Any, Callable[..., Any]]:
     """Nodes whose float32 counterpart is another function: fp8 ops run their math."""
-    from amp_graph.fp8 import ops  # noqa: F401  (registers torch.ops.amp_graph)
+    from amp_graph.fp8 import custom_ops  # noqa: F401  (registers torch.ops.amp_graph)
 
     amp = torch.ops.amp_graph
     return {  # called with the shadow's tensors and the node's own dtype arguments

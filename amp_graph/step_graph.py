@@ -27,7 +27,7 @@ from amp_graph.policy import Rule
 
 
 def _step_info(op: str, detail: str) -> AmpInfo:
-    return AmpInfo(role=Role.STEP, op=op, rule=Rule.FOLLOW, source="step", detail=detail)
+    return AmpInfo(role=Role.RUNTIME, op=op, rule=Rule.FOLLOW, source="step", detail=detail)
 
 
 @dataclass

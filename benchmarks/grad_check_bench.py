@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from measure import interleaved_seconds
 
 from amp_graph import models
-from amp_graph.kernels import ops
+from amp_graph.kernels import scaler_ops as ops
 from amp_graph.scaler import StaticGradScaler
 
 

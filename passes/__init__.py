@@ -19,12 +19,12 @@ integer, bool and float64 values are never cast; a cast chain is folded only if 
 """
 
 from .assign_dtypes import assign_dtypes, propagate_dtypes
-from .checkpoints import CHECKPOINT_REGION, outline_checkpoints
+from .checkpoints import outline_checkpoints
 from .classify import classify
 from .expose_parameters import expose_parameters
 from .fsdp_hooks import fsdp_hooks
 from .insert_casts import cast_if_castable, insert_casts
-from .meta import AMP, UNKNOWN, AmpInfo, Role
+from .meta import AMP, CHECKPOINT_REGION, UNKNOWN, AmpInfo, Role
 from .pipeline import PassError, PipelineResult, run_passes
 from .regions import REGION, AutocastRegion, inline_regions
 from .result import PassResult

@@ -230,7 +230,7 @@ class _Planner:
                 if isinstance(attr, torch.Tensor) and self.fake_mode
                 else (Abstract(attr.dtype) if isinstance(attr, torch.Tensor) else attr)
             )
-        if amp.role is Role.STEP:  # backward, loss scaling, optimizer steps: nothing to plan
+        if amp.role is Role.RUNTIME:  # added after the passes: nothing to plan
             return None
         args = map_aggregate(node.args, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
         kwargs = map_aggregate(node.kwargs, lambda a: self.env[a] if isinstance(a, fx.Node) else a)

@@ -35,11 +35,8 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
-from .meta import AMP, VAL, AmpInfo, Role
+from .meta import AMP, CHECKPOINT_REGION, VAL, AmpInfo, Role
 from .result import PassResult
-
-CHECKPOINT_REGION = "checkpoint_region"
-"""``node.meta`` key: the number of the ``torch.utils.checkpoint`` call computing the node."""
 
 
 def _region_nodes(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:

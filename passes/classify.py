@@ -25,11 +25,10 @@ from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name
 from amp_graph.tables import python_ops
 
 from . import schema
-from .meta import AMP, AmpInfo, Role
+from .meta import AMP, AmpInfo, Role, model_root
 from .regions import REGION, AutocastRegion
 from .result import PassResult
 
-_STEP_METHODS = frozenset({"backward"})
 _NON_TENSOR_METHODS = frozenset(
     {
         "size",
@@ -61,17 +60,6 @@ _TORCH_BUILTIN_MODULES = (
 # modules into F.batch_norm): a cast would update a copy. Their kernels take low-precision
 # input with float32 statistics, so "allow" casts nothing, as for the modules.
 _STATEFUL_NORM_FUNCTIONS = frozenset({"batch_norm", "instance_norm"})
-
-
-MODEL_ROOT = "amp_graph.model_root"
-"""``gm.meta`` key: the attribute of a captured GraphModule that holds the user's model (module
-paths in ``nn_module_stack`` are relative to it)."""
-
-
-def model_root(gm: nn.Module) -> nn.Module:
-    """The module the graph's module paths name: the user's model for captured graphs."""
-    attr = getattr(gm, "meta", {}).get(MODEL_ROOT) if isinstance(gm, fx.GraphModule) else None
-    return gm.get_submodule(attr) if attr else gm
 
 
 def module_stack(node: fx.Node, gm: nn.Module) -> tuple[tuple[str, ...], tuple[type, ...]]:
@@ -272,8 +260,6 @@ def _fixed_role(node: fx.Node, gm: fx.GraphModule) -> tuple[Role, str, str] | No
         op_name = f"Tensor.{target}"
         if target in python_ops.CAST_METHODS:
             return Role.USER_CAST, op_name, _USER_CAST_DETAIL
-        if target in _STEP_METHODS:
-            return Role.STEP, op_name, "backward pass of the training step"
         if target in _NON_TENSOR_METHODS:
             return Role.OTHER, op_name, "returns no tensor: not cast"
         if schema.is_mutating(node):

@@ -17,7 +17,7 @@ auto-filter, an explicit fp32 override), and rewrites the eligible ones into fiv
     out     = amp_graph.fp8_linear(x, W, x_e4m3, x_scale, w_e4m3, w_scale, b, recipe)
 
 A value feeding several fp8 linears (the input of q, k and v) is quantized once. The ops and
-their backward are :mod:`amp_graph.fp8.ops`; this pass only names them (``torch.ops``).
+their backward are :mod:`amp_graph.fp8.custom_ops`; this pass only names them (``torch.ops``).
 
 Reads: ``meta["amp"]`` when classify ran (the node's rule and module path: an explicit
 fp32 override outranks fp8), else ``meta["nn_module_stack"]``; ``meta["val"]`` of the

@@ -51,16 +51,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .classify import MODEL_ROOT, model_root, module_stack
-from .meta import AMP, VAL, AmpInfo, Role
+from .classify import module_stack
+from .meta import AMP, FSDP_UNIT, FSDP_UNITS, MODEL_ROOT, VAL, AmpInfo, Role, model_root
 from .result import PassResult
-
-FSDP_UNITS = "amp_graph.fsdp_units"
-"""``gm.meta`` key: the module paths of the model's FSDP2 units (relative to the module the
-graph's module paths name), outermost first. Written by the capture."""
-
-FSDP_UNIT = "fsdp_unit"
-"""``node.meta`` key on a parameter read: the path of the FSDP2 unit that shards it."""
 
 
 def fsdp_pre_forward(module: nn.Module, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

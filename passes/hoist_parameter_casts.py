@@ -23,8 +23,7 @@ import torch.fx as fx
 
 from amp_graph.policy import Rule
 
-from .fsdp_hooks import FSDP_UNIT
-from .meta import AMP, AmpInfo, Role, short
+from .meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from .result import PassResult
 
 

@@ -19,6 +19,28 @@ from amp_graph.policy import Rule
 AMP = "amp"
 VAL = "val"
 
+# The keys below are written by the capture (amp_graph.capture) and read by the passes: the
+# IR's contract lives here, so that neither side imports the other for a name.
+MODEL_ROOT = "amp_graph.model_root"
+"""``gm.meta`` key: the attribute of a captured GraphModule that holds the user's model (module
+paths in ``nn_module_stack`` are relative to it)."""
+
+CHECKPOINT_REGION = "checkpoint_region"
+"""``node.meta`` key: the number of the ``torch.utils.checkpoint`` call computing the node."""
+
+FSDP_UNITS = "amp_graph.fsdp_units"
+"""``gm.meta`` key: the module paths of the model's FSDP2 units (relative to the module the
+graph's module paths name), outermost first. Written by the capture."""
+
+FSDP_UNIT = "fsdp_unit"
+"""``node.meta`` key on a parameter read: the path of the FSDP2 unit that shards it."""
+
+
+def model_root(gm: torch.nn.Module) -> torch.nn.Module:
+    """The module the graph's module paths name: the user's model for captured graphs."""
+    attr = getattr(gm, "meta", {}).get(MODEL_ROOT) if isinstance(gm, fx.GraphModule) else None
+    return gm.get_submodule(attr) if attr else gm
+
 
 class Role(str, Enum):
     """What a node is, from the passes' point of view."""
@@ -30,7 +52,7 @@ class Role(str, Enum):
     USER_CAST = "user_cast"  # a cast the model's code wrote: kept as written
     INPLACE = "inplace"  # writes into its first argument: never cast
     OTHER = "other"  # non-tensor bookkeeping: getattr, size, getitem of tuples
-    STEP = "step"  # a training-step operation: loss scaling, backward, unscale, optimizer step
+    RUNTIME = "runtime"  # a call added after the passes (the training step's stages): never planned
     OUTPUT = "output"
 
     def __str__(self) -> str:

@@ -21,11 +21,12 @@ from amp_graph.policy import Policy
 
 from .assign_dtypes import assign_dtypes
 from .checkpoints import outline_checkpoints
-from .classify import classify, model_root
+from .classify import classify
 from .expose_parameters import expose_parameters
 from .fp8_linears import fp8_linears
 from .fsdp_hooks import fsdp_hooks
 from .insert_casts import insert_casts
+from .meta import model_root
 from .regions import inline_regions
 from .result import PassResult
 from .simplify_casts import simplify_casts
@@ -73,15 +74,30 @@ def amp_passes(
 
 
 def run_passes(
-    gm: fx.GraphModule, policy: Policy, low_dtype: torch.dtype, *, check_each: bool = False
+    gm: fx.GraphModule,
+    policy: Policy,
+    low_dtype: torch.dtype,
+    *,
+    check_each: bool = False,
+    regions_inlined: tuple[PassResult, float] | None = None,
 ) -> PipelineResult:
-    """Run the AMP passes on ``gm`` in place and return it with the counters."""
+    """Run the AMP passes on ``gm`` in place and return it with the counters.
+
+    ``regions_inlined``: the result and seconds of an :func:`inline_regions` the caller
+    already ran on ``gm`` (to keep the graph as captured in the form the passes read). It is
+    not run again (a second run finds nothing), and its counters are reported as if it ran here.
+    """
     result = PipelineResult(gm)
     ran: list[str] = []
     for name, run in amp_passes(policy, low_dtype, full_verify=check_each):
         start = time.perf_counter()
+        already = name == "inline_regions" and regions_inlined is not None
         try:
-            out = run(gm)
+            if already:
+                out, seconds = regions_inlined
+                start -= seconds
+            else:
+                out = run(gm)
             skip = ("verify", "inline_regions", "fp8_linears", "fsdp_hooks", "outline_checkpoints")
             if check_each and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")

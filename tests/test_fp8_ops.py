@@ -273,7 +273,7 @@ def test_device_without_float8_matmul_is_a_clear_error():
 def test_scaled_mm_failure_on_an_unsupported_device_names_the_device(monkeypatch):
     """What a GPU without float8 matmuls (sm_80) does: torch._scaled_mm raises. The op asks
     the probe, which fails the same way, and raises the specific error."""
-    from amp_graph.fp8 import ops
+    from amp_graph.fp8 import custom_ops as ops
 
     def no_fp8(*args, **kwargs):
         raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with ...")

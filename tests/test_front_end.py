@@ -23,6 +23,7 @@ from oracles import (
 )
 
 import amp_graph
+from amp_graph.compiler import compile_record
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -340,6 +341,18 @@ def test_nested_region_uses_its_own_dtype():
     with torch.autocast("cpu", dtype=BF16):
         reference = model(x)
     assert_outputs_equal(amp_graph.compile(model, "autocast")(x), reference, "nested")
+
+
+def test_compile_counts_each_region_once():
+    """inline_regions runs once per compile (it used to run again in the pipeline, which then
+    found nothing and reported 0 regions)."""
+    model = zoo.NestedRegion()
+    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(torch.randn(4, 16),))
+    regions = {id(n.meta[REGION]) for n in compiled.graph.nodes if n.meta.get(REGION)}
+    assert regions, "the region was not recorded"
+    record = compile_record(compiled)
+    assert record.stats["autocast_regions"] == len(regions)
+    assert "inline_regions" in record.seconds
 
 
 def test_o0_honours_the_models_own_enabled_region():

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from amp_graph.passes.meta import Role
 from graph_helpers import TrainGraph
 
 from amp_graph import models
@@ -57,7 +58,7 @@ def test_step_graph_has_the_expected_nodes_in_order():
         "lr_step_0",
     ]
     scaled = next(n for n in g.step_graph.graph.nodes if n.name == "loss_0_0_scaled")
-    assert "loss scale" in scaled.meta["amp"].detail and scaled.meta["amp"].role.value == "step"
+    assert "loss scale" in scaled.meta["amp"].detail and scaled.meta["amp"].role is Role.RUNTIME
     assert [u.name for u in scaled.users] == ["backward_0_0"]
     build_ops = {str(n.target) for n in g.build_graph.graph.nodes}
     assert "aten.linear.default" in build_ops and not any("backward" in t for t in build_ops)

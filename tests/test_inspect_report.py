@@ -149,7 +149,16 @@ def test_docstring_examples_run():
     import doctest
     import importlib
 
-    for name in ("", ".dataflow", ".diff", ".draw", ".modules", ".report", ".stages", ".tables"):
+    for name in (
+        "",
+        ".dataflow",
+        ".diff",
+        ".draw",
+        ".modules",
+        ".report",
+        ".stages",
+        ".table_format",
+    ):
         module = importlib.import_module(f"amp_graph.inspect{name}")
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, f"amp_graph.inspect{name}: {result}"

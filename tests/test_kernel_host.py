@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_graph.kernels import ops
+from amp_graph.kernels import scaler_ops as ops
 from amp_graph.kernels.extension import CSRC_DIR
 
 pytestmark = pytest.mark.cuda  # CUDA sources: `make gpu-check` runs these too

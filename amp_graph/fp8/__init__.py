@@ -2,14 +2,13 @@
 
 * :mod:`~amp_graph.fp8.recipe` - recipes (tensorwise, rowwise) and :class:`Fp8Config`;
 * :mod:`~amp_graph.fp8.filters` - which layers run in fp8, each decision with its reason;
-* :mod:`~amp_graph.fp8.ops` - the ``amp_graph::fp8_*`` custom ops and :func:`linear`.
+* :mod:`~amp_graph.fp8.custom_ops` - the ``amp_graph::fp8_*`` custom ops and :func:`linear`.
 
 The graph pass that rewrites a captured model's linears is
 :func:`amp_graph.passes.fp8_linears.fp8_linears`.
 """
 
-from .filters import RULES, Fp8Decision, LinearFacts, decide
-from .ops import (
+from .custom_ops import (
     Fp8UnsupportedError,
     fp8_matmul_error,
     fp8_quantize,
@@ -17,6 +16,7 @@ from .ops import (
     linear,
     require_fp8_matmul,
 )
+from .filters import RULES, Fp8Decision, LinearFacts, decide
 from .recipe import (
     E4M3,
     E5M2,

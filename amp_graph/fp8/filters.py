@@ -17,14 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
-from .recipe import FORMAT_NAMES, Fp8Config, Granularity
+from amp_graph.rule import Rule
 
-if TYPE_CHECKING:  # not at run time: amp_graph.policy may import the fp8 config
-    from amp_graph.policy import Rule
+from .recipe import FORMAT_NAMES, Fp8Config, Granularity
 
 _DIM_MULTIPLE = 16
 
@@ -58,7 +56,7 @@ def _where(facts: LinearFacts) -> str:
 def keep_policy_choice(facts: LinearFacts, config: Fp8Config) -> Fp8Decision | None:
     """An override that keeps the op out of low precision (``modules={"head": "fp32"}``)
     outranks fp8: fp8 replaces only what the policy would run in bf16."""
-    if facts.policy_rule is None or facts.policy_rule == "allow":  # Rule is a str enum
+    if facts.policy_rule is None or facts.policy_rule is Rule.ALLOW:
         return None
     return Fp8Decision(
         False,

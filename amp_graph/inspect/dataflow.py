@@ -40,7 +40,7 @@ from amp_graph.passes.meta import AMP, FLOAT8, UNKNOWN, VAL, Role, short, tensor
 
 from .modules import module_types, node_modules
 from .style import DTYPE_CLASSES, node_class
-from .tables import UNKNOWN_BYTES, badge, html_table, text_table
+from .table_format import UNKNOWN_BYTES, badge, html_table, text_table
 from .view import OP_ROLES, value_numel
 
 TOP_LEVEL = "(top level)"

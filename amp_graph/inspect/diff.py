@@ -21,7 +21,7 @@ from .draw import SVG, finish, title_of
 from .modules import module_types, node_modules
 from .stages import annotate, before_passes, is_annotated
 from .style import STATUS_COLORS, STATUS_MARK
-from .tables import badge, html_table, text_table
+from .table_format import badge, html_table, text_table
 from .view import Item, build_view, items_of
 
 CHANGES = ("added", "removed", "changed")

@@ -1,16 +1,13 @@
-"""HTML for notebooks and files: the report, explanations, and a standalone page."""
+"""HTML for notebooks and files: dtype badges in text, explanations, the legend and a
+standalone page. The report's own HTML is in :mod:`amp_graph.inspect.report`."""
 
 from __future__ import annotations
 
 import re
 from html import escape
-from typing import TYPE_CHECKING
 
 from .style import DTYPE_CLASSES, STROKE
-from .tables import COLUMNS, badge, bytes_text, html_table
-
-if TYPE_CHECKING:
-    from .report import Report
+from .table_format import badge
 
 OPEN_ROWS = 60
 """Reports with more nodes than this show their per-node table folded (``<details>``)."""
@@ -21,41 +18,6 @@ _DTYPE_WORD = re.compile(r"\b(fp32|fp16|bf16)\b")
 def with_badges(text: str) -> str:
     """Escape ``text`` and turn the dtype words in it into coloured badges."""
     return _DTYPE_WORD.sub(lambda m: badge(m.group(1), m.group(1)), escape(text))
-
-
-def report_summary_html(report: Report) -> str:
-    """The report's totals: policy, ops per output dtype, casts and bytes."""
-    per_dtype = " ".join(f"{badge(k, k)}&nbsp;{v}" for k, v in sorted(report.ops_by_dtype.items()))
-    proven = "" if report.exact else " (dtypes not proven)"
-    return (
-        '<div style="font-family:sans-serif;font-size:13px;margin-bottom:4px">'
-        f"<b>amp_graph report</b>: policy <b>{escape(report.policy)}</b>, low dtype "
-        f"{badge(report.dtype, report.dtype)}{proven}<br>ops by output dtype: {per_dtype}<br>"
-        f"casts inserted {report.casts_inserted}, removed by simplification "
-        f"{report.casts_removed}, kept <b>{report.casts_kept}</b>; bytes cast per call: "
-        f"{bytes_text(report.cast_bytes)}</div>"
-    )
-
-
-def report_html(report: Report) -> str:
-    """The report as a notebook shows it: totals, then the per-node table (folded when
-    long); dtypes as badges, inserted casts on a gold background."""
-    headers = COLUMNS
-    rows = [r.cells() for r in report.rows]
-
-    def render(column: int, value: object) -> str:
-        text = str(value)
-        return badge(text, text) if column in (5, 6) else escape(text)
-
-    def row_style(index: int) -> str:
-        return "background:#fff8db" if report.rows[index].role == "cast" else ""
-
-    table = html_table(headers, rows, render, row_style)
-    state = " open" if len(rows) <= OPEN_ROWS else ""
-    return (
-        f"<div>{report_summary_html(report)}<details{state}><summary>per-node table "
-        f"({len(rows)} nodes)</summary>{table}</details></div>"
-    )
 
 
 def explanation_html(text: str) -> str:
@@ -91,7 +53,5 @@ __all__ = [
     "explanation_html",
     "legend_html",
     "page",
-    "report_html",
-    "report_summary_html",
     "with_badges",
 ]

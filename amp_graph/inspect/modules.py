@@ -21,13 +21,8 @@ import re
 
 import torch.fx as fx
 
-from amp_graph.passes.classify import (
-    MODEL_ROOT,
-    lifted_source_name,
-    model_root,
-    normalize_module_path,
-)
-from amp_graph.passes.meta import AMP, Role
+from amp_graph.passes.classify import lifted_source_name, normalize_module_path
+from amp_graph.passes.meta import AMP, MODEL_ROOT, Role, model_root
 
 NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
 """torch.export's stack entry for nodes created outside any module (``torch._export``)."""

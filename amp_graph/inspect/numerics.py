@@ -42,7 +42,7 @@ from .draw import SVG
 from .html import OPEN_ROWS
 from .modules import node_modules
 from .style import DTYPE_COLORS
-from .tables import badge, html_table, text_table
+from .table_format import badge, html_table, text_table
 
 HEADERS = (
     "#",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from html import escape
 from typing import Any
 
 import torch
@@ -15,9 +16,9 @@ from amp_graph.compiler import CompileRecord, compile_record, unwrap
 from amp_graph.passes.meta import AMP, UNKNOWN, AmpInfo, Role, short
 from amp_graph.policy import Rule, nearest
 
-from .html import explanation_html, report_html
+from .html import OPEN_ROWS, explanation_html
 from .modules import node_modules
-from .tables import COLUMNS, bytes_text
+from .table_format import COLUMNS, badge, bytes_text, html_table
 from .view import value_numel
 
 RULE_MEANING = {
@@ -274,10 +275,10 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             f"({short(source.meta[AMP].out_dtype)}) to {short(node.args[1])} for "
             f"{', '.join(repr(c) for c in amp.cast_for)}.\n{amp.detail}."
         )
-    if amp.role is Role.STEP:
+    if amp.role is Role.RUNTIME:
         return Explanation(
-            f"'{node.name}' ({amp.op}) is a node of the training step, not a precision "
-            f"decision: {amp.detail}."
+            f"'{node.name}' ({amp.op}) is a node of amp_graph's runtime (the training step), "
+            f"not a precision decision: {amp.detail}."
         )
     text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
     casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
@@ -329,3 +330,38 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             "< module type < module path < node)."
         )
     return Explanation("\n".join(text))
+
+
+def report_summary_html(report: Report) -> str:
+    """The report's totals: policy, ops per output dtype, casts and bytes."""
+    per_dtype = " ".join(f"{badge(k, k)}&nbsp;{v}" for k, v in sorted(report.ops_by_dtype.items()))
+    proven = "" if report.exact else " (dtypes not proven)"
+    return (
+        '<div style="font-family:sans-serif;font-size:13px;margin-bottom:4px">'
+        f"<b>amp_graph report</b>: policy <b>{escape(report.policy)}</b>, low dtype "
+        f"{badge(report.dtype, report.dtype)}{proven}<br>ops by output dtype: {per_dtype}<br>"
+        f"casts inserted {report.casts_inserted}, removed by simplification "
+        f"{report.casts_removed}, kept <b>{report.casts_kept}</b>; bytes cast per call: "
+        f"{bytes_text(report.cast_bytes)}</div>"
+    )
+
+
+def report_html(report: Report) -> str:
+    """The report as a notebook shows it: totals, then the per-node table (folded when
+    long); dtypes as badges, inserted casts on a gold background."""
+    headers = COLUMNS
+    rows = [r.cells() for r in report.rows]
+
+    def render(column: int, value: object) -> str:
+        text = str(value)
+        return badge(text, text) if column in (5, 6) else escape(text)
+
+    def row_style(index: int) -> str:
+        return "background:#fff8db" if report.rows[index].role == "cast" else ""
+
+    table = html_table(headers, rows, render, row_style)
+    state = " open" if len(rows) <= OPEN_ROWS else ""
+    return (
+        f"<div>{report_summary_html(report)}<details{state}><summary>per-node table "
+        f"({len(rows)} nodes)</summary>{table}</details></div>"
+    )

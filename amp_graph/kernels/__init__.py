@@ -5,7 +5,7 @@ CUDA tensor reaches one of them (see :mod:`amp_graph.kernels.extension`).
 """
 
 from amp_graph.kernels.extension import ExtensionStatus, extension_status
-from amp_graph.kernels.ops import (
+from amp_graph.kernels.scaler_ops import (
     non_finite_check_,
     non_finite_check_and_unscale_,
     non_finite_check_unscale_and_norm_,

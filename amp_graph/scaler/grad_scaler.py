@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from amp_graph.kernels import ops
+from amp_graph.kernels import scaler_ops as ops
 from amp_graph.scaler import errors
 from amp_graph.scaler.grad_check import CheckResult, GradientCheck, Partition
 from amp_graph.scaler.monitor import NamedParameters, SkipMonitor

@@ -64,7 +64,7 @@ class Fp8UnsupportedError(RuntimeError):
     """This torch has no float8 matmul on the device (or none for the recipe's scaling)."""
 
 
-# FRAGMENT: amp_graph.kernels.ops defines the scaler's ops in the same namespace.
+# FRAGMENT: amp_graph.kernels.scaler_ops defines the scaler's ops in the same namespace.
 _lib = torch.library.Library("amp_graph", "FRAGMENT")
 SCHEMAS = {
     "fp8_scale": "(Tensor x, ScalarType dtype, str recipe, int dim=-1) -> Tensor",
