@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from amp_graph.kernels import extension, ops
+from amp_graph.kernels import extension
+from amp_graph.kernels import scaler_ops as ops
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Memory bandwidth (GB/s) of common GPUs by a substring of their name, most specific first, for

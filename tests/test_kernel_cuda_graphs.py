@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_graph.kernels import extension, ops
+from amp_graph.kernels import extension
+from amp_graph.kernels import scaler_ops as ops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from scaler_helpers import ref_check_unscale, ref_sum_of_squares
 
-from amp_graph.kernels import extension, ops
+from amp_graph.kernels import extension
+from amp_graph.kernels import scaler_ops as ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICES = [
