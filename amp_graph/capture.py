@@ -88,13 +88,13 @@ class Captured:
     """A captured graph and how to call it.
 
     ``graph_module`` takes the flat leaves of ``(args, kwargs)`` (``in_spec``) and returns the
-    flat leaves of the model's output (``out_spec``); specs are None for a GraphModule the
-    user brought (called with its own signature). ``guard`` says which input sizes it serves.
+    flat leaves of the model's output (``out_spec``). ``guard`` says which input sizes it
+    serves.
     """
 
     graph_module: fx.GraphModule
-    in_spec: pytree.TreeSpec | None
-    out_spec: pytree.TreeSpec | None
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
     guard: ShapeGuard | None = None  # None: any sizes
     seconds: float = 0.0
 
@@ -107,7 +107,7 @@ class Captured:
 
     def unflatten(self, out: Any) -> Any:
         """The model's output structure from what the graph returns (its flat leaves)."""
-        if self.out_spec is None or self.out_spec.is_leaf():
+        if self.out_spec.is_leaf():
             return out
         return pytree.tree_unflatten(list(out), self.out_spec)
 
@@ -440,8 +440,7 @@ def _capture_error(model: nn.Module, error: BaseException) -> CaptureError:
     text = f"{type(error).__name__}: {error}"
     hint = next((h for match, h in _HINTS if match(text)), None) or (
         "If the model's Python cannot run on fake tensors, use torch.compile(model, "
-        "backend='amp_graph') (which splits the model where it must), or capture a "
-        "torch.fx.GraphModule yourself and pass it to amp_graph.compile."
+        "backend='amp_graph'), which splits the model where it must."
     )
     first_lines = "\n".join(text.splitlines()[:6])
     return CaptureError(

@@ -34,7 +34,7 @@ from amp_graph.amp_request import (
 )
 from amp_graph.capture import Captured, CaptureError, capture_module
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
-from amp_graph.passes.meta import VAL, short
+from amp_graph.passes.meta import short
 from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -134,30 +134,6 @@ def rewrite(
     return record
 
 
-def attach_example_values(gm: fx.GraphModule, values: Sequence[Any]) -> None:
-    """Fake copies of ``values`` as the placeholders' ``meta["val"]`` (in order; a
-    placeholder beyond them gets its default)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(values) > len(placeholders):
-        raise ValueError(
-            f"{len(values)} example inputs for a graph with {len(placeholders)} inputs "
-            f"({', '.join(p.name for p in placeholders)})"
-        )
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-    def fake(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return mode.from_tensor(value, static_shapes=True)
-        return value
-
-    for node, value in zip(placeholders, values, strict=False):
-        node.meta[VAL] = pytree.tree_map(fake, value)
-    for node in placeholders[len(values) :]:
-        node.meta[VAL] = fake(node.args[0] if node.args else None)
-
-
 def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
     dtypes = Counter(
         short(n.meta[AMP].out_dtype)
@@ -214,24 +190,17 @@ class CaptureCache:
     capture with symbolic sizes, which then serves every size it accepts (a model that
     needs static sizes gets one graph per size).
 
-    ``capture(args, kwargs, dynamic)`` makes a :class:`Captured`; ``flatten=False`` keys a
-    GraphModule the user brought by its own positional inputs.
+    ``capture(args, kwargs, dynamic)`` makes a :class:`Captured`.
     """
 
-    def __init__(
-        self, capture: CaptureFn, modules: Sequence[nn.Module], what: str, flatten: bool = True
-    ) -> None:
+    def __init__(self, capture: CaptureFn, modules: Sequence[nn.Module], what: str) -> None:
         self._capture_fn, self._modules, self._what = capture, modules, what
-        self._flatten = flatten
         self._signatures: dict[tuple, _Signature] = {}
         self.captures: list[Captured] = []
 
     def get(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
         """The graph for these inputs (capturing it if needed) and the flat inputs."""
-        if self._flatten:
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-        else:
-            leaves, spec = [*args, *kwargs.values()], ("positional", tuple(kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
         key = (
             spec,
             tuple(_describe(v) for v in leaves),
@@ -270,7 +239,7 @@ class CaptureCache:
                 stacklevel=4,
             )
         captured = self._capture_fn(args, kwargs, False)
-        if captured.guard is None:  # a GraphModule the user brought serves any size
+        if captured.guard is None:  # no size to guard: it serves any
             signature.dynamic = captured
         else:
             signature.static[_shapes(leaves)] = captured
@@ -365,8 +334,7 @@ class CompiledModule(nn.Module):
 
     def _new_cache(self) -> CaptureCache:
         model = self._orig_mod
-        flat = not isinstance(model, fx.GraphModule)  # a GraphModule keeps its own signature
-        return CaptureCache(self._capture_new, list(model.modules()), type(model).__name__, flat)
+        return CaptureCache(self._capture_new, list(model.modules()), type(model).__name__)
 
     @property
     def graph_modules(self) -> list[fx.GraphModule]:
@@ -432,8 +400,6 @@ class CompiledModule(nn.Module):
         return self._run(captured, args, kwargs, leaves)
 
     def _run(self, captured: Captured, args: tuple, kwargs: dict, leaves: list) -> Any:
-        if captured.in_spec is None:  # a GraphModule the user brought: its own signature
-            return captured.graph_module(*args, **kwargs)
         return captured.call(leaves)
 
     def _warn_autocast(self) -> None:
@@ -465,27 +431,48 @@ class CompiledModule(nn.Module):
 
     def _capture_graph(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
         """The model as captured for these inputs, before the passes (a graph of its own:
-        the passes rewrite it in place)."""
+        the passes rewrite it in place). A GraphModule the user brought (torch.fx's or HF's
+        tracer) is captured as any module: its code runs under the same capture, so the
+        passes see one IR, aten ops with a fake value on every node."""
         model = self._orig_mod
         if isinstance(model, fx.GraphModule):
-            start = time.perf_counter()
-            gm = copy_graph_module(model)
-            attach_example_values(gm, list(args) + list(kwargs.values()))
-            captured = Captured(gm, None, None, seconds=time.perf_counter() - start)
-        else:
-            autocast_dtype = None if self.policy.casts_nothing else self.dtype
-            with _class_forward(model) if self._in_place else contextlib.nullcontext():
-                captured = capture_module(
-                    model,
-                    args,
-                    kwargs,
-                    device_type=self.device_type,
-                    autocast_dtype=autocast_dtype,
-                    dynamic=dynamic,
-                    policy=self.policy,
-                    low_dtype=self.dtype,
-                )
-        return captured
+            model = graph_code_module(model)
+        autocast_dtype = None if self.policy.casts_nothing else self.dtype
+        with _class_forward(model) if self._in_place else contextlib.nullcontext():
+            return capture_module(
+                model,
+                args,
+                kwargs,
+                device_type=self.device_type,
+                autocast_dtype=autocast_dtype,
+                dynamic=dynamic,
+                policy=self.policy,
+                low_dtype=self.dtype,
+            )
+
+
+def graph_code_module(gm: fx.GraphModule) -> nn.Module:
+    """A plain module whose forward is ``gm``'s generated code, over ``gm``'s own children
+    and tensors (nothing copied), under ``gm``'s class name.
+
+    ``torch.export`` runs a GraphModule through ``fx.Interpreter`` rather than its forward,
+    so the capture under the policy, which wraps the forward (:mod:`amp_graph.capture_dtypes`),
+    would never see the code run: as a plain module it runs as any model's does.
+    """
+    cls = type(type(gm).__name__, (nn.Module,), {"forward": type(gm).forward})
+    module = cls()
+    for name, child in gm.named_children():
+        module.add_module(name, child)
+    for name, parameter in gm.named_parameters(recurse=False):
+        module.register_parameter(name, parameter)
+    for name, buffer in gm.named_buffers(recurse=False):
+        module.register_buffer(name, buffer)
+    for node in gm.graph.nodes:  # tensors the code reads that are neither (constants)
+        top = str(node.target).split(".")[0] if node.op == "get_attr" else None
+        if top is not None and not hasattr(module, top):
+            setattr(module, top, getattr(gm, top))
+    module.training = gm.training  # not train(): the children are the user's, as they are
+    return module
 
 
 def compile(
@@ -502,7 +489,8 @@ def compile(
     Args:
         model: an ``nn.Module``, captured with ``torch.export`` (non-strict) down to aten
             ops, so every op inside every module gets the policy's decision; or a
-            ``torch.fx.GraphModule``, used as it is (bring graphs from other tracers).
+            ``torch.fx.GraphModule`` (from other tracers), captured the same way: its node
+            names become the aten graph's.
         policy: a preset name (``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"autocast"``,
             ``"fp8"``) or an :class:`amp_graph.Policy`.
         dtype: the low-precision dtype, ``torch.float16`` or ``torch.bfloat16``; by default

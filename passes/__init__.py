@@ -5,13 +5,15 @@ Installed as ``amp_graph.passes``. The passes talk through ``node.meta["amp"]``
 
 0. :func:`inline_regions` - the model's autocast / no_grad blocks, flattened and recorded;
 1. :func:`classify` - each node's policy rule and what decided it;
-2. :func:`expose_parameters` - parameters of cast modules become graph values;
-3. :func:`assign_dtypes` - compute dtype and output dtype of every node;
-4. :func:`insert_casts` - the plan as cast nodes, one per (consumer, input);
-5. :func:`simplify_casts` - a rule table removes casts that change nothing;
-6. :func:`verify` - lint plus dtype consistency with the plan;
-7. :func:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
-8. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward.
+2. :func:`assign_dtypes` - compute dtype and output dtype of every node;
+3. :func:`insert_casts` - the plan as cast nodes, one per (consumer, input);
+4. :func:`simplify_casts` - a rule table removes casts that change nothing;
+5. :func:`verify` - lint plus dtype consistency with the plan;
+6. :func:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
+7. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward.
+
+They take one IR: the aten-level GraphModule amp_graph's capture makes, with an example value
+on every node (:func:`~passes.pipeline.require_captured_graph` says so where it is not).
 
 Invariants no pass may break: the user's module is never modified; parameters are never
 copied (casts read them); casts the model wrote and in-place ops are never altered;
@@ -21,7 +23,6 @@ integer, bool and float64 values are never cast; a cast chain is folded only if 
 from .assign_dtypes import assign_dtypes, propagate_dtypes
 from .checkpoints import outline_checkpoints
 from .classify import classify
-from .expose_parameters import expose_parameters
 from .fsdp_hooks import fsdp_hooks
 from .insert_casts import cast_if_castable, insert_casts
 from .meta import AMP, CHECKPOINT_REGION, UNKNOWN, AmpInfo, Role
@@ -48,7 +49,6 @@ __all__ = [
     "assign_dtypes",
     "cast_if_castable",
     "classify",
-    "expose_parameters",
     "fsdp_hooks",
     "inline_regions",
     "insert_casts",

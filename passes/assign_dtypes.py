@@ -405,13 +405,16 @@ def assign_dtypes(
 ) -> PassResult:
     """Decide ``compute_dtype`` and ``out_dtype`` for every node (see the module docstring).
 
-    >>> import torch, torch.fx as fx, amp_graph
+    >>> import torch, amp_graph
+    >>> from amp_graph.capture import capture_module
     >>> from amp_graph.passes import classify
-    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Softmax(-1)))
+    >>> model = torch.nn.Sequential(torch.nn.Softmax(-1))
+    >>> gm = capture_module(model, (torch.randn(2, 3),), {}, device_type="cpu",
+    ...                     autocast_dtype=torch.float16).graph_module
     >>> _ = classify(gm, amp_graph.Policy.preset("O1"))
     >>> _ = assign_dtypes(gm, torch.float16)
-    >>> gm.graph.find_nodes(op="call_module")[0].meta["amp"].compute_dtype
-    torch.float32
+    >>> [n.meta["amp"].compute_dtype for n in gm.graph.nodes if n.name == "softmax"]
+    [torch.float32]
     """
     if low_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_dtype is torch.float16 or torch.bfloat16, not {low_dtype}")

@@ -415,11 +415,14 @@ _STRUCTURAL: dict[str, tuple[Role, str, str]] = {
 def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """Record each node's rule under ``meta["amp"]``; the graph is not changed.
 
-    >>> import torch, torch.fx as fx, amp_graph
-    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1)))
+    >>> import torch, amp_graph
+    >>> from amp_graph.capture import capture_module
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Softmax(-1))
+    >>> gm = capture_module(model, (torch.randn(1, 2),), {}, device_type="cpu",
+    ...                     autocast_dtype=torch.bfloat16).graph_module
     >>> _ = classify(gm, amp_graph.Policy.preset("O1"))
-    >>> [(n.name, str(n.meta["amp"].rule)) for n in gm.graph.nodes if n.op == "call_module"]
-    [('_0', 'allow'), ('_1', 'deny')]
+    >>> [(n.name, str(n.meta["amp"].rule)) for n in gm.graph.nodes if n.op == "call_function"]
+    [('linear', 'allow'), ('softmax', 'deny')]
     """
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:

@@ -146,11 +146,12 @@ def _insert_runtime_promote(graph: fx.Graph, node: fx.Node, low: torch.dtype) ->
 def insert_casts(gm: fx.GraphModule) -> PassResult:
     """Insert one cast per (consumer, input) that the plan requires.
 
-    >>> import torch, torch.fx as fx, amp_graph
-    >>> from amp_graph.passes import classify, expose_parameters, assign_dtypes
-    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    >>> import torch, amp_graph
+    >>> from amp_graph.capture import capture_module
+    >>> from amp_graph.passes import classify, assign_dtypes
+    >>> gm = capture_module(torch.nn.Linear(2, 2), (torch.randn(1, 2),), {}, device_type="cpu",
+    ...                     autocast_dtype=torch.float16).graph_module
     >>> _ = classify(gm, amp_graph.Policy.preset("O1"))
-    >>> _ = expose_parameters(gm, torch.float16)
     >>> _ = assign_dtypes(gm, torch.float16)
     >>> insert_casts(gm).stats
     {'casts_inserted': 3}

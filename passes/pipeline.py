@@ -1,6 +1,6 @@
 """The driver: runs the passes in order, and says which one failed.
 
-Order: inline_regions -> classify -> (fp8_linears, under an fp8 policy) -> expose_parameters
+Order: inline_regions -> classify -> (fp8_linears, under an fp8 policy)
 -> assign_dtypes -> insert_casts -> simplify_casts -> verify -> fsdp_hooks (models sharded
 with FSDP2) -> outline_checkpoints. With ``check_each=True`` (the
 tests use it) the verifier also runs after every pass, so a pass that breaks an invariant is
@@ -22,11 +22,10 @@ from amp_graph.policy import Policy
 from .assign_dtypes import assign_dtypes
 from .checkpoints import outline_checkpoints
 from .classify import classify
-from .expose_parameters import expose_parameters
 from .fp8_linears import fp8_linears
 from .fsdp_hooks import fsdp_hooks
 from .insert_casts import insert_casts
-from .meta import model_root
+from .meta import VAL, model_root
 from .regions import inline_regions
 from .result import PassResult
 from .simplify_casts import simplify_casts
@@ -60,7 +59,6 @@ def amp_passes(
     ]
     if policy.fp8 is not None:  # after classify: an fp32 override outranks fp8
         passes.append(("fp8_linears", lambda gm: fp8_linears(gm, policy.fp8, model_root(gm))))
-    passes.append(("expose_parameters", lambda gm: expose_parameters(gm, low_dtype)))
     passes.append(("assign_dtypes", lambda gm: assign_dtypes(gm, low_dtype, policy.cast_inputs)))
     passes.append(("insert_casts", insert_casts))
     passes.append(("simplify_casts", simplify_casts))
@@ -71,6 +69,32 @@ def amp_passes(
     # last: it moves checkpointed nodes into submodules, after every dtype is settled
     passes.append(("outline_checkpoints", outline_checkpoints))
     return passes
+
+
+def require_captured_graph(gm: fx.GraphModule) -> None:
+    """The one IR the passes take: aten-level calls (``call_function``) with an example value
+    (``meta["val"]``) on every placeholder and aten op, as amp_graph's captures make them
+    (Python calls the capture records, ``torch._C.is_grad_enabled`` or ``getitem``, may have
+    none: they compute no tensor the passes decide).
+
+    Raises:
+        TypeError: for a torch-level graph (``call_module`` / ``call_method`` nodes, as
+            ``torch.fx.symbolic_trace`` makes) or a node without a value, saying what to do.
+    """
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "call_method"):
+            raise TypeError(
+                f"amp_graph's passes take an aten-level graph, as amp_graph's capture makes it; "
+                f"node {node.name!r} is a {node.op} ({node.target}), a torch-level node. Pass "
+                "the model, or this GraphModule, to amp_graph.compile: it captures it first."
+            )
+        aten_op = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+        if (node.op == "placeholder" or aten_op) and VAL not in node.meta:
+            raise TypeError(
+                f"amp_graph's passes need an example value on every node (meta['val']); "
+                f"{node.name!r} has none. Capture the model with amp_graph.compile, the "
+                "torch.compile backend or Graph, which attach them."
+            )
 
 
 def run_passes(
@@ -87,6 +111,7 @@ def run_passes(
     already ran on ``gm`` (to keep the graph as captured in the form the passes read). It is
     not run again (a second run finds nothing), and its counters are reported as if it ran here.
     """
+    require_captured_graph(gm)
     result = PipelineResult(gm)
     ran: list[str] = []
     for name, run in amp_passes(policy, low_dtype, full_verify=check_each):

@@ -84,11 +84,4 @@ class PlanReference(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args, kwargs = _cast(args, info.compute_dtype), _cast(kwargs, info.compute_dtype)
-        if n.op == "call_module" and info.compute_dtype is not None:
-            module = self.module.get_submodule(n.target)
-            from amp_graph.passes.expose_parameters import MIXED_PRECISION_MODULES
-
-            if not isinstance(module, MIXED_PRECISION_MODULES):
-                params = {k: _cast(p, info.compute_dtype) for k, p in module.named_parameters()}
-                return torch.func.functional_call(module, params, args, kwargs)
         return getattr(self, n.op)(n.target, args, kwargs)

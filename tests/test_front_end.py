@@ -514,9 +514,10 @@ def test_hf_cache_output_gets_a_specific_error():
 
 
 def test_a_symbolic_trace_with_a_tuple_state_casts_each_element():
-    """The word-language-model LSTM traced by torch.fx: its (h, c) input is one placeholder
-    holding a tuple. O1 casts each element (amp_graph.cast_tree); the production verifier
-    (not only check_each_pass) catches a missing cast inside a tuple."""
+    """The word-language-model LSTM traced by torch.fx, its (h, c) state one tuple input: the
+    GraphModule is captured as any module (one IR), each element of the state becomes an input
+    and O1 casts each. The production verifier (not only check_each_pass) catches a missing
+    cast of one of them."""
     import torch.fx as fx
     from amp_graph.passes import VerificationError, verify
 
@@ -524,12 +525,16 @@ def test_a_symbolic_trace_with_a_tuple_state_casts_each_element():
     traced = fx.symbolic_trace(model)
     data, hidden = tokens(7, 3, 40), model.init_hidden(3)
     compiled = amp_graph.compile(traced, "O1", example_inputs=(data, hidden))
-    casts = [n for n in compiled.graph.nodes if n.name == "hidden_bf16"]
-    assert casts and casts[0].target is amp_graph.cast_tree
+    casts = {n.args[0].name: n for n in compiled.graph.nodes if n.meta[AMP].role is Role.CAST}
+    assert {"hidden_0", "hidden_1"} <= set(casts)
+    assert all(casts[h].args[1] == BF16 for h in ("hidden_0", "hidden_1"))
     out, (h, c) = compiled(data, hidden)
     assert h.dtype == c.dtype == BF16 and torch.isfinite(out.float()).all()
+    with torch.autocast("cpu", dtype=BF16):  # same dtypes as eager CPU autocast on the model
+        _, (h_ref, c_ref) = model(data, hidden)
+    assert h_ref.dtype == h.dtype and c_ref.dtype == c.dtype
     gm = compiled.graph_module
-    cast = casts[0]
+    cast = casts["hidden_1"]
     cast.replace_all_uses_with(cast.args[0])
     gm.graph.erase_node(cast)
     with pytest.raises(VerificationError, match="holds a fp32 tensor: a cast is missing"):

@@ -109,24 +109,6 @@ def out_row(report: amp_graph.Report) -> NodeRow:
     return next(r for r in report.rows if r.role == "output")
 
 
-def check_plan(compiled: fx.GraphModule, op_name: str, case: Case, runnable: bool) -> None:
-    """The op computes at case.dtype, its floating inputs arrive so, and the graph returns it."""
-    report = amp_graph.report(compiled)
-    row = report.row(op_name)
-    where = f"{op_name} ({case.label})"
-    assert row.compute == short(case.dtype), f"{where}: computes in {row.compute}\n{report}"
-    node = next(n for n in compiled.graph.nodes if n.name == op_name)
-    for arg in node.all_input_nodes:  # casts inserted before the op, or values already so
-        arrives = report.row(arg.name).out
-        if arrives in SHORT.values():
-            assert arrives == row.compute, f"{where}: input {arg.name} is {arrives}\n{report}"
-    out = out_row(report).out
-    # Without a CPU kernel or a meta kernel (cudnn_convolution, _thnn_fused_gru_cell) no
-    # example can run, and the output dtype stays unproven; the checks above still hold.
-    if runnable or out != "?":
-        assert out == short(case.dtype), f"{where}: the graph returns {out}\n{report}"
-
-
 # --- the table covers every op -------------------------------------------------------------
 
 
@@ -164,12 +146,22 @@ def test_samples_are_tiny_deterministic_and_call_one_op() -> None:
 @pytest.mark.parametrize("low", LOW_DTYPES, ids=short)
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_o1_computes_each_op_as_cuda_autocast(name: str, low: torch.dtype) -> None:
+    """Each sample as torch.fx traces it (a GraphModule a user brings): compile captures it
+    again, to aten ops, and the graph returns the op's result at the dtype CUDA autocast gives
+    it, bit for bit the op run at that dtype (the aten test above checks every op's plan)."""
     sample = SAMPLES[name]
     traced = fx.symbolic_trace(sample.fn)
-    op_name = op_node_name(traced)
+    op_node_name(traced)  # the sample is one op
     for case in cases(sample, low):
-        compiled = amp_graph.compile(traced, "O1", low, example_inputs=case.inputs)
-        check_plan(compiled, op_name, case, sample.cpu_runnable)
+        try:
+            compiled = amp_graph.compile(traced, "O1", low, example_inputs=case.inputs)
+        except amp_graph.CaptureError:
+            # neither can CPU autocast (no kernel, or mixed dtypes only CUDA's lists resolve)
+            with pytest.raises((RuntimeError, NotImplementedError)), torch.autocast("cpu", low):
+                sample.fn(*case.inputs)
+            continue
+        out = out_row(amp_graph.report(compiled)).out
+        assert out == short(case.dtype), f"{name} ({case.label}): the graph returns {out}"
         if not sample.cpu_runnable:  # no CPU kernel at all: the plan is what can be checked
             continue
         try:

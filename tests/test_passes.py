@@ -15,7 +15,7 @@ from amp_graph.passes import (
     VerificationError,
     assign_dtypes,
     classify,
-    expose_parameters,
+    inline_regions,
     insert_casts,
     pipeline,
     simplify_casts,
@@ -26,6 +26,7 @@ from conftest import compile_checked
 
 import amp_graph
 from amp_graph import models
+from amp_graph.capture import capture_module
 from amp_graph.policy import Policy, Rule
 
 
@@ -46,47 +47,55 @@ def casts_of(gm, source_name):
     ]
 
 
+def captured(model, example, policy="O1", dtype=torch.bfloat16) -> fx.GraphModule:
+    """The graph the passes take: the model captured by amp_graph (aten ops, a fake value on
+    every node), its autocast regions inlined, before any other pass."""
+    gm = capture_module(
+        model,
+        tuple(example),
+        {},
+        device_type="cpu",
+        autocast_dtype=dtype,
+        policy=Policy.preset(policy),
+        low_dtype=dtype,
+    ).graph_module
+    inline_regions(gm)
+    return gm
+
+
 def staged(model, example, policy="O1", dtype=torch.bfloat16):
-    gm = fx.symbolic_trace(model)
-    for node, value in zip(
-        [n for n in gm.graph.nodes if n.op == "placeholder"], example, strict=True
-    ):
-        node.meta["val"] = value
+    gm = captured(model, example, policy, dtype)
     policy = Policy.preset(policy)
     classify(gm, policy)
-    expose_parameters(gm, dtype)
     assign_dtypes(gm, dtype, policy.cast_inputs)
     return gm
 
 
 def test_classify_records_rules_without_changing_the_graph():
-    gm = fx.symbolic_trace(QKV())
+    gm = captured(QKV(), (torch.randn(2, 8),))
     code = gm.code
     result = classify(gm, Policy.preset("O1"))
     assert not result.modified and gm.code == code
     rules = {n.name: n.meta[AMP].rule for n in gm.graph.nodes if n.meta[AMP].role is Role.OP}
     assert rules == {
-        "ln": Rule.DENY,
-        "q": Rule.ALLOW,
-        "k": Rule.ALLOW,
-        "v": Rule.ALLOW,
+        "layer_norm": Rule.DENY,
+        "linear": Rule.ALLOW,
+        "linear_1": Rule.ALLOW,
+        "linear_2": Rule.ALLOW,
         "add": Rule.FOLLOW,
         "add_1": Rule.FOLLOW,
     }
-    assert (
-        gm.graph.find_nodes(op="call_module", target="ln")[0]
-        .meta[AMP]
-        .detail.startswith("aten::layer_norm")
-    )
+    layer_norm = next(n for n in gm.graph.nodes if n.name == "layer_norm")
+    assert "layer_norm" in layer_norm.meta[AMP].detail
 
 
-def test_expose_parameters_keeps_names_and_reads_the_same_tensors():
+def test_the_captured_graph_reads_the_models_own_parameters():
     model = QKV()
     gm = staged(model, (torch.randn(2, 8),))
     names = [n.name for n in gm.graph.nodes if n.meta[AMP].role is Role.OP]
-    assert names == ["ln", "q", "k", "add", "v", "add_1"]
-    q = next(n for n in gm.graph.nodes if n.name == "q")
-    assert q.op == "call_function" and q.target is torch.nn.functional.linear
+    assert names == ["layer_norm", "linear", "linear_1", "add", "linear_2", "add_1"]
+    q = next(n for n in gm.graph.nodes if n.name == "linear")
+    assert q.target is torch.ops.aten.linear.default
     weight = q.args[1]
     assert weight.op == "get_attr" and gm.get_parameter(weight.target) is model.q.weight
 
@@ -94,12 +103,16 @@ def test_expose_parameters_keeps_names_and_reads_the_same_tensors():
 def test_insert_casts_one_per_use_then_simplify_shares_one():
     gm = staged(QKV(), (torch.randn(2, 8),))
     inserted = insert_casts(gm).stats["casts_inserted"]
-    assert len(casts_of(gm, "ln")) == 3  # as torch.autocast: once per consumer
+    assert len(casts_of(gm, "layer_norm")) == 3  # as torch.autocast: once per consumer
     verify(gm)
     removed = simplify_casts(gm).stats["casts_removed"]
-    assert len(casts_of(gm, "ln")) == 1 and removed == 2
-    assert inserted == 3 + 6  # ln for q, k, v, plus weight and bias of each linear
-    assert sorted(casts_of(gm, "ln")[0].meta[AMP].cast_for) == ["k", "q", "v"]
+    assert len(casts_of(gm, "layer_norm")) == 1 and removed == 2
+    assert inserted == 3 + 6  # layer_norm for q, k, v, plus weight and bias of each linear
+    assert sorted(casts_of(gm, "layer_norm")[0].meta[AMP].cast_for) == [
+        "linear",
+        "linear_1",
+        "linear_2",
+    ]
     verify(gm)
 
 
@@ -203,7 +216,7 @@ def test_driver_names_the_failing_pass_and_those_before(monkeypatch):
         amp_graph.compile(QKV())(torch.randn(2, 8))
     message = str(info.value)
     assert "'simplify_casts' failed" in message
-    before = "inline_regions, classify, expose_parameters, assign_dtypes, insert_casts"
+    before = "inline_regions, classify, assign_dtypes, insert_casts"
     assert before in message and "boom" in message
 
 
@@ -223,3 +236,15 @@ def test_every_pass_keeps_the_invariants_on_every_model():
                     model, policy, example_inputs=inputs
                 )  # verifies each pass
                 assert compiled(*example) is not None
+
+
+@pytest.mark.parametrize("module", ["classify", "assign_dtypes", "insert_casts", "fp8_linears"])
+def test_pass_docstring_examples_run(module: str) -> None:
+    """The examples in the passes' docstrings run on graphs the capture makes, as written."""
+    import doctest
+    import importlib
+
+    result = doctest.testmod(
+        importlib.import_module(f"amp_graph.passes.{module}"), optionflags=doctest.ELLIPSIS
+    )
+    assert result.failed == 0 and result.attempted > 0, f"{module}: {result}"
