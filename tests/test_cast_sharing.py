@@ -1,0 +1,56 @@
+"""One rule for sharing a cast (passes/sharing.py), as the three passes that share casts use it.
+
+simplify_casts (one ``x.to(d)`` for several readers), fp8_linears (one float8 quantization
+for several fp8 linears) and hoist_parameter_casts (a parameter cast once per step for every
+micro-batch) share a cast only where no write into the value's storage, and no grad-mode
+change, lies between the cast and its reader. Each test builds the case one of the passes
+once got wrong and compares with torch.autocast or an eager reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from amp_graph.passes.sharing import ENTRY, CastSharing, key_before_graph, written_values
+
+BF16 = torch.bfloat16
+aten = torch.ops.aten
+
+
+def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def position(gm: fx.GraphModule, node: fx.Node) -> int:
+    return list(gm.graph.nodes).index(node)
+
+
+# ---- the rule itself, on small graphs --------------------------------------------------------
+
+
+def test_keys_follow_grad_mode_blocks_and_tied_attributes():
+    """A block's restoring ``_set_grad_enabled(previous)`` returns to the entry mode; a write
+    into one attribute is a write into another attribute of the same tensor."""
+    root = nn.Module()
+    root.a = nn.Parameter(torch.randn(4))
+    root.b = root.a  # tied
+    graph = fx.Graph()
+    a, b = graph.get_attr("a"), graph.get_attr("b")
+    previous = graph.call_function(torch.is_grad_enabled, ())
+    no_grad = graph.call_function(torch._C._set_grad_enabled, (False,))
+    restore = graph.call_function(torch._C._set_grad_enabled, (previous,))
+    write = graph.call_function(aten.mul_.Tensor, (b, 2.0))
+    graph.output((a,))
+    gm = fx.GraphModule(root, graph)
+
+    sharing, keys = CastSharing(gm), {}
+    for node in gm.graph.nodes:
+        keys[node] = sharing.key(a)
+        sharing.visit(node)
+    assert keys[previous] == (a, 0, ENTRY) == key_before_graph(a, set())
+    assert keys[restore] == (a, 0, False)  # inside the block
+    assert keys[write] == keys[previous]  # after it: the entry mode again
+    assert sharing.key(a) == (a, 1, ENTRY)  # b's write is a's
+    assert a in written_values(gm) and key_before_graph(a, written_values(gm)) is None
+    assert no_grad not in written_values(gm)
