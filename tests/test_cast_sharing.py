@@ -9,10 +9,14 @@ once got wrong and compares with torch.autocast or an eager reference.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from amp_graph.passes.sharing import ENTRY, CastSharing, key_before_graph, written_values
+
+import amp_graph
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten
@@ -24,6 +28,49 @@ def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
 
 def position(gm: fx.GraphModule, node: fx.Node) -> int:
     return list(gm.graph.nodes).index(node)
+
+
+# ---- simplify_casts: no cast shared across a torch.no_grad() block ---------------------------
+
+
+class ReadsInsideAndOutsideNoGrad(nn.Module):
+    """``fc`` runs inside ``torch.no_grad()`` (a statistic) and again outside it: the weight
+    cast made inside has no autograd history and must not feed the second call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.skip = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.fc(x).abs().mean()
+        return self.fc(x) * scale + self.skip(x)
+
+
+def test_no_cast_is_shared_across_a_no_grad_block_and_gradients_equal_autocast():
+    model = ReadsInsideAndOutsideNoGrad()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(x,), check_each_pass=True)
+    out = compiled(x)
+    out.float().sum().backward()
+    with torch.autocast("cpu", BF16):
+        expected = ref(x_ref)
+    expected.float().sum().backward()
+
+    assert torch.equal(out, expected)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None, f"{name}: no gradient (its cast was made under no_grad)"
+        assert torch.equal(p.grad, q.grad), name
+    assert torch.equal(x.grad, x_ref.grad)
+
+    gm = compiled.graph_module
+    restore = calls(gm, torch._C._set_grad_enabled)[-1]
+    inside, outside, _skip = calls(gm, aten.linear.default)
+    for cast_in, cast_out in zip(inside.args, outside.args, strict=True):
+        assert cast_in is not cast_out  # x, weight and bias: each cast again outside
+        assert position(gm, cast_out) > position(gm, restore)
 
 
 # ---- the rule itself, on small graphs --------------------------------------------------------
