@@ -17,6 +17,7 @@ import torch.nn as nn
 from amp_graph.passes.sharing import ENTRY, CastSharing, key_before_graph, written_values
 
 import amp_graph
+from amp_graph import fp8
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten
@@ -28,6 +29,56 @@ def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
 
 def position(gm: fx.GraphModule, node: fx.Node) -> int:
     return list(gm.graph.nodes).index(node)
+
+
+# ---- fp8_linears: a value written between two fp8 linears is quantized again ------------------
+
+
+class WrittenBetweenLinears(nn.Module):
+    """``h`` feeds two fp8 linears and is written, through a view, between them: the
+    second linear reads ``h`` itself (export rewires nothing), with new values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 16), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.relu()
+        a = self.fc1(h)
+        h[:, :8].mul_(4.0)
+        return a + self.fc2(h)
+
+
+class EagerFp8(nn.Module):
+    """The reference: the same forward, each linear computed by amp_graph.fp8.linear."""
+
+    def __init__(self, model: WrittenBetweenLinears) -> None:
+        super().__init__()
+        self.m = copy.deepcopy(model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.relu()
+        a = fp8.linear(h, self.m.fc1.weight, self.m.fc1.bias)
+        h[:, :8].mul_(4.0)
+        return a + fp8.linear(h, self.m.fc2.weight, self.m.fc2.bias)
+
+
+def test_fp8_value_written_between_two_linears_is_quantized_again():
+    model = WrittenBetweenLinears()
+    x = torch.randn(8, 32)
+    compiled = amp_graph.compile(model, "fp8", example_inputs=(x,), check_each_pass=True)
+    gm = compiled.graph_module
+    first, second = calls(gm, torch.ops.amp_graph.fp8_linear.default)
+    write = calls(gm, aten.mul_.Tensor)[0]
+    assert first.args[0] is second.args[0]  # both read h
+    quantized = second.args[2]
+    assert quantized is not first.args[2], "the second linear reads the stale quantization"
+    assert quantized.target is torch.ops.amp_graph.fp8_quantize.default
+    assert position(gm, quantized) > position(gm, write)
+
+    with torch.autocast("cpu", BF16):
+        expected = EagerFp8(model)(x)
+    assert torch.equal(compiled(x), expected)
 
 
 # ---- simplify_casts: no cast shared across a torch.no_grad() block ---------------------------
