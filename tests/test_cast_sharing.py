@@ -10,6 +10,7 @@ once got wrong and compares with torch.autocast or an eager reference.
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 import torch.fx as fx
@@ -18,6 +19,7 @@ from amp_graph.passes.sharing import ENTRY, CastSharing, key_before_graph, writt
 
 import amp_graph
 from amp_graph import fp8
+from amp_graph.graph import Graph
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten
@@ -79,6 +81,80 @@ def test_fp8_value_written_between_two_linears_is_quantized_again():
     with torch.autocast("cpu", BF16):
         expected = EagerFp8(model)(x)
     assert torch.equal(compiled(x), expected)
+
+
+# ---- hoist_parameter_casts: a buffer written in place is cast where it is read ----------------
+
+
+class BufferUpdatedInPlace(nn.Module):
+    """A buffer read by a matmul (cast to bf16) before and after an in-place update of it,
+    through a view: both reads are of the buffer's own ``get_attr``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("mix", torch.eye(8) + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = self.fc(x) @ self.mix
+        self.mix.diagonal().mul_(1.5)
+        return before + self.fc(x) @ self.mix
+
+
+class AccumulatingStep(Graph):
+    def __init__(self, model: nn.Module, micro_batches: int) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        self.config.enable_amp(True, policy="O1", dtype=BF16)
+        self.config.set_gradient_accumulation_steps(micro_batches)
+
+    def build(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+
+def _hoisted_targets(build: fx.GraphModule) -> set[str]:
+    """The casts the step graph makes for ``build``: the parameters whose getitem of
+    ``low_precision_weights`` replaced their cast (named after it)."""
+    weights = [n for n in build.graph.nodes if n.name == "low_precision_weights"]
+    return {u.name for w in weights for u in w.users if u.target is operator.getitem}
+
+
+def test_buffer_written_in_place_is_not_hoisted_and_every_micro_batch_reads_it_fresh():
+    torch.manual_seed(0)
+    base, batches = BufferUpdatedInPlace(), [torch.randn(4, 8) for _ in range(2)]
+    model = copy.deepcopy(base)
+    step = AccumulatingStep(model, micro_batches=2)
+    losses = [step(x) for x in batches]
+
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x in batches:
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for part in x.chunk(2):
+            with torch.autocast("cpu", BF16):
+                loss = ref(part).float().pow(2).mean() / 2
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        torch.testing.assert_close(losses.pop(0).detach(), total, rtol=0, atol=1e-6)
+    assert torch.equal(model.mix, ref.mix)  # 4 updates of the buffer, in both
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+    build = step.build_graph
+    hoisted = _hoisted_targets(build)
+    assert {"model_fc_weight_bf16", "model_fc_bias_bf16"} <= hoisted  # still cast once per step
+    assert not any("mix" in name for name in hoisted)
+    write = calls(build, aten.mul_.Tensor)[0]
+    mix_casts = [
+        n for n in build.graph.nodes if n.target == "to" and n.args[0].target == "model.mix"
+    ]
+    assert len(mix_casts) == 2  # one on each side of the write, in the graph
+    assert position(build, mix_casts[0]) < position(build, write) < position(build, mix_casts[1])
 
 
 # ---- simplify_casts: no cast shared across a torch.no_grad() block ---------------------------
