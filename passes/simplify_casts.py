@@ -8,8 +8,10 @@ when the inner cast is lossless; ``fp32 -> fp16 -> fp32`` rounds, so it stays.
 Reads: ``meta["amp"]`` (role, out_dtype, conditional). Writes: removes nodes, rewires
 uses, and keeps ``cast_for`` of the surviving casts complete. Guarantees: every value each
 node receives is bit-for-bit what it received before the pass, with the same autograd
-history; in particular two casts are merged only where :mod:`passes.sharing` allows (no
-write into the source's storage between them, the same grad mode).
+history; in particular two casts are merged, and a chain's outer cast made to read the
+chain's origin, only where :mod:`passes.sharing` allows (no write into the origin's storage
+between the two reads, the same grad mode); a chain folds to its origin itself only if
+nothing in the graph writes the origin (its users would then read it later, uncopied).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.fx as fx
 from .insert_casts import is_cast_node
 from .meta import AMP, Role, is_lossless
 from .result import PassResult
-from .sharing import CastSharing, ShareKey
+from .sharing import CastSharing, ShareKey, written_values
 
 Rule = Callable[[fx.Node, "_Context"], fx.Node | None]
 
@@ -37,6 +39,20 @@ class _Context:
         self.first_cast: dict[tuple[ShareKey, torch.dtype, bool], fx.Node] = {}
         self.first_attr: dict[int, fx.Node] = {}
         self.sharing = CastSharing(gm)
+        self.read_at: dict[fx.Node, ShareKey] = {}  # cast -> the sharing key of its read
+        self._written: set[fx.Node] | None = None
+
+    def written(self) -> set[fx.Node]:
+        """The values whose storage the graph writes somewhere (computed once, on demand)."""
+        if self._written is None:
+            self._written = written_values(self.gm)
+        return self._written
+
+    def visit(self, node: fx.Node) -> None:
+        """Step past a node no rule replaced."""
+        if is_cast_node(node):
+            self.read_at[node] = self.sharing.key(_source(node))
+        self.sharing.visit(node)
 
 
 def _source(cast: fx.Node) -> fx.Node:
@@ -60,15 +76,19 @@ def cast_to_own_dtype(node: fx.Node, ctx: _Context) -> fx.Node | None:
 
 
 def fold_lossless_chain(node: fx.Node, ctx: _Context) -> fx.Node | None:
-    """x.to(a).to(b)  ->  x.to(b), when x -> a is lossless; and -> x when b is x's dtype"""
+    """x.to(a).to(b)  ->  x.to(b), when x -> a is lossless; and -> x when b is x's dtype;
+    only where passes.sharing lets x read here stand for x read by the inner cast"""
     if not (is_cast_node(node) and is_cast_node(_source(node))):
         return None
     inner = _source(node)
     origin, origin_dtype = _source(inner), _known(_source(inner))
     if origin_dtype is None or not is_lossless(origin_dtype, _target(inner)):
         return None
+    if ctx.read_at.get(inner) != ctx.sharing.key(origin):  # x written since, or grad mode
+        return None
     if origin_dtype == _target(node):
-        return origin
+        # the users would read x itself, later: only if nothing ever writes x's storage
+        return None if origin in ctx.written() else origin
     node.replace_input_with(inner, origin)
     return None  # rewired in place; the cast itself stays
 
@@ -136,7 +156,7 @@ def simplify_casts(gm: fx.GraphModule) -> PassResult:
                     changed = True
                     break
             else:
-                ctx.sharing.visit(node)
+                ctx.visit(node)
         changed |= _remove_dead_casts(graph) > 0
     after = sum(is_cast_node(n) for n in graph.nodes)
     return PassResult(gm, modified=before != after, stats={"casts_removed": before - after})

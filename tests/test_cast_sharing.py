@@ -12,14 +12,19 @@ from __future__ import annotations
 import copy
 import operator
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from amp_graph.passes.insert_casts import make_cast
+from amp_graph.passes.meta import AMP, AmpInfo, Role
 from amp_graph.passes.sharing import ENTRY, CastSharing, key_before_graph, written_values
+from amp_graph.passes.simplify_casts import simplify_casts
 
 import amp_graph
 from amp_graph import fp8
 from amp_graph.graph import Graph
+from amp_graph.rule import Rule
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten
@@ -228,3 +233,37 @@ def test_keys_follow_grad_mode_blocks_and_tied_attributes():
     assert sharing.key(a) == (a, 1, ENTRY)  # b's write is a's
     assert a in written_values(gm) and key_before_graph(a, written_values(gm)) is None
     assert no_grad not in written_values(gm)
+
+
+def _chain_with_write(write_before_outer: bool) -> fx.GraphModule:
+    """x (fp16) -> fp32 -> fp16, a lossless chain, and ``x.add_(1)`` either between its two
+    casts or after both (before the reader): the reader must see x's old values."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta[AMP] = AmpInfo(role=Role.INPUT, out_dtype=torch.float16, exact=True)
+    inner = make_cast(graph, x, torch.float32, "relu")
+
+    def write() -> None:
+        node = graph.call_function(aten.add_.Tensor, (x, 1.0))
+        node.meta[AMP] = AmpInfo(role=Role.INPLACE, out_dtype=torch.float16, exact=True)
+
+    if write_before_outer:
+        write()
+    outer = make_cast(graph, inner, torch.float16, "relu")
+    if not write_before_outer:
+        write()
+    relu = graph.call_function(torch.relu, (outer,))
+    relu.meta[AMP] = AmpInfo(role=Role.OP, rule=Rule.FOLLOW, out_dtype=torch.float16)
+    graph.output(relu).meta[AMP] = AmpInfo(role=Role.OUTPUT, out_dtype=torch.float16)
+    return fx.GraphModule(nn.Module(), graph)
+
+
+@pytest.mark.parametrize("write_before_outer", [True, False], ids=["between", "after"])
+def test_lossless_chain_is_not_folded_across_a_write_of_its_origin(write_before_outer):
+    gm = _chain_with_write(write_before_outer)
+    simplify_casts(gm)
+    gm.recompile()
+    relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+    assert relu.args[0].op != "placeholder", "the reader reads x after the write"
+    x = torch.tensor([-1.0, 0.5, 2.0], dtype=torch.float16)
+    assert torch.equal(gm(x.clone()), x.relu())
