@@ -23,7 +23,9 @@ Each read gets a :data:`ShareKey` (the value, its storage's write count so far, 
 mode); reads with equal keys may share one cast, reads with different keys may not.
 
 Guarantee: a reader given a shared cast receives, bit for bit, the values of the cast it
-would have made itself, with the same autograd history (or lack of it).
+would have made itself, recorded by autograd exactly when its own cast would have been
+(the readers' gradients then meet at the one cast and sum in its dtype, as they do at
+torch.autocast's cached weight casts: README, known limits).
 
 Not seen: writes the graph does not show (a hook, a custom op without a schema that
 says so), and graph inputs that alias each other (``torch.export`` assumes they do not).
