@@ -16,7 +16,9 @@ auto-filter, an explicit fp32 override), and rewrites the eligible ones into fiv
     w_scale, w_e4m3                           # the same for the weight
     out     = amp_graph.fp8_linear(x, W, x_e4m3, x_scale, w_e4m3, w_scale, b, recipe)
 
-A value feeding several fp8 linears (the input of q, k and v) is quantized once. The ops and
+A value feeding several fp8 linears (the input of q, k and v) is quantized once, where
+:mod:`passes.sharing` allows: a value written in place (or through a view) between two fp8
+linears, or read on both sides of a grad-mode change, is quantized again. The ops and
 their backward are :mod:`amp_graph.fp8.custom_ops`; this pass only names them (``torch.ops``).
 
 Reads: ``meta["amp"]`` when classify ran (the node's rule and module path: an explicit
@@ -50,6 +52,7 @@ from amp_graph.policy import Rule
 from .classify import is_model_parameter, normalize_module_path
 from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role
 from .result import PassResult
+from .sharing import CastSharing, ShareKey
 
 aten = torch.ops.aten
 SOURCE = "fp8"
@@ -171,12 +174,14 @@ def _fake_value(target: Any, args: tuple) -> Any:
 
 
 class _Rewriter:
-    """Inserts the fp8 nodes for one graph, quantizing each value once."""
+    """Inserts the fp8 nodes for one graph, quantizing each value once per sharing key
+    (:mod:`passes.sharing`): the caller walks ``sharing`` along the graph."""
 
     def __init__(self, gm: fx.GraphModule, recipe: str) -> None:
         self.graph = gm.graph
         self.recipe = recipe
-        self.quantized: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+        self.sharing = CastSharing(gm)
+        self.quantized: dict[ShareKey, tuple[fx.Node, fx.Node]] = {}
 
     def node(self, target: Any, args: tuple, name: str, like: fx.Node, op: str, detail: str):
         new = self.graph.create_node("call_function", target, args, name=name)
@@ -200,7 +205,10 @@ class _Rewriter:
         return new
 
     def quantize(self, value: fx.Node, like: fx.Node) -> tuple[fx.Node, fx.Node]:
-        if value not in self.quantized:
+        """The (scale, float8) nodes of ``value`` read at ``like``: a new pair unless an
+        earlier one may be shared (same sharing key)."""
+        key = self.sharing.key(value)
+        if key not in self.quantized:
             ops = torch.ops.amp_graph
             scale = self.node(
                 ops.fp8_scale.default,
@@ -218,8 +226,8 @@ class _Rewriter:
                 "fp8 quantize",
                 f"'{value.name}' times its scale, saturated to float8_e4m3fn",
             )
-            self.quantized[value] = (scale, cast)
-        return self.quantized[value]
+            self.quantized[key] = (scale, cast)
+        return self.quantized[key]
 
     def rewrite(self, node: fx.Node, match: Match, reason: str) -> None:
         view = "a transpose for the fp8 linear (a view, no copy)"
@@ -292,7 +300,8 @@ def fp8_linears(
     for node in list(gm.graph.nodes):
         matcher = MATCHERS.get(node.target) if node.op == "call_function" else None
         match = matcher(gm, node) if matcher is not None else None
-        if match is None:
+        if match is None:  # (a linear-like node writes and views nothing: no visit needed)
+            rewriter.sharing.visit(node)
             continue
         facts = _facts(gm, node, match, root)
         decision = decide(facts, config)

@@ -5,13 +5,16 @@ its casts of parameters (torch.autocast casts them again in every micro-batch to
 pass takes them out of the graph: they become the items of one new input,
 ``low_precision_weights``, which :class:`amp_graph.Graph`'s step graph computes once.
 
-Reads: cast nodes (``role=CAST``, ``x.to(dtype)``) of ``get_attr`` parameters
+Reads: cast nodes (``role=CAST``, ``x.to(dtype)``) of ``get_attr`` parameters and buffers
 (``role=PARAM``), except those of FSDP2 units' parameters (``meta["fsdp_unit"]``: a shard
 until the unit's pre-forward hook runs). Writes: ``getitem`` nodes in their place with
 ``role=PARAM``; removes the casts and the parameter reads left unused. Guarantees: every
 consumer receives the same value as before (the same cast of the same parameter, made
 earlier), and autograd still flows through each cast into the float32 ``.grad`` of its
-parameter.
+parameter. A cast is hoisted only where :mod:`passes.sharing` lets one cast made before
+the graph serve it in every micro-batch: a parameter or buffer the graph writes in place
+(directly or through a view) anywhere, and a cast inside a ``no_grad`` block, stay where
+they are.
 """
 
 from __future__ import annotations
@@ -25,6 +28,37 @@ from amp_graph.policy import Rule
 
 from .meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from .result import PassResult
+from .sharing import CastSharing, key_before_graph, written_values
+
+
+def _is_parameter_cast(node: fx.Node) -> bool:
+    """An inserted cast of a ``get_attr`` parameter or buffer, outside any FSDP2 unit (its
+    parameter is a shard outside the unit's region: it is cast there)."""
+    return (
+        node.op == "call_method"
+        and node.target == "to"
+        and node.meta.get(AMP) is not None
+        and node.meta[AMP].role is Role.CAST
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "get_attr"
+        and node.args[0].meta[AMP].role is Role.PARAM
+        and FSDP_UNIT not in node.args[0].meta
+    )
+
+
+def _hoistable(gm: fx.GraphModule) -> list[fx.Node]:
+    """The parameter casts that one cast made before the graph, and read by every run of
+    it, may replace: the sharing rule of :mod:`passes.sharing`."""
+    written = written_values(gm)
+    sharing = CastSharing(gm)
+    casts = []
+    for node in gm.graph.nodes:
+        if _is_parameter_cast(node):
+            param = node.args[0]
+            if sharing.key(param) == key_before_graph(param, written):
+                casts.append(node)
+        sharing.visit(node)
+    return casts
 
 
 def hoist_parameter_casts(gm: fx.GraphModule) -> tuple[PassResult, list[tuple[str, torch.dtype]]]:
@@ -37,21 +71,10 @@ def hoist_parameter_casts(gm: fx.GraphModule) -> tuple[PassResult, list[tuple[st
     result and, in input order, ``(parameter target, dtype)`` of each cast taken out.
     Guarantees: every consumer receives the same value as before (the same cast of the same
     parameter, made earlier); autograd still flows through each cast into the float32
-    ``.grad`` of its parameter.
+    ``.grad`` of its parameter; casts of what the graph writes in place, and casts made
+    under ``no_grad``, are left in place (:func:`_hoistable`).
     """
-    casts = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_method"
-        and n.target == "to"
-        and n.meta.get(AMP) is not None
-        and n.meta[AMP].role is Role.CAST
-        and isinstance(n.args[0], fx.Node)
-        and n.args[0].op == "get_attr"
-        and n.args[0].meta[AMP].role is Role.PARAM
-        # a parameter of an FSDP2 unit is a shard outside the unit's region: cast it there
-        and FSDP_UNIT not in n.args[0].meta
-    ]
+    casts = _hoistable(gm)
     if not casts:
         return PassResult(gm, modified=False, stats={"casts_hoisted": 0}), []
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]

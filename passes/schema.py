@@ -146,9 +146,15 @@ class StorageVersions:
     def version(self, node: fx.Node) -> int:
         return self._writes.get(self.root(node), 0)
 
+    def alias(self, node: fx.Node, other: fx.Node) -> None:
+        """``node`` holds ``other``'s storage (two graph attributes of one tensor): a write
+        into either is a write into both. Call it before :meth:`visit` of ``node``."""
+        self._root[node] = self.root(other)
+
     def visit(self, node: fx.Node) -> None:
-        viewed = viewed_inputs(node)
-        self._root[node] = self.root(viewed[0]) if viewed else node
+        if node not in self._root:  # else alias() named its storage
+            viewed = viewed_inputs(node)
+            self._root[node] = self.root(viewed[0]) if viewed else node
         for value in written_inputs(node):
             root = self.root(value)
             self._writes[root] = self._writes.get(root, 0) + 1

@@ -7,9 +7,11 @@ when the inner cast is lossless; ``fp32 -> fp16 -> fp32`` rounds, so it stays.
 
 Reads: ``meta["amp"]`` (role, out_dtype, conditional). Writes: removes nodes, rewires
 uses, and keeps ``cast_for`` of the surviving casts complete. Guarantees: every value each
-node receives is bit-for-bit what it received before the pass; in particular a cast is
-never shared across an in-place write to its source or to anything viewing the same
-storage (:class:`passes.schema.StorageVersions`, from op schemas).
+node receives is bit-for-bit what it received before the pass, with the same autograd
+history; in particular two casts are merged, and a chain's outer cast made to read the
+chain's origin, only where :mod:`passes.sharing` allows (no write into the origin's storage
+between the two reads, the same grad mode); a chain folds to its origin itself only if
+nothing in the graph writes the origin (its users would then read it later, uncopied).
 """
 
 from __future__ import annotations
@@ -23,20 +25,34 @@ import torch.fx as fx
 from .insert_casts import is_cast_node
 from .meta import AMP, Role, is_lossless
 from .result import PassResult
-from .schema import StorageVersions
+from .sharing import CastSharing, ShareKey, written_values
 
 Rule = Callable[[fx.Node, "_Context"], fx.Node | None]
 
 
 class _Context:
-    """Lookups the rules share: the GraphModule, casts seen per (value, dtype) with the
-    storage version they read, and the storage versions at the node being looked at."""
+    """Lookups the rules share: the GraphModule, the first cast per (sharing key, dtype),
+    and where the walk stands for :mod:`passes.sharing`."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
-        self.first_cast: dict[tuple[fx.Node, torch.dtype, bool], tuple[fx.Node, int]] = {}
+        self.first_cast: dict[tuple[ShareKey, torch.dtype, bool], fx.Node] = {}
         self.first_attr: dict[int, fx.Node] = {}
-        self.versions = StorageVersions()
+        self.sharing = CastSharing(gm)
+        self.read_at: dict[fx.Node, ShareKey] = {}  # cast -> the sharing key of its read
+        self._written: set[fx.Node] | None = None
+
+    def written(self) -> set[fx.Node]:
+        """The values whose storage the graph writes somewhere (computed once, on demand)."""
+        if self._written is None:
+            self._written = written_values(self.gm)
+        return self._written
+
+    def visit(self, node: fx.Node) -> None:
+        """Step past a node no rule replaced."""
+        if is_cast_node(node):
+            self.read_at[node] = self.sharing.key(_source(node))
+        self.sharing.visit(node)
 
 
 def _source(cast: fx.Node) -> fx.Node:
@@ -60,32 +76,32 @@ def cast_to_own_dtype(node: fx.Node, ctx: _Context) -> fx.Node | None:
 
 
 def fold_lossless_chain(node: fx.Node, ctx: _Context) -> fx.Node | None:
-    """x.to(a).to(b)  ->  x.to(b), when x -> a is lossless; and -> x when b is x's dtype"""
+    """x.to(a).to(b)  ->  x.to(b), when x -> a is lossless; and -> x when b is x's dtype;
+    only where passes.sharing lets x read here stand for x read by the inner cast"""
     if not (is_cast_node(node) and is_cast_node(_source(node))):
         return None
     inner = _source(node)
     origin, origin_dtype = _source(inner), _known(_source(inner))
     if origin_dtype is None or not is_lossless(origin_dtype, _target(inner)):
         return None
+    if ctx.read_at.get(inner) != ctx.sharing.key(origin):  # x written since, or grad mode
+        return None
     if origin_dtype == _target(node):
-        return origin
+        # the users would read x itself, later: only if nothing ever writes x's storage
+        return None if origin in ctx.written() else origin
     node.replace_input_with(inner, origin)
     return None  # rewired in place; the cast itself stays
 
 
 def one_cast_per_value(node: fx.Node, ctx: _Context) -> fx.Node | None:
     """x.to(d) ... x.to(d)  ->  the first x.to(d) (e.g. Q, K and V projections share one),
-    unless x (or anything sharing its storage) is written in between: then the first cast
-    holds the old values, and this one starts a new group"""
+    when passes.sharing allows: not across a write into x's storage (the first cast holds
+    the old values) nor across a grad-mode change; else this one starts a new group"""
     if not is_cast_node(node):
         return None
-    key = (_source(node), _target(node), node.meta[AMP].conditional)
-    version = ctx.versions.version(_source(node))
-    first, first_version = ctx.first_cast.setdefault(key, (node, version))
+    key = (ctx.sharing.key(_source(node)), _target(node), node.meta[AMP].conditional)
+    first = ctx.first_cast.setdefault(key, node)
     if first is node:
-        return None
-    if first_version != version:
-        ctx.first_cast[key] = (node, version)
         return None
     first.meta[AMP].cast_for += node.meta[AMP].cast_for
     return first
@@ -140,7 +156,7 @@ def simplify_casts(gm: fx.GraphModule) -> PassResult:
                     changed = True
                     break
             else:
-                ctx.versions.visit(node)
+                ctx.visit(node)
         changed |= _remove_dead_casts(graph) > 0
     after = sum(is_cast_node(n) for n in graph.nodes)
     return PassResult(gm, modified=before != after, stats={"casts_removed": before - after})
