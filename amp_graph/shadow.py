@@ -308,7 +308,7 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, shad
         if shadow:
             target = shadow_targets().get(target, target)
         return target(*args, **kwargs)
-    if node.op == "call_method":
+    if node.op == "call_method":  # the casts the passes insert: ``x.to(dtype)``
         self_obj, *rest = args
         return getattr(self_obj, node.target)(*rest, **kwargs)
     if node.op == "call_module":
@@ -411,8 +411,6 @@ def _prepare(
     """The rewritten graph for these inputs, its flat inputs and how to rebuild its output."""
     if isinstance(compiled, CompiledModule):
         captured, leaves = compiled._captured_for(args, kwargs)
-        if captured.in_spec is None:  # a GraphModule the user brought: its own signature
-            leaves = [*args, *kwargs.values()]
         return captured.graph_module, list(leaves), captured.unflatten, compiled.model
     if isinstance(compiled, fx.GraphModule) and isinstance(
         compiled.meta.get(COMPILE_META), CompileRecord
