@@ -156,7 +156,7 @@ def _chain_graph(source_dtype, via, back):
     x.meta[AMP] = AmpInfo(role=Role.INPUT, out_dtype=source_dtype, exact=True)
     first = make_cast(graph, x, via, "relu")
     second = make_cast(graph, first, back, "relu")
-    relu = graph.call_function(torch.relu, (second,))
+    relu = graph.call_function(torch.ops.aten.relu.default, (second,))
     relu.meta[AMP] = AmpInfo(role=Role.OP, rule=Rule.FOLLOW, out_dtype=back, exact=True)
     out = graph.output(relu)
     out.meta[AMP] = AmpInfo(role=Role.OUTPUT, out_dtype=back)
