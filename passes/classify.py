@@ -11,7 +11,6 @@ graph itself is not changed.
 
 from __future__ import annotations
 
-import builtins
 import operator
 import re
 from typing import Any
@@ -175,8 +174,6 @@ def _fixed_role(node: fx.Node) -> tuple[Role, str, str] | None:
     op = schema.overload(node)
     if op is not None:
         return _fixed_aten_role(node, op)
-    if node.target is builtins.getattr:
-        return Role.OTHER, "getattr", "attribute access: not computed, not cast"
     if node.target is operator.getitem:
         return Role.OP, "getitem", _GETITEM_DETAIL
     return None

@@ -51,7 +51,7 @@ class Role(str, Enum):
     CAST = "cast"  # a cast amp_graph inserted
     USER_CAST = "user_cast"  # a cast the model's code wrote: kept as written
     INPLACE = "inplace"  # writes into its first argument: never cast
-    OTHER = "other"  # non-tensor bookkeeping: getattr, size, getitem of tuples
+    OTHER = "other"  # returns no tensor: aten.sym_size, aten.item, aten._assert_scalar
     RUNTIME = "runtime"  # a call added after the passes (the training step's stages): never planned
     OUTPUT = "output"
 
@@ -92,7 +92,7 @@ class AmpInfo:
     """
 
     role: Role
-    op: str = ""  # readable op: "F.softmax", "Tensor.matmul", "nn.Linear"
+    op: str = ""  # readable op: "aten.softmax.int", "getitem"
     aten: str | None = None  # the aten op name the policy looked up
     module_path: str = ""  # innermost enclosing module at capture time
     rule: Rule | None = None
