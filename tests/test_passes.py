@@ -207,6 +207,20 @@ def test_verifier_catches_a_missing_cast_and_a_wrong_plan():
         verify(compiled)
 
 
+def test_a_node_whose_fake_run_fails_is_an_error_naming_it():
+    """Dtypes come from fake values only: no silent fallback when a node cannot run on them."""
+    gm = captured(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+
+    def no_fake_kernel(x):
+        raise NotImplementedError("no fake kernel")
+
+    relu.target = no_fake_kernel
+    classify(gm, Policy.preset("O1"))
+    with pytest.raises(RuntimeError, match=r"node 'relu' \(.*no_fake_kernel.*no fake kernel"):
+        assign_dtypes(gm, torch.bfloat16)
+
+
 def test_driver_names_the_failing_pass_and_those_before(monkeypatch):
     def broken(gm):
         raise RuntimeError("boom")
