@@ -116,6 +116,10 @@ def cast_value(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+class FakeRunError(RuntimeError):
+    """A node could not run on fake values, so its output dtype is unknown."""
+
+
 class _Planner:
     """Walks the graph once, deciding dtypes and propagating values under the plan."""
 
@@ -221,7 +225,7 @@ class _Planner:
             if amp.role is Role.OTHER:  # returns no tensor (aten.item on data): no dtype
                 log.debug("no fake value for %s (%s): %s", node.name, node.target, error)
                 return None
-            raise RuntimeError(
+            raise FakeRunError(
                 f"assign_dtypes: running node {node.name!r} ({node.target}) on fake values "
                 f"failed, so its output dtype is unknown: {type(error).__name__}: {error}"
             ) from error
@@ -385,6 +389,7 @@ def assign_dtypes(
 
 
 __all__ = [
+    "FakeRunError",
     "assign_dtypes",
     "cast_value",
     "compute_dtype_for",
