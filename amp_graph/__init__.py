@@ -15,7 +15,6 @@ from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.inspect.numerics import NumericsReport, numerics
 from amp_graph.inspect.report import Report, explain, report
-from amp_graph.passes.insert_casts import cast_if_castable, cast_tree, widest_castable_dtype
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
 from amp_graph.scaler import GradScaler, StaticGradScaler
 
@@ -39,8 +38,6 @@ __all__ = [
     "autopolicy",
     "backend",
     "captured_graphs",
-    "cast_if_castable",
-    "cast_tree",
     "compile",
     "compile_",
     "dataflow",
@@ -53,5 +50,4 @@ __all__ = [
     "passes",
     "report",
     "uncompile",
-    "widest_castable_dtype",
 ]

@@ -282,7 +282,6 @@ def _is_random(node: fx.Node) -> bool:
         return not (
             isinstance(target, torch._ops.OpOverloadPacket)
             or target in (operator.getitem, operator.add, operator.mul)
-            or getattr(target, "__module__", "") == "amp_graph"
         )
     return node.op == "call_module"
 

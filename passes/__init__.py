@@ -24,7 +24,7 @@ from .assign_dtypes import assign_dtypes, propagate_dtypes
 from .checkpoints import outline_checkpoints
 from .classify import classify
 from .fsdp_hooks import fsdp_hooks
-from .insert_casts import cast_if_castable, insert_casts
+from .insert_casts import insert_casts
 from .meta import AMP, CHECKPOINT_REGION, UNKNOWN, AmpInfo, Role
 from .pipeline import PassError, PipelineResult, run_passes
 from .regions import REGION, AutocastRegion, inline_regions
@@ -47,7 +47,6 @@ __all__ = [
     "Role",
     "VerificationError",
     "assign_dtypes",
-    "cast_if_castable",
     "classify",
     "fsdp_hooks",
     "inline_regions",

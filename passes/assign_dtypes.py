@@ -13,14 +13,15 @@ policies whose default is ``ALLOW`` (O2, O3), a value the model itself cast to f
 (``x.float()`` in an RMSNorm) stays float32 until the model casts again: ops that read
 it compute in float32, as they would in Apex O2 (see :func:`track_pinning`).
 
-Output dtypes come from FakeTensor propagation when every graph input has an example
-value in ``meta["val"]`` (exact: torch computes them), and from the sound rule table in
-:mod:`passes.dtype_rules` otherwise (``UNKNOWN`` where unproven).
+Output dtypes come from FakeTensor propagation: every node of the captured graph has an
+example value in ``meta["val"]``, so torch computes them. A node whose fake run fails is an
+error naming it (only a call that returns no tensor, ``aten.item`` on data, may fail: it has
+no dtype to decide).
 
 Reads: ``meta["amp"]`` (role, rule, source), ``meta["val"]`` of placeholders. Writes:
 ``meta["amp"].compute_dtype``, ``.out_dtype``, ``.exact``, ``.detail`` (when the pinning
-rule changes a decision), and ``meta["val"]`` (fake values under the plan) in exact mode.
-The graph is not changed.
+rule changes a decision), and ``meta["val"]`` (fake values under the plan). The graph is
+not changed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from torch.fx.node import map_aggregate
 from amp_graph.policy import Rule, autocast_tables, base_name
 
 from . import schema
-from .dtype_rules import rule_out_dtype
 from .meta import (
     AMP,
     LOW_PRECISION,
@@ -61,22 +61,8 @@ _AUTOCAST_LISTED: frozenset[str] = frozenset().union(
 )
 
 
-class Abstract:
-    """A value known only by its dtype fact (rule mode)."""
-
-    __slots__ = ("fact",)
-
-    def __init__(self, fact: DtypeFact) -> None:
-        self.fact = fact
-
-    def __repr__(self) -> str:
-        return f"Abstract({self.fact!r})"
-
-
 def fact(value: Any) -> DtypeFact:
-    """The dtype fact of an environment value (fake tensor, Abstract, or Python value)."""
-    if isinstance(value, Abstract):
-        return value.fact
+    """The dtype fact of an environment value (fake tensor or Python value)."""
     if isinstance(value, torch.Tensor):
         return value.dtype
     if isinstance(value, list):
@@ -91,8 +77,8 @@ def fact(value: Any) -> DtypeFact:
 def promote_dtype(facts: list[DtypeFact], low: torch.dtype) -> torch.dtype | None:
     """autocast's ``prioritize``: float32 wins over low precision; float64 is ignored.
 
-    None when there is nothing to cast, or when an unknown input dtype could still decide
-    (see :func:`needs_runtime_promote`).
+    None when there is nothing to cast, or when an input whose dtype is not known yet
+    (``UNKNOWN``, at capture) could still decide.
     """
     castable = [f for f in facts if is_castable(f)]
     if any(f == torch.float32 for f in castable):
@@ -100,15 +86,6 @@ def promote_dtype(facts: list[DtypeFact], low: torch.dtype) -> torch.dtype | Non
     if any(f is UNKNOWN for f in facts) or not castable:
         return None
     return torch.float32 if any(f != low for f in castable) else low
-
-
-def needs_runtime_promote(rule: Rule, facts: list[DtypeFact]) -> bool:
-    """PROMOTE with an unknown input dtype and no known float32 one: widened at run time."""
-    return (
-        rule is Rule.PROMOTE
-        and any(f is UNKNOWN for f in facts)
-        and not any(f == torch.float32 for f in facts)
-    )
 
 
 def compute_dtype_for(rule: Rule, facts: list[DtypeFact], low: torch.dtype) -> torch.dtype | None:
@@ -132,10 +109,6 @@ def cast_value(value: Any, dtype: torch.dtype) -> Any:
             if value.dtype in (torch.float16, torch.bfloat16, torch.float32)
             else value
         )
-    if isinstance(value, Abstract):
-        if is_castable(value.fact):
-            return Abstract(dtype)
-        return value  # UNKNOWN stays unknown: the run-time cast decides
     if isinstance(value, (tuple, list)):
         return type(value)(cast_value(v, dtype) for v in value)
     if isinstance(value, dict):
@@ -143,16 +116,8 @@ def cast_value(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _is_abstract(value: Any) -> bool:
-    found = False
-
-    def visit(v: Any) -> Any:
-        nonlocal found
-        found = found or isinstance(v, Abstract)
-        return v
-
-    map_aggregate(value, visit)
-    return found
+class FakeRunError(RuntimeError):
+    """A node could not run on fake values, so its output dtype is unknown."""
 
 
 class _Planner:
@@ -181,8 +146,12 @@ class _Planner:
 
     def _fake_mode(self) -> Any:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        if any(VAL not in n.meta for n in placeholders):
-            return None
+        for node in placeholders:
+            if VAL not in node.meta:
+                raise TypeError(
+                    f"assign_dtypes needs an example value on every graph input; "
+                    f"{node.name!r} has no meta['val']: capture the model with amp_graph"
+                )
         vals = [n.meta[VAL] for n in placeholders]
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -196,8 +165,11 @@ class _Planner:
     def fake(self, tensor: torch.Tensor) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor
 
-        if isinstance(tensor, FakeTensor) or self.fake_mode is None:
+        if isinstance(tensor, FakeTensor):
             return tensor
+        if _is_dtensor(tensor):  # an FSDP2 shard: the graph reads it gathered (fsdp_hooks)
+            with self.fake_mode:
+                return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         return self.fake_mode.from_tensor(tensor, static_shapes=True)
 
     def run(self) -> int:
@@ -209,13 +181,12 @@ class _Planner:
             self.facts[node] = fact(value)
             if not self.plan:
                 continue
+            amp.exact = True
             if node.op == "placeholder":  # its own dtype; an entry cast carries the planned one
-                amp.out_dtype = fact(node.meta[VAL]) if VAL in node.meta else UNKNOWN
-                amp.exact = VAL in node.meta
+                amp.out_dtype = fact(node.meta[VAL])
                 continue
             amp.out_dtype = fact(value)
-            amp.exact = not _is_abstract(value)
-            if amp.exact and node.op != "output":
+            if node.op != "output":
                 node.meta[VAL] = value
             changed += 1
         return changed
@@ -225,11 +196,7 @@ class _Planner:
             return self._placeholder(node, amp)
         if node.op == "get_attr":
             attr = operator.attrgetter(node.target)(self.gm)
-            return (
-                self.fake(attr)
-                if isinstance(attr, torch.Tensor) and self.fake_mode
-                else (Abstract(attr.dtype) if isinstance(attr, torch.Tensor) else attr)
-            )
+            return self.fake(attr) if isinstance(attr, torch.Tensor) else attr
         if amp.role is Role.RUNTIME:  # added after the passes: nothing to plan
             return None
         args = map_aggregate(node.args, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
@@ -242,13 +209,9 @@ class _Planner:
         rule = effective_rule(node, amp, self.pinned)
         low = amp.low_dtype or self.low
         amp.compute_dtype = compute_dtype_for(rule, facts, low) if amp.role is Role.OP else None
-        promote_later = amp.role is Role.OP and needs_runtime_promote(rule, facts)
-        amp.runtime_promote = low if promote_later else None
         if amp.compute_dtype is not None:
             args, kwargs = self._cast((args, kwargs), amp.compute_dtype)
         out = self._evaluate(node, amp, args, kwargs)
-        if amp.runtime_promote is not None:
-            out = Abstract(UNKNOWN)
         track_pinning(node, amp, facts, fact(out), self.pinned)
         return out
 
@@ -256,13 +219,16 @@ class _Planner:
         captured = self.captured.get(node)
         if captured is not None and self._same_as_captured(node, args, kwargs):
             return captured
-        if self.fake_mode is not None and not _is_abstract((args, kwargs)):
-            try:
-                return self._run_fake(node, args, kwargs)
-            except Exception as error:  # e.g. data-dependent output shapes
-                log.debug("fake propagation failed at %s: %s; using dtype rules", node.name, error)
-        out = rule_out_dtype(node, amp, fact((args, kwargs)))
-        return Abstract(out) if out is not NOT_TENSOR else None
+        try:
+            return self._run_fake(node, args, kwargs)
+        except Exception as error:
+            if amp.role is Role.OTHER:  # returns no tensor (aten.item on data): no dtype
+                log.debug("no fake value for %s (%s): %s", node.name, node.target, error)
+                return None
+            raise FakeRunError(
+                f"assign_dtypes: running node {node.name!r} ({node.target}) on fake values "
+                f"failed, so its output dtype is unknown: {type(error).__name__}: {error}"
+            ) from error
 
     def _cast(self, value: Any, dtype: torch.dtype) -> Any:
         """:func:`cast_value`, each (value, dtype) faked once: a value several consumers cast
@@ -290,36 +256,35 @@ class _Planner:
         )
 
     def _placeholder(self, node: fx.Node, amp: AmpInfo) -> Any:
-        value = node.meta[VAL] if VAL in node.meta else Abstract(UNKNOWN)
+        value = node.meta[VAL]
         entry_cast = self.plan and self.cast_inputs and amp.role is Role.INPUT  # not model state
         if entry_cast and node in self.written:
             amp.detail = (
                 "a graph input the model writes in place: not cast at entry, so that the "
                 "write reaches the caller's tensor (its consumers cast it)"
             )
-        elif entry_cast and (is_castable(fact(value)) or fact(value) is UNKNOWN):
+        elif entry_cast and is_castable(fact(value)):
             amp.compute_dtype = self.low
             amp.detail = "a graph input, cast to low precision at entry (policy cast_inputs)"
             value = cast_value(value, self.low)
         return value
 
     def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        """The node on fake values: an aten op (or a Python call the capture recorded), or
+        a cast insert_casts made (``x.to(dtype)``, the one ``call_method``)."""
         with self.fake_mode:
-            if node.op == "call_function":
-                if node.target is torch.func.functional_call:
-                    module, params, inner_args, inner_kwargs = args
-                    state = {**self._fake_state(module), **params}
-                    return torch.func.functional_call(module, state, inner_args, inner_kwargs)
-                return node.target(*args, **kwargs)
             if node.op == "call_method":
                 self_obj, *rest = args
                 return getattr(self_obj, node.target)(*rest, **kwargs)
-            module = self.gm.get_submodule(node.target)
-            return torch.func.functional_call(module, self._fake_state(module), args, kwargs)
+            return node.target(*args, **kwargs)
 
-    def _fake_state(self, module: torch.nn.Module) -> dict[str, Any]:
-        named = [*module.named_parameters(), *module.named_buffers()]
-        return {name: self.fake(t) for name, t in named}
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def effective_rule(node: fx.Node, amp: AmpInfo, pinned: set[fx.Node]) -> Rule:
@@ -424,12 +389,12 @@ def assign_dtypes(
 
 
 __all__ = [
+    "FakeRunError",
     "assign_dtypes",
     "cast_value",
     "compute_dtype_for",
     "effective_rule",
     "fact",
-    "needs_runtime_promote",
     "propagate_dtypes",
     "track_pinning",
 ]

@@ -1,7 +1,7 @@
 """Pass 1, classify: give every node its policy rule and record what decided it.
 
-Reads: the graph, ``node.meta["nn_module_stack"]`` (written by symbolic tracing and by
-dynamo), the policy. Writes: ``node.meta["amp"]`` (an :class:`AmpInfo` with ``role``,
+Reads: the captured aten graph, ``node.meta["nn_module_stack"]`` (written by the
+capture), the policy. Writes: ``node.meta["amp"]`` (an :class:`AmpInfo` with ``role``,
 ``op``, ``aten``, ``module_path``, ``rule``, ``source``, ``detail``).
 
 Guarantees: every node has ``meta["amp"]``; every ``OP`` node has a rule; casts the model
@@ -11,10 +11,8 @@ graph itself is not changed.
 
 from __future__ import annotations
 
-import builtins
 import operator
 import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,35 +27,8 @@ from .meta import AMP, AmpInfo, Role, model_root
 from .regions import REGION, AutocastRegion
 from .result import PassResult
 
-_NON_TENSOR_METHODS = frozenset(
-    {
-        "size",
-        "dim",
-        "numel",
-        "ndimension",
-        "nelement",
-        "tolist",
-        "item",
-        "element_size",
-        "stride",
-        "data_ptr",
-        "get_device",
-    }
-)
-_DUNDER = re.compile(r"^__(r?)(\w+?)__$")
-_TORCH_BUILTIN_MODULES = (
-    "torch",
-    "torch._C",
-    "torch.nn.functional",
-    "torch.functional",
-    "torch._C._nn",
-    "torch._C._linalg",
-    "torch._C._fft",
-    "torch._C._special",
-    "torch._C._VariableFunctions",
-)
-# Norms whose function form updates running statistics in place (dynamo inlines BatchNorm
-# modules into F.batch_norm): a cast would update a copy. Their kernels take low-precision
+# Norms that update running statistics in place (a BatchNorm module is captured as
+# aten.batch_norm): a cast would update a copy. Their kernels take low-precision
 # input with float32 statistics, so "allow" casts nothing, as for the modules.
 _STATEFUL_NORM_FUNCTIONS = frozenset({"batch_norm", "instance_norm"})
 
@@ -130,41 +101,19 @@ def _submodule_type(root: nn.Module, path: str) -> type | None:
         return None
 
 
-def _mode_arg(node: fx.Node, position: int, default: str | None = None) -> str | None:
-    value = node.kwargs.get("mode", node.args[position] if len(node.args) > position else default)
-    return value if isinstance(value, str) else default
+def _function_facts(target: Any) -> tuple[str, tuple[Any, ...], tuple[str, ...]]:
+    """(display, keys, aten candidates) for a call_function node.
 
-
-def _function_facts(
-    target: Callable, node: fx.Node
-) -> tuple[str, tuple[Any, ...], tuple[str, ...]]:
-    """(display, keys, aten candidates) for a call_function node."""
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        name = (
-            target._schema.name
-            if isinstance(target, torch._ops.OpOverload)
-            else target._qualified_op_name
-        )
-        base = name.split("::", 1)[-1]
-        name = base
-        if isinstance(target, torch._ops.OpOverload) and target._overloadname != "default":
-            name = f"{name}.{target._overloadname}"
-        keys = (target, getattr(target, "overloadpacket", target))
-        return f"aten.{name}", keys, (name, *_builtin_candidates(base)[1:])
-    display = op_key_name(target)
-    if target in python_ops.MODE_DEPENDENT:
-        position, resolve = python_ops.MODE_DEPENDENT[target]
-        return display, (target,), resolve(_mode_arg(node, position), _input_rank(node))
-    if target in python_ops.FUNCTIONS:
-        return display, (target,), python_ops.FUNCTIONS[target]
-    if target in python_ops.OPERATORS:
-        return display, (target,), python_ops.OPERATORS[target]
-    name = getattr(target, "__name__", None)
-    module = getattr(target, "__module__", None) or ""
-    is_torch_builtin = isinstance(target, type(torch.mm)) or module in _TORCH_BUILTIN_MODULES
-    if name and is_torch_builtin:
-        return display, (target,), _builtin_candidates(name)
-    return display, (target,), ()
+    Captured graphs call aten ops; their other calls (``operator.getitem``, SymInt
+    arithmetic, ``torch._C._set_grad_enabled``) compute no tensor the policy decides, and
+    are matched by their own key only.
+    """
+    if not isinstance(target, torch._ops.OpOverload):
+        return op_key_name(target), (target,), ()
+    base = target._schema.name.split("::", 1)[-1]
+    name = base if target._overloadname == "default" else f"{base}.{target._overloadname}"
+    keys = (target, target.overloadpacket)
+    return f"aten.{name}", keys, (name, *_builtin_candidates(base)[1:])
 
 
 def _builtin_candidates(name: str) -> tuple[str, ...]:
@@ -177,25 +126,6 @@ def _builtin_candidates(name: str) -> tuple[str, ...]:
     if name.startswith(python_ops.SPECIAL_PREFIX):
         candidates += (name[len(python_ops.SPECIAL_PREFIX) :],)
     return candidates
-
-
-def _input_rank(node: fx.Node) -> int | None:
-    """The rank of the first argument, when an example value is known."""
-    first = node.args[0] if node.args else None
-    val = first.meta.get("val") if isinstance(first, fx.Node) else None
-    return val.dim() if isinstance(val, torch.Tensor) else None
-
-
-def _method_aten(name: str) -> tuple[str, ...]:
-    if name in python_ops.METHOD_ALIASES:
-        return python_ops.METHOD_ALIASES[name]
-    dunder = _DUNDER.match(name)
-    return (dunder.group(2),) if dunder else _builtin_candidates(name)
-
-
-def _has_float_state(module: nn.Module) -> bool:
-    tensors = [*module.parameters(recurse=True), *module.buffers(recurse=True)]
-    return any(t.is_floating_point() for t in tensors)
 
 
 def _explicit_dtype(node: fx.Node) -> bool:
@@ -234,77 +164,29 @@ def _fixed_aten_role(node: fx.Node, op: torch._ops.OpOverload) -> tuple[Role, st
     return None
 
 
-def _fixed_role(node: fx.Node, gm: fx.GraphModule) -> tuple[Role, str, str] | None:
+def _fixed_role(node: fx.Node) -> tuple[Role, str, str] | None:
     """(role, op, detail) for nodes no policy reclassifies, else None.
 
-    Attribute reads, in-place ops, views, element picks, the model's own casts,
-    ``backward`` and calls that return no tensor keep their inputs as they are, whatever
-    the policy says. aten ops are read from their schema (:mod:`passes.schema`).
+    In-place ops, views, element picks, the model's own casts and calls that return no
+    tensor keep their inputs as they are, whatever the policy says. aten ops are read from
+    their schema (:mod:`passes.schema`).
     """
-    target = node.target
-    if node.op == "call_function":
-        op = schema.overload(node)
-        if op is not None:
-            return _fixed_aten_role(node, op)
-        if target is builtins.getattr:
-            return Role.OTHER, "getattr", "attribute access: not computed, not cast"
-        if target is operator.getitem:
-            return Role.OP, "getitem", _GETITEM_DETAIL
-        if schema.is_mutating(node):
-            detail = _INPLACE_DETAIL.format(written=_names(schema.written_inputs(node)))
-            return Role.INPLACE, op_key_name(target), detail
-        if target in (torch.Tensor.to, torch.Tensor.type):
-            return Role.USER_CAST, op_key_name(target), _USER_CAST_DETAIL
-        return None
-    if node.op == "call_method":
-        op_name = f"Tensor.{target}"
-        if target in python_ops.CAST_METHODS:
-            return Role.USER_CAST, op_name, _USER_CAST_DETAIL
-        if target in _NON_TENSOR_METHODS:
-            return Role.OTHER, op_name, "returns no tensor: not cast"
-        if schema.is_mutating(node):
-            detail = _INPLACE_DETAIL.format(written=_names(schema.written_inputs(node)))
-            return Role.INPLACE, op_name, detail
-        return None
-    module = gm.get_submodule(target)
-    if getattr(module, "inplace", False) is True:
-        return Role.INPLACE, op_key_name(type(module)), "in-place module: never cast"
-    if isinstance(module, nn.Embedding) and module.max_norm is not None:
-        detail = "renormalizes rows of its weight in place (max_norm): its weight is never cast"
-        return Role.INPLACE, op_key_name(type(module)), detail
+    op = schema.overload(node)
+    if op is not None:
+        return _fixed_aten_role(node, op)
+    if node.target is operator.getitem:
+        return Role.OP, "getitem", _GETITEM_DETAIL
     return None
 
 
-def _module_candidates(module: nn.Module, node: fx.Node) -> tuple[str, ...]:
-    for cls in type(module).__mro__:
-        if cls in python_ops.MODE_DEPENDENT_MODULES:
-            return python_ops.MODE_DEPENDENT_MODULES[cls](module, _input_rank(node))
-        if cls in python_ops.MODULES:
-            return python_ops.MODULES[cls]
-    return ()
-
-
-def _op_facts(node: fx.Node, gm: fx.GraphModule) -> OpFacts:
+def _op_facts(node: fx.Node, gm: nn.Module) -> OpFacts:
     """What the policy looks up: the op's keys, aten candidates and enclosing modules."""
     paths, types = module_stack(node, gm)
-    target = node.target
-    if node.op == "call_function":
-        display, keys, aten = _function_facts(target, node)
-    elif node.op == "call_method":
-        display = f"Tensor.{target}"
-        keys = tuple(k for k in (getattr(torch.Tensor, target, None),) if k is not None)
-        aten = _method_aten(target)
-    else:  # call_module: the module itself is the innermost enclosing module
-        module = gm.get_submodule(target)
-        display = op_key_name(type(module))
-        keys = tuple(cls for cls in type(module).__mro__ if issubclass(cls, nn.Module))
-        aten = _module_candidates(module, node)
-        if paths[-1] != target:
-            paths, types = (*paths, target), (*types, type(module))
+    display, keys, aten = _function_facts(node.target)
     return OpFacts(node.name, display, keys, aten, paths, types)
 
 
-def _refine(decision: Decision, node: fx.Node, facts: OpFacts, gm: fx.GraphModule) -> Decision:
+def _refine(decision: Decision, node: fx.Node, facts: OpFacts) -> Decision:
     """The few cases where the table's answer would be wrong for this particular call."""
     aten = facts.aten[0] if facts.aten else None
     if decision.source == "table" and decision.rule is Rule.DENY and _explicit_dtype(node):
@@ -313,31 +195,13 @@ def _refine(decision: Decision, node: fx.Node, facts: OpFacts, gm: fx.GraphModul
             "fixed",
             "the call sets dtype= itself; autocast leaves such calls alone, and so does amp_graph",
         )
-    if (
-        node.op != "call_module"
-        and decision.rule is Rule.ALLOW
-        and aten in _STATEFUL_NORM_FUNCTIONS
-    ):
+    if decision.rule is Rule.ALLOW and aten in _STATEFUL_NORM_FUNCTIONS:
         return Decision(
             Rule.FOLLOW,
             "fixed",
             f"{decision.detail}; but {aten} updates running "
             "statistics in place and takes low-precision input with float32 "
             "statistics, so amp_graph casts none of its inputs",
-        )
-    opaque_module = node.op == "call_module" and aten is None
-    if (
-        opaque_module
-        and decision.source == "default"
-        and decision.rule is Rule.FOLLOW
-        and _has_float_state(gm.get_submodule(node.target))
-    ):
-        return Decision(
-            Rule.DENY,
-            "default",
-            f"{facts.display} is not in amp_graph's module "
-            "table and has floating parameters; its inputs are cast to fp32 so "
-            "that it runs as in fp32 (override to change)",
         )
     return decision
 
@@ -380,13 +244,18 @@ def classify_node(
     GraphModule, or the user's model while it is being captured); ``region`` the model's
     own autocast block around the node (default: ``meta["autocast_region"]``).
     """
+    if node.op != "call_function":
+        raise TypeError(
+            f"classify takes the captured aten IR (call_function nodes); {node.name!r} is a "
+            f"{node.op}: capture the model with amp_graph first"
+        )
     paths, _ = module_stack(node, gm)
-    fixed = _fixed_role(node, gm)
+    fixed = _fixed_role(node)
     if fixed is not None:
         role, op, detail = fixed
         return AmpInfo.fixed(role, op, detail, module_path=paths[-1])
     facts = _op_facts(node, gm)
-    decision = _refine(policy.decide(facts), node, facts, gm)
+    decision = _refine(policy.decide(facts), node, facts)
     if region is _FROM_META:
         region = node.meta.get(REGION)
     if region is not None:

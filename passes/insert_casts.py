@@ -5,75 +5,24 @@ gets a cast right before the node, one per (consumer, input) as torch.autocast d
 every call; ``simplify_casts`` then removes the redundant ones. Graph inputs planned for
 an entry cast (policy ``cast_inputs``) are cast once, right after the placeholder.
 
-A cast of a value whose dtype is known is ``x.to(dtype)``. A cast of a value whose dtype
-is ``UNKNOWN`` (no example inputs reached it) is ``cast_if_castable(x, dtype)``, which
-applies torch.autocast's eligibility test at run time, so the graph is right for any
-input dtype.
+A cast is ``x.to(dtype)``: every value's dtype is known (its fake value), so only the
+values that need one are cast.
 
 Reads: ``meta["amp"]`` (compute_dtype, out_dtype, role). Writes: cast nodes with
-``meta["amp"]`` of role ``CAST`` (``out_dtype``, ``cast_for``, ``conditional``) and
-no ``meta["val"]`` (reports read the shape from the cast's input). Guarantees: after this pass,
+``meta["amp"]`` of role ``CAST`` (``out_dtype``, ``cast_for``) and no ``meta["val"]``
+(reports read the shape from the cast's input). Guarantees: after this pass,
 every castable input of every planned node has the planned dtype; integer, bool and
 float64 values are never cast; the model's own casts and in-place ops are untouched.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from .meta import (
-    AMP,
-    CASTABLE,
-    UNKNOWN,
-    AmpInfo,
-    Role,
-    cast_fact,
-    is_castable,
-    short,
-    tensor_facts,
-)
+from .meta import AMP, AmpInfo, Role, cast_fact, is_castable, short, tensor_facts
 from .result import PassResult
-
-
-def cast_if_castable(x: Any, dtype: torch.dtype) -> Any:
-    """torch.autocast's cast: floating tensors except float64 go to ``dtype``; others pass."""
-    if isinstance(x, fx.Proxy):  # re-traced (e.g. unpickling a GraphModule): stay one node
-        return x.tracer.create_proxy("call_function", cast_if_castable, (x, dtype), {})
-    if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return x.to(dtype)
-    return x
-
-
-def cast_tree(value: Any, dtype: torch.dtype) -> Any:
-    """:func:`cast_if_castable` on every tensor of a tuple, list or dict (an RNN's ``(h, c)``
-    state, an op's several outputs), keeping the structure."""
-    if isinstance(value, fx.Proxy):  # re-traced (e.g. unpickling a GraphModule): stay one node
-        return value.tracer.create_proxy("call_function", cast_tree, (value, dtype), {})
-    if isinstance(value, (tuple, list)):
-        return type(value)(cast_tree(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: cast_tree(v, dtype) for k, v in value.items()}
-    return cast_if_castable(value, dtype)
-
-
-def widest_castable_dtype(low: torch.dtype, *values: Any) -> torch.dtype:
-    """torch.autocast's ``promote`` at run time: float32 if any floating input (float64
-    aside) is not ``low``, else ``low``. For promote ops whose input dtypes were unknown."""
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dtype in CASTABLE and value.dtype != low:
-            return torch.float32
-    return low
-
-
-# Generated code names globals after the function's module: `amp_graph.cast_if_castable`
-# reads better in printed graphs, and amp_graph exports it there.
-cast_if_castable.__module__ = "amp_graph"
-cast_tree.__module__ = "amp_graph"
-widest_castable_dtype.__module__ = "amp_graph"
 
 
 def is_cast_node(node: fx.Node) -> bool:
@@ -84,63 +33,27 @@ def is_cast_node(node: fx.Node) -> bool:
 def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str) -> fx.Node:
     """Create a cast node of ``value`` to ``dtype`` at the graph's insertion point."""
     source: AmpInfo = value.meta[AMP]
-    structured = isinstance(source.out_dtype, (tuple, list, dict))
-    conditional = source.out_dtype is UNKNOWN
+    if not isinstance(source.out_dtype, torch.dtype):
+        raise TypeError(
+            f"insert_casts: {value.name!r} holds {short(source.out_dtype)}, not one tensor; "
+            "captured graphs pick a structure's tensors with getitem before any op reads them"
+        )
     name = f"{value.name}_{short(dtype)}"
-    if structured:  # each tensor of the tuple, as autocast casts each argument
-        node = graph.create_node("call_function", cast_tree, (value, dtype), name=name)
-    elif conditional:
-        node = graph.create_node("call_function", cast_if_castable, (value, dtype), name=name)
-    else:
-        node = graph.create_node("call_method", "to", (value, dtype), name=name)
+    node = graph.create_node("call_method", "to", (value, dtype), name=name)
     node.meta[AMP] = AmpInfo.inserted_cast(
         f"inserted: {value.name} ({short(source.out_dtype)}) to {short(dtype)}",
         consumer,
         module_path=source.module_path,
         out_dtype=cast_fact(source.out_dtype, dtype),
         exact=source.exact,
-        conditional=conditional or structured,
     )
     return node
 
 
 def _needs_cast(value: fx.Node, dtype: torch.dtype) -> bool:
-    """Some tensor of the value (a structure's, element by element) may not be ``dtype``."""
-    return any(
-        fact is UNKNOWN or (is_castable(fact) and fact != dtype)
-        for fact in tensor_facts(value.meta[AMP].out_dtype)
-    )
-
-
-def _insert_runtime_promote(graph: fx.Graph, node: fx.Node, low: torch.dtype) -> int:
-    """``widest = widest_castable_dtype(low, a, b)``, then each input cast to ``widest``."""
-    inputs = [v for v in node.all_input_nodes if _needs_cast(v, torch.float32)]
-    if not inputs:
-        return 0
-    with graph.inserting_before(node):
-        widest = graph.call_function(widest_castable_dtype, (low, *inputs))
-        widest.meta[AMP] = AmpInfo.fixed(
-            Role.OTHER,
-            "widest_castable_dtype",
-            f"the dtype {node.name!r} computes in: its input dtypes were unknown when compiled",
-            module_path=node.meta[AMP].module_path,
-        )
-        casts = {}
-        for value in inputs:
-            cast = graph.call_function(
-                cast_if_castable, (value, widest), name=f"{value.name}_promoted"
-            )
-            cast.meta[AMP] = AmpInfo.inserted_cast(
-                f"inserted: {value.name} to the widest floating input dtype of {node.name}",
-                node.name,
-                module_path=value.meta[AMP].module_path,
-                out_dtype=UNKNOWN,
-                conditional=True,
-            )
-            casts[value] = cast
-    node.args = map_arg(node.args, lambda v: casts.get(v, v))
-    node.kwargs = map_arg(node.kwargs, lambda v: casts.get(v, v))
-    return len(casts)
+    """Some tensor of the value is floating (float64 aside) and of another dtype."""
+    facts = tensor_facts(value.meta[AMP].out_dtype)
+    return any(is_castable(fact) and fact != dtype for fact in facts)
 
 
 def insert_casts(gm: fx.GraphModule) -> PassResult:
@@ -173,9 +86,6 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
             inserted += 1
             continue
         if amp.role is not Role.OP:
-            continue
-        if amp.runtime_promote is not None:
-            inserted += _insert_runtime_promote(graph, node, amp.runtime_promote)
             continue
         casts: dict[fx.Node, fx.Node] = {}
 

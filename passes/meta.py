@@ -51,7 +51,7 @@ class Role(str, Enum):
     CAST = "cast"  # a cast amp_graph inserted
     USER_CAST = "user_cast"  # a cast the model's code wrote: kept as written
     INPLACE = "inplace"  # writes into its first argument: never cast
-    OTHER = "other"  # non-tensor bookkeeping: getattr, size, getitem of tuples
+    OTHER = "other"  # returns no tensor: aten.sym_size, aten.item, aten._assert_scalar
     RUNTIME = "runtime"  # a call added after the passes (the training step's stages): never planned
     OUTPUT = "output"
 
@@ -68,7 +68,8 @@ class _Marker:
 
 
 UNKNOWN: Any = _Marker("UNKNOWN")
-"""A value whose dtype the analysis could not prove (no example inputs reached it)."""
+"""A dtype not known yet: ``out_dtype`` before assign_dtypes ran, or, during capture, a
+value whose planned dtype the capture has not seen."""
 
 NOT_TENSOR: Any = _Marker("NOT_TENSOR")
 """A value that is not a tensor (a size, a dtype, a Python number)."""
@@ -86,12 +87,12 @@ class AmpInfo:
 
     Written by classify: ``role``, ``op``, ``aten``, ``module_path``, ``rule``, ``source``,
     ``detail``, ``low_dtype`` (inside the model's own autocast block). Written by
-    assign_dtypes: ``compute_dtype``, ``out_dtype``, ``exact``, ``runtime_promote``. Cast
+    assign_dtypes: ``compute_dtype``, ``out_dtype``, ``exact``. Cast
     nodes written by insert_casts carry ``role=CAST``, ``cast_for`` and ``out_dtype``.
     """
 
     role: Role
-    op: str = ""  # readable op: "F.softmax", "Tensor.matmul", "nn.Linear"
+    op: str = ""  # readable op: "aten.softmax.int", "getitem"
     aten: str | None = None  # the aten op name the policy looked up
     module_path: str = ""  # innermost enclosing module at capture time
     rule: Rule | None = None
@@ -101,10 +102,7 @@ class AmpInfo:
     out_dtype: DtypeFact = UNKNOWN
     exact: bool = False  # out_dtype comes from example values (FakeTensor propagation)
     cast_for: tuple[str, ...] = field(default_factory=tuple)  # CAST: the consumers it feeds
-    conditional: bool = False  # CAST: input dtype unknown, cast only if castable at run time
     low_dtype: torch.dtype | None = None  # the model's autocast block's dtype; None: policy's
-    # PROMOTE with unknown input dtypes: widened at run time; the low dtype to widen from
-    runtime_promote: torch.dtype | None = None
 
     @classmethod
     def fixed(cls, role: Role, op: str, detail: str = "", **fields: Any) -> AmpInfo:

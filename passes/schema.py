@@ -6,21 +6,19 @@ Tensor(a)``: views, ``split``, ``to`` when nothing changes) and whether it retur
 at all (``sym_size``, ``_assert_scalar``). The passes use these facts to keep casts off
 anything that is written in place or viewed, and to know when a cast goes stale.
 
-For graph nodes that are not aten ops (symbolic traces, dynamo graphs), in-place calls are
-recognised by torch's own naming convention and ``inplace=True``/``out=`` arguments, and
-views by their dtype rule (``dtype_rules.FIRST_ARG``): the facts torch exposes there.
+The other calls of a captured graph (``operator.getitem``, SymInt arithmetic,
+``torch._C._set_grad_enabled``, the ``x.to(dtype)`` casts insert_casts adds) write nothing;
+their output is taken to alias their first input, which only ever makes a cast go stale
+sooner, never later.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 
 def overload(node: fx.Node) -> torch._ops.OpOverload | None:
@@ -91,28 +89,15 @@ def _nodes_at(node: fx.Node, positions: tuple[tuple[int, str], ...]) -> list[fx.
 
 
 def is_mutating(node: fx.Node) -> bool:
-    """The node writes into one of its arguments (aten schema, else torch's conventions)."""
+    """The node is an aten op that writes into one of its arguments."""
     op = overload(node)
-    if op is not None:
-        return bool(_written_positions(op))
-    return _conventionally_inplace(node)
+    return op is not None and bool(_written_positions(op))
 
 
 def written_inputs(node: fx.Node) -> list[fx.Node]:
     """The graph values the node writes into."""
     op = overload(node)
-    if op is not None:
-        return _nodes_at(node, _written_positions(op))
-    if not _conventionally_inplace(node):
-        return []
-    out = node.kwargs.get("out")
-    if out is not None:
-        return _nodes_in(out)
-    if node.target is F.embedding:  # max_norm: the weight's rows are renormalized
-        weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        return [weight] if isinstance(weight, fx.Node) else []
-    first = node.args[0] if node.args else None
-    return [first] if isinstance(first, fx.Node) else []
+    return _nodes_at(node, _written_positions(op)) if op is not None else []
 
 
 def viewed_inputs(node: fx.Node) -> list[fx.Node]:
@@ -172,65 +157,6 @@ def is_view(node: fx.Node) -> bool:
     """An aten op whose output aliases an input without writing it (``view``, ``split``)."""
     op = overload(node)
     return op is not None and bool(_aliased_positions(op)) and not _written_positions(op)
-
-
-_INPLACE_OPERATORS = frozenset(
-    {
-        operator.iadd,
-        operator.isub,
-        operator.imul,
-        operator.itruediv,
-        operator.ifloordiv,
-        operator.imatmul,
-        operator.ipow,
-        operator.imod,
-        operator.iand,
-        operator.ior,
-        operator.ixor,
-        operator.ilshift,
-        operator.irshift,
-        operator.setitem,
-    }
-)
-
-
-@functools.lru_cache(maxsize=1024)
-def _inplace_position(function: Any) -> int | None:
-    """Where a Python function takes ``inplace`` positionally (``F.relu(x, True)``)."""
-    try:
-        names = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names.index("inplace") if "inplace" in names else None
-
-
-def _writes_by_argument(node: fx.Node) -> bool:
-    """``inplace=True`` by keyword or position, ``out=``, or ``F.embedding(max_norm=...)``,
-    which renormalizes the rows it reads in place."""
-    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
-        return True
-    target = node.target
-    if node.op == "call_function" and callable(target):
-        position = _inplace_position(target)
-        if position is not None and len(node.args) > position and node.args[position] is True:
-            return True
-        if target is F.embedding:
-            max_norm = node.kwargs.get("max_norm", node.args[2] if len(node.args) > 2 else None)
-            return max_norm is not None
-    return False
-
-
-def _conventionally_inplace(node: fx.Node) -> bool:
-    """Python-level calls: ``x.add_()``, ``x += y``, ``x[i] = y``, ``inplace=True``, ``out=``."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    target = node.target
-    if target in _INPLACE_OPERATORS or _writes_by_argument(node):
-        return True
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name.startswith("__i") and name.endswith("__"):
-        return True
-    return bool(name) and name.endswith("_") and not name.endswith("__")
 
 
 __all__ = [

@@ -5,7 +5,7 @@ Each rule looks at one node and returns the node that should replace it, or ``No
 inserted are touched: the model's own casts are kept as written. A chain is folded only
 when the inner cast is lossless; ``fp32 -> fp16 -> fp32`` rounds, so it stays.
 
-Reads: ``meta["amp"]`` (role, out_dtype, conditional). Writes: removes nodes, rewires
+Reads: ``meta["amp"]`` (role, out_dtype). Writes: removes nodes, rewires
 uses, and keeps ``cast_for`` of the surviving casts complete. Guarantees: every value each
 node receives is bit-for-bit what it received before the pass, with the same autograd
 history; in particular two casts are merged, and a chain's outer cast made to read the
@@ -99,7 +99,7 @@ def one_cast_per_value(node: fx.Node, ctx: _Context) -> fx.Node | None:
     the old values) nor across a grad-mode change; else this one starts a new group"""
     if not is_cast_node(node):
         return None
-    key = (ctx.sharing.key(_source(node)), _target(node), node.meta[AMP].conditional)
+    key = (ctx.sharing.key(_source(node)), _target(node))
     first = ctx.first_cast.setdefault(key, node)
     if first is node:
         return None

@@ -6,9 +6,8 @@ Checks, in order:
 2. every node carries ``meta["amp"]``;
 3. every input of a planned node has the planned dtype (or is not castable: integers,
    bools, float64), so no planned cast is missing;
-4. the dtypes the graph really produces, propagated afresh through the rewritten graph
-   (FakeTensors when example inputs are known, the dtype rules otherwise), equal the
-   ``out_dtype`` the plan recorded, wherever both are known.
+4. the dtypes the graph really produces, propagated afresh on fake values through the
+   rewritten graph, equal the ``out_dtype`` the plan recorded, wherever both are known.
 
 Reads everything, writes nothing. Raises :class:`VerificationError` naming the node.
 """

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-from amp_graph.passes import AMP, Role
+from amp_graph.passes import AMP, UNKNOWN, Role
 
 import amp_graph
 from amp_graph.inspect import before_passes, before_simplification, diff
@@ -137,3 +137,30 @@ def test_diff_of_two_policies_says_why_casts_went(block):
         "no longer needed: 'linear' now computes in fp32"
     )
     assert not rows(d, "added")
+
+
+class _ReadsItsDtype(torch.nn.Module):
+    """``w.to(q.dtype)``: capture under O1 writes bf16 into the graph, so the graph read
+    without its casts multiplies an fp32 ``q`` by a bf16 ``w`` and does not type-check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4)
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        return torch.bmm(q[None], self.w.to(q.dtype)[None])[0].relu()
+
+
+def test_a_graph_that_does_not_type_check_as_written_leaves_those_dtypes_unproven(caplog):
+    compiled = amp_graph.compile(
+        _ReadsItsDtype(), "O1", torch.bfloat16, example_inputs=(torch.randn(4, 4),)
+    )
+    with caplog.at_level("INFO", logger="amp_graph.inspect.stages"):
+        as_written = before_passes(compiled)
+    dtypes = {n.name: n.meta[AMP].out_dtype for n in as_written.graph.nodes}
+    assert dtypes["linear"] == torch.float32 and dtypes["to"] == torch.bfloat16
+    assert dtypes["bmm"] is UNKNOWN and dtypes["relu"] is UNKNOWN
+    assert "node 'bmm' (aten.bmm.default)" in caplog.text
+    assert rows(diff(compiled), "changed")["bmm"].before == "?"

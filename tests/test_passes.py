@@ -156,7 +156,7 @@ def _chain_graph(source_dtype, via, back):
     x.meta[AMP] = AmpInfo(role=Role.INPUT, out_dtype=source_dtype, exact=True)
     first = make_cast(graph, x, via, "relu")
     second = make_cast(graph, first, back, "relu")
-    relu = graph.call_function(torch.relu, (second,))
+    relu = graph.call_function(torch.ops.aten.relu.default, (second,))
     relu.meta[AMP] = AmpInfo(role=Role.OP, rule=Rule.FOLLOW, out_dtype=back, exact=True)
     out = graph.output(relu)
     out.meta[AMP] = AmpInfo(role=Role.OUTPUT, out_dtype=back)
@@ -205,6 +205,20 @@ def test_verifier_catches_a_missing_cast_and_a_wrong_plan():
     add.meta[AMP].out_dtype = torch.float16
     with pytest.raises(VerificationError, match="the plan says its output is fp16"):
         verify(compiled)
+
+
+def test_a_node_whose_fake_run_fails_is_an_error_naming_it():
+    """Dtypes come from fake values only: no silent fallback when a node cannot run on them."""
+    gm = captured(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+
+    def no_fake_kernel(x):
+        raise NotImplementedError("no fake kernel")
+
+    relu.target = no_fake_kernel
+    classify(gm, Policy.preset("O1"))
+    with pytest.raises(RuntimeError, match=r"node 'relu' \(.*no_fake_kernel.*no fake kernel"):
+        assign_dtypes(gm, torch.bfloat16)
 
 
 def test_driver_names_the_failing_pass_and_those_before(monkeypatch):

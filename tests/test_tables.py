@@ -300,24 +300,6 @@ def _all_candidates() -> list[tuple[str, str]]:
         for key, candidates in table.items():
             assert candidates, f"{key!r} has no candidate aten op"
             entries += [(getattr(key, "__name__", repr(key)), name) for name in candidates]
-    for key, candidates in python_ops.METHOD_ALIASES.items():
-        entries += [(key, name) for name in candidates]
-    for key, (_, resolve) in python_ops.MODE_DEPENDENT.items():
-        for mode in (
-            None,
-            "nearest",
-            "nearest-exact",
-            "area",
-            "linear",
-            "bilinear",
-            "bicubic",
-            "trilinear",
-            "constant",
-            "reflect",
-            "replicate",
-            "circular",
-        ):
-            entries += [(f"{key.__name__}(mode={mode!r})", name) for name in resolve(mode)]
     return entries
 
 

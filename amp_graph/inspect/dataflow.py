@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.compiler import compile_record, unwrap
-from amp_graph.passes.meta import AMP, FLOAT8, UNKNOWN, VAL, Role, short, tensor_facts
+from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, short, tensor_facts
 
 from .modules import module_types, node_modules
 from .style import DTYPE_CLASSES, node_class
@@ -164,10 +164,7 @@ def _size(bytes_per: int | None, *dtypes: Any) -> int | None:
 
 
 def _floating(fact: Any) -> bool:
-    return any(
-        f is UNKNOWN or (isinstance(f, torch.dtype) and f.is_floating_point)
-        for f in tensor_facts(fact)
-    )
+    return any(isinstance(f, torch.dtype) and f.is_floating_point for f in tensor_facts(fact))
 
 
 def needs_grad(gm: fx.GraphModule) -> dict[str, bool]:
@@ -212,8 +209,6 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
         if amp.role in (Role.CAST, Role.USER_CAST) and node.all_input_nodes:
             source = node.all_input_nodes[0]
             src, dst = source.meta[AMP].out_dtype, amp.out_dtype
-            if amp.role is Role.CAST and amp.conditional:
-                dst = node.args[1]
             if amp.role is Role.USER_CAST and (src == dst or not _floating(src)):
                 continue  # .float() of a float32 tensor returns it: no copy
             moved = _size(value_numel(source), src, dst)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.compiler import CompileRecord, compile_record, unwrap
-from amp_graph.passes.meta import AMP, UNKNOWN, AmpInfo, Role, short
+from amp_graph.passes.meta import AMP, AmpInfo, Role, short
 from amp_graph.policy import Rule, nearest
 
 from .html import OPEN_ROWS, explanation_html
@@ -258,20 +258,11 @@ def explain(compiled: Any, node_name: str) -> Explanation:
     amp: AmpInfo = node.meta[AMP]
     module = modules[node.name]
     where = f" in module '{module}'" if module else ""
-    out = (
-        "an unproven dtype (no example value reached it)"
-        if amp.out_dtype is UNKNOWN
-        else short(amp.out_dtype)
-    )
+    out = short(amp.out_dtype)
     if amp.role is Role.CAST:
         source = node.args[0]
-        kind = (
-            "a run-time-checked cast (its input's dtype was unknown)"
-            if amp.conditional
-            else "a cast"
-        )
         return Explanation(
-            f"'{node.name}' is {kind} amp_graph inserted: it converts '{source.name}' "
+            f"'{node.name}' is a cast amp_graph inserted: it converts '{source.name}' "
             f"({short(source.meta[AMP].out_dtype)}) to {short(node.args[1])} for "
             f"{', '.join(repr(c) for c in amp.cast_for)}.\n{amp.detail}."
         )

@@ -8,13 +8,18 @@ The compiled module and the recorded original are never modified.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
 from amp_graph.compiler import compile_record, copy_graph_module, unwrap
 from amp_graph.passes import AMP, assign_dtypes, classify
+from amp_graph.passes.assign_dtypes import FakeRunError
 from amp_graph.passes.pipeline import amp_passes
 from amp_graph.policy import Policy
+
+log = logging.getLogger(__name__)
 
 STAGE = "amp_graph_stage"
 """``gm.meta`` key naming the stage of a graph these helpers built, for drawing titles."""
@@ -29,11 +34,17 @@ def annotate(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` with ``meta["amp"]`` describing it as written (nothing recast).
 
     ``classify`` under policy O0 names each op and its module; ``assign_dtypes`` proves
-    dtypes (and shapes, when the placeholders carry example values in ``meta["val"]``).
+    dtypes and shapes on the placeholders' example values (``meta["val"]``). Read without
+    its casts, a graph captured under a policy may not type-check (a dtype the model read
+    at capture is written into it): the dtypes from the node that fails on are left
+    unproven (``?``), and the log says which node.
     """
     copy = copy_graph_module(gm)
     classify(copy, Policy.preset("O0"))
-    assign_dtypes(copy, torch.bfloat16)  # O0 computes nothing in low precision
+    try:
+        assign_dtypes(copy, torch.bfloat16)  # O0 computes nothing in low precision
+    except FakeRunError as error:
+        log.info("%s; as written, the dtypes from there on are not proven", error)
     copy.meta[STAGE] = "as written"
     return copy
 

@@ -202,8 +202,7 @@ def _label(item: Item, by_name: dict[str, Item]) -> tuple[str, list[str], str]:
         source = by_name.get(item.inputs[0]) if item.inputs else None
         src = short(source.amp.out_dtype) if source else "?"
         shape = shape_text(source.val) if source else ""
-        verb = "cast if castable" if amp.conditional else "cast"
-        return "cast", [f"{verb} {src} \u2192 {item.cast_to or out}", shape], amp.detail
+        return "cast", [f"cast {src} \u2192 {item.cast_to or out}", shape], amp.detail
     if amp.role is Role.INPUT:
         return "input", ["input", dtype_line], amp.detail
     if amp.role is Role.PARAM:

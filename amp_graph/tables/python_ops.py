@@ -1,11 +1,12 @@
 """Which aten op torch.autocast sees when a Python-level callable runs.
 
-torch.autocast works on aten ops; an FX graph holds Python callables (``F.softmax``),
-Tensor methods (``x.softmax``), operators (``a @ b``) and leaf modules (``nn.LSTM``). A
-node is classified by the aten op that autocast intercepts when that callable runs. Each
-entry lists candidates in order: the first one that the device's autocast lists mention
-decides (``F.cross_entropy`` is ``cross_entropy_loss`` on CPU, where autocast registers it,
-and ``log_softmax`` on CUDA, where it does not and the composite's first op is fp32).
+torch.autocast works on aten ops; a user names policy keys as Python callables
+(``F.softmax``), operators (``operator.matmul``) and module types (``nn.LSTM``). Such a key
+matches the captured graph's aten nodes through the aten op the callable runs. Each entry
+lists candidates in order: the first one that the device's autocast lists mention decides
+(``F.cross_entropy`` is ``cross_entropy_loss`` on CPU, where autocast registers it, and
+``log_softmax`` on CUDA, where it does not and the composite's first op is fp32). The
+aliases and composites below serve the aten nodes themselves (``aten.lstm``).
 
 Builtins bound from ATen (``torch.mm``, ``torch._C._nn.linear``, ``Tensor.softmax``) need
 no entry: their ``__name__`` is the aten op's name.
@@ -120,7 +121,7 @@ ATEN_COMPOSITES: dict[str, AtenNames] = {
     "multilabel_soft_margin_loss": ("sum",),
 }
 
-# Python operators, as symbolic tracing and dynamo record them.
+# Python operators, as policy keys (``{operator.matmul: "fp32"}``).
 OPERATORS: dict[Callable, AtenNames] = {
     operator.matmul: ("matmul",),
     operator.pow: ("pow",),
@@ -130,17 +131,6 @@ OPERATORS: dict[Callable, AtenNames] = {
     operator.truediv: ("div",),
     operator.floordiv: ("floor_divide",),
     operator.neg: ("neg",),
-}
-
-# Reflected dunder methods that name a different aten op.
-METHOD_ALIASES: dict[str, AtenNames] = {
-    "__rmatmul__": ("matmul",),
-    "__rpow__": ("pow",),
-    "__radd__": ("add",),
-    "__rsub__": ("sub",),
-    "__rmul__": ("mul",),
-    "__truediv__": ("div",),
-    "__rtruediv__": ("div",),
 }
 
 # Leaf modules: the aten op autocast sees when the module runs.
@@ -253,65 +243,6 @@ NORMALIZATION_OPS: frozenset[str] = frozenset(
 # (2e-2 relative, measured), so O2 keeps it in float32 between two casts.
 MIXED_PRECISION_NORM_OPS: frozenset[str] = frozenset(
     {"batch_norm", "native_batch_norm", "instance_norm"}
-)
-
-
-def _interpolate_candidates(mode: str | None, rank: int | None = None) -> AtenNames:
-    """The upsample op for a mode and an input rank (3: 1-d, 4: 2-d, 5: 3-d; 4 if unknown)."""
-    dims = {3: "1d", 5: "3d"}.get(rank or 4, "2d")
-    if mode in (None, "nearest"):
-        return (f"upsample_nearest{dims}",)
-    if mode == "nearest-exact":
-        return (f"_upsample_nearest_exact{dims}",)
-    if mode == "area":
-        return (f"adaptive_avg_pool{dims}",)
-    if mode == "bicubic":
-        return ("upsample_bicubic2d",)
-    return (
-        {"1d": "upsample_linear1d", "3d": "upsample_trilinear3d"}.get(dims, "upsample_bilinear2d"),
-    )
-
-
-def _pad_candidates(mode: str | None, rank: int | None = None) -> AtenNames:
-    """The padding op for a mode; reflect and replicate depend on the rank (2-d if unknown)."""
-    dims = {2: "1d", 3: "1d", 5: "3d"}.get(rank or 4, "2d")
-    if mode == "reflect":
-        return (f"reflection_pad{dims}",)
-    if mode == "replicate":
-        return (f"replication_pad{dims}",)
-    return ("constant_pad_nd",)
-
-
-Resolver = Callable[[str | None, int | None], AtenNames]
-
-# Functions whose aten op depends on `mode` (and on the input's rank):
-# function -> (position of mode, resolver(mode, rank)).
-MODE_DEPENDENT: dict[Callable, tuple[int, Resolver]] = {
-    F.interpolate: (3, _interpolate_candidates),
-    F.upsample: (3, _interpolate_candidates),
-    F.pad: (2, _pad_candidates),
-}
-MODE_DEPENDENT_MODULES: dict[type[nn.Module], Callable[[nn.Module, int | None], AtenNames]] = {
-    nn.Upsample: lambda m, rank: _interpolate_candidates(m.mode, rank),
-}
-
-# Methods and functions that are the model's own casts: kept as written, never re-cast.
-CAST_METHODS: frozenset[str] = frozenset(
-    {
-        "to",
-        "type",
-        "type_as",
-        "float",
-        "half",
-        "bfloat16",
-        "double",
-        "long",
-        "int",
-        "short",
-        "bool",
-        "byte",
-        "char",
-    }
 )
 
 
