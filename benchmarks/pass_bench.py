@@ -42,7 +42,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None)
     options = parser.parse_args()
     repeats = options.repeats or (1 if options.quick else 3)
-    sizes = (2, 8) if options.quick else (13, 52, 130)  # about 1k, 4k and 10k nodes
+    sizes = (2, 8) if options.quick else (28, 110, 280)  # about 1k, 4k and 10k nodes
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, O1 {DTYPE}")
     for layers in sizes:
         runs = [compile_seconds(layers) for _ in range(repeats)]
