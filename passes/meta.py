@@ -59,7 +59,9 @@ class Role(str, Enum):
         return self.value
 
 
-class _Marker:
+class Marker:
+    """A sentinel known only by its name, equal to itself alone (compared by identity)."""
+
     def __init__(self, name: str) -> None:
         self.name = name
 
@@ -67,11 +69,11 @@ class _Marker:
         return self.name
 
 
-UNKNOWN: Any = _Marker("UNKNOWN")
+UNKNOWN: Any = Marker("UNKNOWN")
 """A dtype not known yet: ``out_dtype`` before assign_dtypes ran, or, during capture, a
 value whose planned dtype the capture has not seen."""
 
-NOT_TENSOR: Any = _Marker("NOT_TENSOR")
+NOT_TENSOR: Any = Marker("NOT_TENSOR")
 """A value that is not a tensor (a size, a dtype, a Python number)."""
 
 DtypeFact = Any  # torch.dtype | UNKNOWN | NOT_TENSOR | tuple/list of DtypeFact

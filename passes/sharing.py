@@ -40,23 +40,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .meta import Marker
 from .schema import StorageVersions
 
 ShareKey = tuple[fx.Node, int, Hashable]
 """(value, how often its storage has been written so far, grad mode): see the module."""
 
 
-class _Mode:
-    """A grad mode known only by name: the one the graph is called in, or one it cannot read."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-ENTRY: Hashable = _Mode("ENTRY")
+# A grad mode known only by name (meta.Marker, equal to itself alone): the one the graph is
+# called in, or one the walk cannot read.
+ENTRY: Hashable = Marker("ENTRY")
 """The grad mode the graph is called in (a cast made before the graph runs is made in it)."""
 
 _SET_GRAD = torch._C._set_grad_enabled
@@ -126,7 +119,7 @@ class CastSharing:
         elif node.target is _SET_GRAD:
             self._mode = self._mode_set_by(node.args[0] if node.args else None)
         elif node.target in _OPAQUE_GRAD:
-            self._mode = _Mode(f"after {node.name}")  # equal to no other mode
+            self._mode = Marker(f"after {node.name}")  # equal to no other mode
 
     def _mode_set_by(self, flag: Any) -> Hashable:
         """``_set_grad_enabled(True/False)``, or the mode an ``is_grad_enabled()`` read
@@ -135,7 +128,7 @@ class CastSharing:
             return flag
         if isinstance(flag, fx.Node) and flag in self._read_modes:
             return self._read_modes[flag]
-        return _Mode(f"set by {flag}")  # unknown: equal to no other mode
+        return Marker(f"set by {flag}")  # unknown: equal to no other mode
 
 
 def written_values(gm: fx.GraphModule) -> set[fx.Node]:
