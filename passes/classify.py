@@ -11,6 +11,7 @@ graph itself is not changed.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from typing import Any
@@ -33,8 +34,14 @@ from .result import PassResult
 _STATEFUL_NORM_FUNCTIONS = frozenset({"batch_norm", "instance_norm"})
 
 
-def module_stack(node: fx.Node, gm: nn.Module) -> tuple[tuple[str, ...], tuple[type, ...]]:
-    """Enclosing module paths (outermost first, the root as ``""``) and their types."""
+def module_stack(
+    node: fx.Node, gm: nn.Module, known_types: dict[str, type] | None = None
+) -> tuple[tuple[str, ...], tuple[type, ...]]:
+    """Enclosing module paths (outermost first, the root as ``""``) and their types.
+
+    ``known_types``: path -> type of the modules already looked up, for one walk over a
+    graph (its nodes name the same modules again and again).
+    """
     root = model_root(gm)
     paths, types = [""], [type(root)]
     for value in (node.meta.get("nn_module_stack") or {}).values():
@@ -43,12 +50,18 @@ def module_stack(node: fx.Node, gm: nn.Module) -> tuple[tuple[str, ...], tuple[t
         if not path:
             continue  # the root itself (export records it)
         if isinstance(mtype, str):  # export and some torch versions record the type's name
-            mtype = _submodule_type(root, path) or nn.Module
+            if known_types is None:
+                mtype = _submodule_type(root, path) or nn.Module
+            elif path in known_types:
+                mtype = known_types[path]
+            else:
+                mtype = known_types[path] = _submodule_type(root, path) or nn.Module
         paths.append(path)
         types.append(mtype)
     return tuple(paths), tuple(types)
 
 
+@functools.lru_cache(maxsize=8192)  # a pure function of a string; graphs repeat their paths
 def normalize_module_path(path: str) -> str:
     """Dynamo's ``L['self'].blocks[0].attn`` and ``L__self___blocks_0`` -> ``blocks.0.attn``.
 
@@ -179,9 +192,8 @@ def _fixed_role(node: fx.Node) -> tuple[Role, str, str] | None:
     return None
 
 
-def _op_facts(node: fx.Node, gm: nn.Module) -> OpFacts:
+def _op_facts(node: fx.Node, paths: tuple[str, ...], types: tuple[type, ...]) -> OpFacts:
     """What the policy looks up: the op's keys, aten candidates and enclosing modules."""
-    paths, types = module_stack(node, gm)
     display, keys, aten = _function_facts(node.target)
     return OpFacts(node.name, display, keys, aten, paths, types)
 
@@ -237,24 +249,26 @@ def classify_node(
     gm: nn.Module,
     policy: Policy,
     region: AutocastRegion | None = _FROM_META,
+    known_types: dict[str, type] | None = None,
 ) -> AmpInfo:
     """The record of one computing node: its role, and for ops the policy's rule.
 
     ``gm`` is the module the node's module paths are relative to (the captured
     GraphModule, or the user's model while it is being captured); ``region`` the model's
-    own autocast block around the node (default: ``meta["autocast_region"]``).
+    own autocast block around the node (default: ``meta["autocast_region"]``);
+    ``known_types`` as for :func:`module_stack`.
     """
     if node.op != "call_function":
         raise TypeError(
             f"classify takes the captured aten IR (call_function nodes); {node.name!r} is a "
             f"{node.op}: capture the model with amp_graph first"
         )
-    paths, _ = module_stack(node, gm)
+    paths, types = module_stack(node, gm, known_types)
     fixed = _fixed_role(node)
     if fixed is not None:
         role, op, detail = fixed
         return AmpInfo.fixed(role, op, detail, module_path=paths[-1])
-    facts = _op_facts(node, gm)
+    facts = _op_facts(node, paths, types)
     decision = _refine(policy.decide(facts), node, facts)
     if region is _FROM_META:
         region = node.meta.get(REGION)
@@ -294,13 +308,14 @@ def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
     [('linear', 'allow'), ('softmax', 'deny')]
     """
     counts: dict[str, int] = {}
+    known_types: dict[str, type] = {}
     for node in gm.graph.nodes:
         kind = "state" if node.op == "placeholder" and is_model_state(node) else node.op
         if kind in _STRUCTURAL:
             role, op, detail = _STRUCTURAL[kind]
             amp = AmpInfo.fixed(role, op, detail)
         else:
-            amp = classify_node(node, gm, policy)
+            amp = classify_node(node, gm, policy, known_types=known_types)
         node.meta[AMP] = amp
         key = f"rule_{amp.rule}"
         counts[key] = counts.get(key, 0) + 1
