@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from amp_graph.capture_dtypes import (
     capture_under_policy,
     half_model_view,
+    mark_capture_plans,
     mark_checkpoint_regions,
     strip_widening_casts,
 )
@@ -187,6 +188,7 @@ def capture_module(
             strip_widening_casts(gm, planned.widening_casts)
             gm.recompile()
         mark_checkpoint_regions(gm, planned.checkpointed)
+        mark_capture_plans(gm, planned.plan_records)
     if units:
         gm.meta[FSDP_UNITS] = units
         _check_checkpoints_within_units(gm, units)

@@ -53,6 +53,7 @@ from amp_graph.passes.assign_dtypes import (
 )
 from amp_graph.passes.classify import classify_node
 from amp_graph.passes.meta import (
+    CAPTURE_PLAN,
     CHECKPOINT_REGION,
     NOT_TENSOR,
     UNKNOWN,
@@ -75,12 +76,28 @@ class _Plan:
     policy casts), or give each input its planned dtype back (``inputs``: an op that takes
     its inputs as they come, whose inputs autocast may have cast)."""
 
-    __slots__ = ("amp", "compute", "inputs", "same_op")
+    __slots__ = ("amp", "compute", "faithful", "input_facts", "inputs", "same_op")
 
     def __init__(
-        self, amp: AmpInfo, compute: torch.dtype | None, inputs: list[Any], same_op: Any
+        self,
+        amp: AmpInfo,
+        compute: torch.dtype | None,
+        inputs: list[Any],
+        same_op: Any,
+        input_facts: tuple[Any, ...],
     ) -> None:
         self.amp, self.compute, self.inputs, self.same_op = amp, compute, inputs, same_op
+        self.input_facts = input_facts  # planned facts of node.all_input_nodes
+        # The value is the op run on its planned inputs (cast to ``compute``), as the
+        # rewritten graph runs it, unless an inner kernel's inputs were widened (batch_norm
+        # of a bf16 input with float32 weights then computes in float32) or a cast ran after
+        # the op's first computing kernel (a decomposition casting its result back). Only
+        # a faithful plan is recorded for assign_dtypes to reuse the value.
+        self.faithful = True
+
+    def record(self) -> tuple[Any, torch.dtype | None, tuple[Any, ...]]:
+        """(op, compute dtype, input facts): what meta[CAPTURE_PLAN] keeps of the plan."""
+        return self.same_op, self.compute, self.input_facts
 
 
 class PolicyDtypeMode(TorchDispatchMode):
@@ -102,8 +119,12 @@ class PolicyDtypeMode(TorchDispatchMode):
         self.tracer, self.model, self.policy, self.low = tracer, model, policy, low
         self.user_inputs = user_inputs  # the nodes of the tensors the model was called with
         self.pinned: set[fx.Node] = set()
+        self.known_types: dict[str, type] = {}  # module path -> type (classify_node)
         self.planned: dict[fx.Node, Any] = {}  # planned dtype facts of nodes already seen
         self.plans: dict[fx.Node, _Plan | None] = {}
+        # the plans the nodes' values were computed under (kernels adjusted to them, or a
+        # model's cast, which no autocast list touches): node name -> _Plan.record()
+        self.records: dict[str, tuple[Any, torch.dtype | None, tuple[Any, ...]]] = {}
         self.regions: list[AutocastRegion] = []
         self.seen: fx.Node | None = None  # the last node walked by _catch_up
         # activation checkpoints: node name -> region number, and whether a reentrant
@@ -133,6 +154,14 @@ class PolicyDtypeMode(TorchDispatchMode):
             self.seen = node
             node = node.next
 
+    def _catch_up_to_end(self) -> None:
+        """Note the nodes recorded after the last kernel that needed a plan."""
+        last = next(reversed(self.tracer.graph.nodes), None)
+        if last is not None and last is not self.seen:
+            self._catch_up(last)
+            self._note(last)
+            self.seen = last
+
     def _note(self, node: fx.Node) -> None:
         marker = autocast_marker(node)
         if marker == "exit":
@@ -148,10 +177,15 @@ class PolicyDtypeMode(TorchDispatchMode):
             return
         self.planned[node] = fact(value) if "val" in node.meta else UNKNOWN
         plan = self.plans.get(node)
-        if plan is None and node.op == "call_function":
+        if plan is not None:
+            if plan.faithful and _computed_at(node.meta.get("val"), plan.compute):
+                self.records[node.name] = plan.record()
+        elif node.op == "call_function":
             # a node none of whose kernels needed a plan (a cast, a no-op .to()): its
             # record still counts for O2's pinning
             plan = self._decide_quietly(node)
+            if plan is not None and plan.amp.role is Role.USER_CAST:
+                self.records[node.name] = plan.record()
         if plan is not None:
             facts = tensor_facts(self._facts((node.args, node.kwargs)))
             track_pinning(node, plan.amp, facts, self.planned[node], self.pinned)
@@ -204,7 +238,9 @@ class PolicyDtypeMode(TorchDispatchMode):
 
     def _decide(self, node: fx.Node) -> _Plan | None:
         region = self.regions[-1] if self.regions else None
-        amp: AmpInfo = classify_node(node, self.model, self.policy, region)
+        amp: AmpInfo = classify_node(
+            node, self.model, self.policy, region, known_types=self.known_types
+        )
         facts = tensor_facts(self._facts((node.args, node.kwargs)))
         compute = None
         if amp.role is Role.OP:
@@ -213,8 +249,13 @@ class PolicyDtypeMode(TorchDispatchMode):
         arg_dtypes = pytree.tree_leaves(
             fx.node.map_arg((node.args, node.kwargs), lambda a: _Slot(self.planned.get(a)))
         )
+        input_facts = tuple(self.planned.get(a, UNKNOWN) for a in node.all_input_nodes)
         return _Plan(
-            amp, compute, [s.dtype for s in arg_dtypes if isinstance(s, _Slot)], node.target
+            amp,
+            compute,
+            [s.dtype for s in arg_dtypes if isinstance(s, _Slot)],
+            node.target,
+            input_facts,
         )
 
     # --- the kernels under it -------------------------------------------------------------
@@ -225,12 +266,28 @@ class PolicyDtypeMode(TorchDispatchMode):
             # casts (their value is their dtype argument's; autocast's own casts of a weight
             # are undone at the kernel computing with it) and queries (prim.device, which
             # autograd asks while it holds the tensor's lock: casting it then deadlocks)
+            if func is torch.ops.aten._to_copy.default:
+                node = self._current()
+                plan = self.plans.get(node) if node is not None else None
+                if plan is not None:  # after a computing kernel of the node: not faithful
+                    plan.faithful = False
             return func(*args, **kwargs)
         node = self._current()
         plan = self._plan(node) if node is not None else None
         if plan is not None:
             args, kwargs = _adjusted(func, args, kwargs, plan)
         return func(*args, **kwargs)
+
+
+def _computed_at(value: Any, compute: torch.dtype | None) -> bool:
+    """Every floating tensor of a node's value has the compute dtype (when there is one)."""
+    if compute is None:
+        return True
+    return all(
+        leaf.dtype == compute
+        for leaf in pytree.tree_leaves(value)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+    )
 
 
 def _checkpoint_frame() -> Any:
@@ -345,6 +402,18 @@ def _computes_tensors(func: Any) -> bool:
     )
 
 
+def mark_capture_plans(
+    gm: fx.GraphModule, records: dict[str, tuple[Any, torch.dtype | None, tuple[Any, ...]]]
+) -> None:
+    """Write the plan each node's value was captured under to ``meta[CAPTURE_PLAN]`` (by
+    name, the node's op checked too), so that assign_dtypes reuses the value where it plans
+    the same."""
+    for node in gm.graph.nodes:
+        record = records.get(node.name)
+        if record is not None and node.op == "call_function" and record[0] is node.target:
+            node.meta[CAPTURE_PLAN] = record[1:]
+
+
 def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None:
     """Write each checkpointed node's region to ``meta["checkpoint_region"]`` (by name: the
     exported graph keeps the tracer's node names)."""
@@ -369,6 +438,7 @@ def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple,
     written = _written_positions(func)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    widening = False
     if plan.compute is not None:
         targets = {i: plan.compute for i in tensors}
     elif func is plan.same_op and len(tensors) == len(plan.inputs):
@@ -378,6 +448,7 @@ def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple,
     else:
         wide = _promoted([d for d in plan.inputs if isinstance(d, torch.dtype)])
         targets = dict.fromkeys(tensors, wide) if wide is not None else {}
+        widening = True
     changed = False
     for i, dtype in targets.items():
         value = leaves[i]
@@ -392,6 +463,8 @@ def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple,
             changed = True
     if not changed:
         return args, kwargs
+    if widening:
+        plan.faithful = False
     return pytree.tree_unflatten(leaves, spec)
 
 
@@ -464,6 +537,7 @@ class capture_under_policy:
         self.model, self.policy, self.low = model, policy, low
         self.widening_casts: set[str] = set()
         self.checkpointed: dict[str, int] = {}  # node name -> checkpoint region
+        self.plan_records: dict[str, tuple[Any, torch.dtype | None, tuple[Any, ...]]] = {}
         self.reentrant_checkpoint = False
         self._had_forward = False
         self._own_forward: Any = None
@@ -482,6 +556,9 @@ class capture_under_policy:
             with dtypes, CompositePromoteMode(tracer, self.policy, self.widening_casts):
                 return forward(*args, **kwargs)
         finally:
+            if dtypes.seen is not None:  # the nodes after the last kernel that asked
+                dtypes._catch_up_to_end()
+            self.plan_records.update(dtypes.records)
             self.checkpointed.update(dtypes.checkpointed)
             self.reentrant_checkpoint |= dtypes.reentrant_checkpoint
 
@@ -558,6 +635,7 @@ __all__ = [
     "PolicyDtypeMode",
     "capture_under_policy",
     "half_model_view",
+    "mark_capture_plans",
     "mark_checkpoint_regions",
     "strip_widening_casts",
 ]

@@ -13,12 +13,16 @@ policies whose default is ``ALLOW`` (O2, O3), a value the model itself cast to f
 (``x.float()`` in an RMSNorm) stays float32 until the model casts again: ops that read
 it compute in float32, as they would in Apex O2 (see :func:`track_pinning`).
 
-Output dtypes come from FakeTensor propagation: every node of the captured graph has an
-example value in ``meta["val"]``, so torch computes them. A node whose fake run fails is an
-error naming it (only a call that returns no tensor, ``aten.item`` on data, may fail: it has
-no dtype to decide).
+Output dtypes come from fake values: every node of the captured graph has one in
+``meta["val"]``, so torch computes them. The capture under the policy computed each value
+at the dtypes the plan gives and recorded the decision (``meta[CAPTURE_PLAN]``, see
+:mod:`amp_graph.capture_dtypes`): where this pass decides the same for a node, on inputs of
+the same dtypes, the captured value is the node's. Only nodes whose inputs the plan changed
+(a model captured without the policy, the backend's graphs, a policy the capture did not
+see) run on fake tensors. A node whose fake run fails is an error naming it (only a call
+that returns no tensor, ``aten.item`` on data, may fail: it has no dtype to decide).
 
-Reads: ``meta["amp"]`` (role, rule, source), ``meta["val"]`` of placeholders. Writes:
+Reads: ``meta["amp"]`` (role, rule, source), ``meta["val"]``, ``meta[CAPTURE_PLAN]``. Writes:
 ``meta["amp"].compute_dtype``, ``.out_dtype``, ``.exact``, ``.detail`` (when the pinning
 rule changes a decision), and ``meta["val"]`` (fake values under the plan). The graph is
 not changed.
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import operator
 from typing import Any
 
 import torch
@@ -40,6 +43,7 @@ from amp_graph.policy import Rule, autocast_tables, base_name
 from . import schema
 from .meta import (
     AMP,
+    CAPTURE_PLAN,
     LOW_PRECISION,
     NOT_TENSOR,
     UNKNOWN,
@@ -120,29 +124,39 @@ class FakeRunError(RuntimeError):
     """A node could not run on fake values, so its output dtype is unknown."""
 
 
-class _Planner:
-    """Walks the graph once, deciding dtypes and propagating values under the plan."""
+class _Planner(fx.Interpreter):
+    """Walks the graph once, deciding dtypes and propagating fake values under the plan.
+
+    A ``torch.fx.Interpreter``: its ``run`` walks the nodes with their environment, and the
+    op methods run each node (``call_function`` for aten ops and the capture's Python calls,
+    ``call_method`` for the casts insert_casts writes). :meth:`run_node` adds the plan
+    around that: the node's compute dtype from its inputs' dtype facts, and a value for it.
+    ``FakeTensorProp`` is not the base: it runs every node and writes every value, and the
+    point here is to run only the nodes whose inputs the plan changed. A node whose
+    decision is the one the capture made (``meta[CAPTURE_PLAN]``) has its value already:
+    the capture computed it on inputs of these dtypes, cast alike.
+    """
 
     def __init__(
         self, gm: fx.GraphModule, low: torch.dtype, cast_inputs: bool, plan: bool = True
     ) -> None:
-        # plan=False only propagates: no decisions, no casts, nothing written to the graph.
+        super().__init__(gm, garbage_collect_values=False)
+        # A failed fake run is a FakeRunError naming the node: no second message around it.
+        self.extra_traceback = False
+        # plan=False only propagates: no decisions, no casts, nothing written to the graph,
+        # and no capture value reused unless the node runs as captured (the verifier's
+        # independent check of the plan).
         self.gm, self.low, self.cast_inputs, self.plan = gm, low, cast_inputs, plan
         self.facts: dict[fx.Node, DtypeFact] = {}
-        self.env: dict[fx.Node, Any] = {}
         self.pinned: set[fx.Node] = set()
+        self.changed = 0
         self.fake_mode = self._fake_mode()
-        # The values capture gave to views, element picks and unlisted pointwise ops: when
-        # their inputs keep their captured dtypes, so does their value (no need to run it).
-        self.captured = {
-            node: node.meta[VAL]
-            for node in gm.graph.nodes
-            if VAL in node.meta and _reuses_captured_value(node)
-        }
         self.casts: dict[tuple[int, torch.dtype], tuple[Any, Any]] = {}
         # Inputs written in place (directly or through a view) are never cast at entry: the
         # write must reach the caller's tensor, not a copy.
         self.written = schema.written_storage(gm.graph) if plan and cast_inputs else set()
+        self._node: fx.Node | None = None  # the node being run, and its record
+        self._amp: AmpInfo | None = None
 
     def _fake_mode(self) -> Any:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -162,65 +176,89 @@ class _Planner:
         detected = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         return detected or FakeTensorMode(allow_non_fake_inputs=True)
 
-    def fake(self, tensor: torch.Tensor) -> Any:
+    def fake(self, tensor: torch.Tensor, captured: Any = None) -> Any:
+        """A fake of a graph attribute: its captured value where that still describes it."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         if isinstance(tensor, FakeTensor):
             return tensor
+        if (
+            isinstance(captured, FakeTensor)
+            and captured.fake_mode is self.fake_mode
+            and captured.dtype == tensor.dtype
+            and captured.shape == tensor.shape
+            and captured.device == tensor.device
+        ):
+            return captured
         if _is_dtensor(tensor):  # an FSDP2 shard: the graph reads it gathered (fsdp_hooks)
             with self.fake_mode:
                 return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         return self.fake_mode.from_tensor(tensor, static_shapes=True)
 
-    def run(self) -> int:
-        changed = 0
-        for node in self.gm.graph.nodes:
-            amp: AmpInfo = node.meta[AMP] if self.plan else _scratch(node)
-            value = self._visit(node, amp)
-            self.env[node] = value
-            self.facts[node] = fact(value)
-            if not self.plan:
-                continue
+    def plan_graph(self) -> int:
+        """Run the whole graph; the number of nodes whose plan was written."""
+        self.run(enable_io_processing=False)
+        return self.changed
+
+    # --- one node -------------------------------------------------------------------------
+
+    def run_node(self, node: fx.Node) -> Any:
+        amp: AmpInfo = node.meta[AMP] if self.plan else _scratch(node)
+        self._node, self._amp = node, amp
+        if node.op in ("placeholder", "get_attr", "output"):
+            value = super().run_node(node)
+        elif amp.role is Role.RUNTIME:  # added after the passes: nothing to plan
+            value = None
+        else:
+            value = self._planned_call(node, amp)
+        self.facts[node] = fact(value)
+        if self.plan:
             amp.exact = True
             if node.op == "placeholder":  # its own dtype; an entry cast carries the planned one
                 amp.out_dtype = fact(node.meta[VAL])
-                continue
-            amp.out_dtype = fact(value)
-            if node.op != "output":
-                node.meta[VAL] = value
-            changed += 1
-        return changed
+            else:
+                amp.out_dtype = self.facts[node]
+                if node.op != "output":
+                    node.meta[VAL] = value
+                self.changed += 1
+        return value
 
-    def _visit(self, node: fx.Node, amp: AmpInfo) -> Any:
-        if node.op == "placeholder":
-            return self._placeholder(node, amp)
-        if node.op == "get_attr":
-            attr = operator.attrgetter(node.target)(self.gm)
-            return self.fake(attr) if isinstance(attr, torch.Tensor) else attr
-        if amp.role is Role.RUNTIME:  # added after the passes: nothing to plan
-            return None
-        args = map_aggregate(node.args, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
-        kwargs = map_aggregate(node.kwargs, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
-        if node.op == "output":
-            return args[0]
-        if not self.plan:
-            return self._evaluate(node, amp, args, kwargs)
-        facts = tensor_facts(fact((args, kwargs)))
-        rule = effective_rule(node, amp, self.pinned)
-        low = amp.low_dtype or self.low
-        amp.compute_dtype = compute_dtype_for(rule, facts, low) if amp.role is Role.OP else None
-        if amp.compute_dtype is not None:
-            args, kwargs = self._cast((args, kwargs), amp.compute_dtype)
-        out = self._evaluate(node, amp, args, kwargs)
-        track_pinning(node, amp, facts, fact(out), self.pinned)
+    def _planned_call(self, node: fx.Node, amp: AmpInfo) -> Any:
+        """Decide the node's compute dtype, then its value: the captured one where the
+        capture decided alike, else the node run on fake inputs cast as planned."""
+        inputs = tuple(self.facts[a] for a in node.all_input_nodes)
+        compute = None
+        facts: list[DtypeFact] = []
+        if self.plan:
+            facts = tensor_facts(
+                map_aggregate(
+                    (node.args, node.kwargs),
+                    lambda a: self.facts[a] if isinstance(a, fx.Node) else fact(a),
+                )
+            )
+            rule = effective_rule(node, amp, self.pinned)
+            low = amp.low_dtype or self.low
+            compute = compute_dtype_for(rule, facts, low) if amp.role is Role.OP else None
+            amp.compute_dtype = compute
+        captured = node.meta.get(VAL)
+        if self.plan and node.meta.get(CAPTURE_PLAN) == (compute, inputs) and captured is not None:
+            out = captured
+        else:
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            if compute is not None:
+                args, kwargs = self._cast((args, kwargs), compute)
+            out = self._evaluate(node, amp, args, kwargs)
+        if self.plan:
+            track_pinning(node, amp, facts, fact(out), self.pinned)
         return out
 
     def _evaluate(self, node: fx.Node, amp: AmpInfo, args: tuple, kwargs: dict) -> Any:
-        captured = self.captured.get(node)
-        if captured is not None and self._same_as_captured(node, args, kwargs):
+        captured = node.meta.get(VAL)
+        if _reuses_captured_value(node) and _same_dtypes_as(captured, (args, kwargs)):
             return captured
         try:
-            return self._run_fake(node, args, kwargs)
+            with self.fake_mode:
+                return getattr(self, node.op)(node.target, args, kwargs)
         except Exception as error:
             if amp.role is Role.OTHER:  # returns no tensor (aten.item on data): no dtype
                 log.debug("no fake value for %s (%s): %s", node.name, node.target, error)
@@ -244,18 +282,11 @@ class _Planner:
 
         return map_aggregate(value, one)
 
-    def _same_as_captured(self, node: fx.Node, args: tuple, kwargs: dict) -> bool:
-        """Every tensor input now has the dtype of the node's captured value: a view, or a
-        pointwise op of inputs all of one dtype, then computes that value again."""
-        captured = self.captured[node]
-        tensors = _tensors((args, kwargs))
-        return (
-            isinstance(captured, torch.Tensor)
-            and bool(tensors)
-            and all(t.dtype == captured.dtype for t in tensors)
-        )
+    # --- the op methods fx.Interpreter dispatches to ----------------------------------------
 
-    def _placeholder(self, node: fx.Node, amp: AmpInfo) -> Any:
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        node, amp = self._current_node(), self._amp
+        assert amp is not None
         value = node.meta[VAL]
         entry_cast = self.plan and self.cast_inputs and amp.role is Role.INPUT  # not model state
         if entry_cast and node in self.written:
@@ -269,14 +300,15 @@ class _Planner:
             value = cast_value(value, self.low)
         return value
 
-    def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
-        """The node on fake values: an aten op (or a Python call the capture recorded), or
-        a cast insert_casts made (``x.to(dtype)``, the one ``call_method``)."""
-        with self.fake_mode:
-            if node.op == "call_method":
-                self_obj, *rest = args
-                return getattr(self_obj, node.target)(*rest, **kwargs)
-            return node.target(*args, **kwargs)
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        attr = self.fetch_attr(target)
+        if not isinstance(attr, torch.Tensor):
+            return attr
+        return self.fake(attr, self._current_node().meta.get(VAL))
+
+    def _current_node(self) -> fx.Node:
+        assert self._node is not None
+        return self._node
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -332,6 +364,17 @@ def track_pinning(
         pinned.add(node)
 
 
+def _same_dtypes_as(captured: Any, inputs: Any) -> bool:
+    """Every tensor input has the dtype of the captured value: a view, or a pointwise op of
+    inputs all of one dtype, then computes that value again."""
+    tensors = _tensors(inputs)
+    return (
+        isinstance(captured, torch.Tensor)
+        and bool(tensors)
+        and all(t.dtype == captured.dtype for t in tensors)
+    )
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_aggregate(tree, lambda v: found.append(v) if isinstance(v, torch.Tensor) else v)
@@ -361,7 +404,7 @@ def propagate_dtypes(gm: fx.GraphModule) -> dict[fx.Node, DtypeFact]:
     The verifier compares these with the plan's ``out_dtype``.
     """
     planner = _Planner(gm, torch.bfloat16, cast_inputs=False, plan=False)
-    planner.run()
+    planner.plan_graph()
     return planner.facts
 
 
@@ -383,7 +426,7 @@ def assign_dtypes(
     """
     if low_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_dtype is torch.float16 or torch.bfloat16, not {low_dtype}")
-    _Planner(gm, low_dtype, cast_inputs).run()
+    _Planner(gm, low_dtype, cast_inputs).plan_graph()
     exact = all(n.meta[AMP].exact for n in gm.graph.nodes if n.op == "placeholder")
     return PassResult(gm, modified=False, stats={"exact_dtypes": int(exact)})
 

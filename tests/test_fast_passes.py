@@ -1,0 +1,190 @@
+"""assign_dtypes reuses the capture's values: the same plan as running every node.
+
+The capture computes each node's fake value under the policy (amp_graph.capture_dtypes) and
+records the decision it computed it under (``meta[CAPTURE_PLAN]``). assign_dtypes takes that
+value wherever it decides the same, and runs the node on fake inputs only where the plan
+changed its inputs (issue 20, "fast passes"). These tests hold:
+
+* reuse changes nothing: with the records and without them (every node run on fake values),
+  each node gets the same compute dtype, output dtype, and a value of the same dtype and
+  shape, on the front-end zoo, the models of ``amp_graph.models`` (BatchNorm among
+  them) and small HF models, under every preset and both low dtypes;
+* reuse is real: on a GPT under O1 nearly every op carries a record and no op runs on fake
+  values (the cost the benchmark measures, benchmarks/pass_bench.py);
+* where the capture computed a value unlike the rewritten graph (an inner kernel widened,
+  as in ``batch_norm`` of a bf16 input with float32 weights), nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from amp_graph.passes import AMP, assign_dtypes, classify, inline_regions
+from amp_graph.passes.meta import CAPTURE_PLAN, VAL
+from test_front_end import MODELS
+
+import amp_graph
+from amp_graph import models
+from amp_graph.amp_request import resolve_policy
+from amp_graph.capture import capture_module
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _planned(model: nn.Module, inputs: tuple, policy: str, dtype: torch.dtype, reuse: bool):
+    """A fresh capture of ``model`` through classify and assign_dtypes; ``reuse=False`` drops
+    the capture's records first, so that every node runs on fake values."""
+    resolved = resolve_policy(policy, "cpu")
+    gm = capture_module(
+        model,
+        inputs,
+        {},
+        device_type="cpu",
+        autocast_dtype=None if resolved.casts_nothing else dtype,
+        policy=resolved,
+        low_dtype=dtype,
+    ).graph_module
+    inline_regions(gm)
+    records = sum(CAPTURE_PLAN in n.meta for n in gm.graph.nodes)
+    if not reuse:
+        for node in gm.graph.nodes:
+            node.meta.pop(CAPTURE_PLAN, None)
+    classify(gm, resolved)
+    assign_dtypes(gm, dtype, resolved.cast_inputs)
+    return gm, records
+
+
+def _describe(value):
+    # Not the strides: a fake value's strides follow the kernel that computed it (the capture
+    # saw scaled_dot_product_attention's CPU kernel, a fake run its meta function), and no
+    # pass reads them.
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, tuple(value.shape))
+    if isinstance(value, (tuple, list)):
+        return tuple(_describe(v) for v in value)
+    return type(value).__name__
+
+
+def _plan_of(gm) -> dict[str, tuple]:
+    return {
+        node.name: (
+            node.meta[AMP].compute_dtype,
+            node.meta[AMP].out_dtype,
+            _describe(node.meta.get(VAL)),
+        )
+        for node in gm.graph.nodes
+    }
+
+
+def _assert_reuse_changes_nothing(make_model, make_inputs, policy, dtype) -> None:
+    torch.manual_seed(0)
+    model, inputs = make_model(), make_inputs()
+    reused, records = _planned(model, inputs, policy, dtype, reuse=True)
+    full, _ = _planned(model, inputs, policy, dtype, reuse=False)
+    assert records > 0, "the capture recorded no plan: the comparison would be vacuous"
+    ours, theirs = _plan_of(reused), _plan_of(full)
+    assert ours.keys() == theirs.keys()
+    differing = {name: (ours[name], theirs[name]) for name in ours if ours[name] != theirs[name]}
+    assert differing == {}
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3", "autocast"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_reuse_changes_nothing_on_the_zoo(name: str, policy: str) -> None:
+    make_model, make_inputs, _ = MODELS[name]
+    _assert_reuse_changes_nothing(make_model, make_inputs, policy, BF16)
+
+
+def _tokens() -> tuple[torch.Tensor]:
+    return (torch.randint(0, 64, (2, 16)),)
+
+
+SHIPPED = {
+    "ConvNet": (models.ConvNet, lambda: (torch.randn(2, 1, 8, 8),)),
+    "GPT": (models.GPT, _tokens),
+    "LlamaMLP": (models.LlamaMLP, lambda: (torch.randn(2, 32),)),
+    "MixedOpsNet": (models.MixedOpsNet, lambda: (torch.randn(4, 16),)),
+}
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_reuse_changes_nothing_on_the_shipped_models(name: str, policy: str, dtype) -> None:
+    make_model, make_inputs = SHIPPED[name]
+    _assert_reuse_changes_nothing(make_model, make_inputs, policy, dtype)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "t5"])
+def test_reuse_changes_nothing_on_hf_models(name: str, policy: str) -> None:
+    pytest.importorskip("transformers")
+    from test_capture_policy import Logits, _hf, _ids
+
+    _assert_reuse_changes_nothing(lambda: Logits(_hf(name)), lambda: (_ids(),), policy, FP16)
+
+
+def test_a_gpt_under_o1_runs_no_op_on_fake_values(monkeypatch) -> None:
+    from amp_graph.passes.assign_dtypes import _Planner
+
+    runs: list[str] = []
+    original = _Planner.call_function
+
+    def counted(self, target, args, kwargs):
+        runs.append(str(target))
+        return original(self, target, args, kwargs)
+
+    monkeypatch.setattr(_Planner, "call_function", counted)
+    torch.manual_seed(0)
+    gm, records = _planned(models.GPT(layers=3), _tokens(), "O1", BF16, reuse=True)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert records >= 0.9 * len(ops)
+    assert runs == []
+    # the same graph without the records runs every op that is not a view or a pointwise op
+    runs.clear()
+    _planned(models.GPT(layers=3), _tokens(), "O1", BF16, reuse=False)
+    assert len(runs) > 0.25 * len(ops)
+
+
+def test_a_value_the_capture_widened_is_not_recorded() -> None:
+    """Captured under O1, ``batch_norm`` of the conv's bf16 output with float32 weights had
+    its inner kernel's inputs widened: its value is float32, the rewritten graph's bf16."""
+    torch.manual_seed(0)
+    gm, _ = _planned(models.ConvNet(), (torch.randn(2, 1, 8, 8),), "O1", BF16, reuse=True)
+    norms = [n for n in gm.graph.nodes if "batch_norm" in str(n.target)]
+    assert norms
+    for node in norms:
+        assert CAPTURE_PLAN not in node.meta
+        assert node.meta[AMP].out_dtype == BF16
+    compiled = amp_graph.compile(models.ConvNet(), "O1", BF16)
+    out = compiled(torch.randn(2, 1, 8, 8))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("low", [FP16, BF16], ids=["fp16", "bf16"])
+def test_reuse_changes_nothing_op_by_op(low: torch.dtype) -> None:
+    """Every op sample of the O1 per-op tests (each of torch.autocast's listed ops, at the
+    inputs that make each list decide), captured and planned with the records and without."""
+    import torch.fx as fx
+    from op_samples import SAMPLES
+    from test_o1_per_op import cases
+
+    from amp_graph.compiler import graph_code_module
+
+    differing: dict[str, tuple] = {}
+    compared = 0
+    for name, sample in sorted(SAMPLES.items()):
+        traced = fx.symbolic_trace(sample.fn)
+        for case in cases(sample, low):
+            try:
+                reused, _ = _planned(graph_code_module(traced), case.inputs, "O1", low, True)
+            except amp_graph.CaptureError:
+                continue  # CPU cannot run it at these dtypes (test_o1_per_op says which)
+            full, _ = _planned(graph_code_module(traced), case.inputs, "O1", low, False)
+            compared += 1
+            ours, theirs = _plan_of(reused), _plan_of(full)
+            if ours != theirs:
+                differing[f"{name} ({case.label})"] = (ours, theirs)
+    assert compared > 100
+    assert differing == {}
