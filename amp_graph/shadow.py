@@ -7,6 +7,15 @@ computes when the whole model runs in float32, and the two values of a node comp
 directly. Each node's statistics are reduced on the node's device right after it runs
 (before any later in-place op can change its value) and read back once, at the end.
 
+Nodes run through ``torch.fx.Interpreter``: two of them over the same graph, ``_MixedRun``
+(the graph as written) and ``_ShadowRun`` (its float32 counterpart, which overrides only
+the node kinds whose float32 meaning differs), each stepped one node at a time with
+``run_node`` by :func:`shadow_run`'s loop. Not ``Interpreter.run``: it runs one graph to
+its end, and the two runs must stay in lockstep, so that a node's two values are measured
+as soon as both exist (before a later in-place op changes them), a random op's generator
+state is replayed for the shadow, and both values are freed after their last use. Not
+``FakeTensorProp``: the shadow computes real numbers, not shapes and dtypes.
+
 Guarantees: the model's parameters, buffers, gradients and the global RNG state are the
 same after a run as before it. Random ops (dropout) draw the same numbers in both runs.
 
@@ -20,7 +29,7 @@ import contextlib
 import functools
 import math
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,18 +310,63 @@ class _RngStates:
             torch.cuda.set_rng_state_all(state[1])
 
 
-def _run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict, shadow: bool) -> Any:
-    if node.op == "call_function":
-        target = node.target
-        if shadow:
-            target = shadow_targets().get(target, target)
-        return target(*args, **kwargs)
-    if node.op == "call_method":  # the casts the passes insert: ``x.to(dtype)``
-        self_obj, *rest = args
-        return getattr(self_obj, node.target)(*rest, **kwargs)
-    if node.op == "call_module":
-        return gm.get_submodule(node.target)(*args, **kwargs)
-    raise AssertionError(node.op)
+class _MixedRun(fx.Interpreter):
+    """The rewritten graph as it runs: torch.fx's own node execution, with inputs that are
+    copies of the leaves (the graph may write them in place; a leaf left out, or ``None``,
+    takes the placeholder's default)."""
+
+    def __init__(self, gm: fx.GraphModule, leaves: Iterable[Any]) -> None:
+        # run_node never frees a value (only Interpreter.run does): shadow_run frees both
+        # runs' values itself, after the node that uses them last has been measured.
+        # extra_traceback is left as it is: it too applies only in Interpreter.run, so an
+        # op that fails here raises its own error, as it does in the compiled module.
+        super().__init__(gm, garbage_collect_values=False)
+        self.leaves = iter(leaves)
+
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = next(self.leaves, None)
+        if value is None and args:
+            value = args[0]
+        return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class _ShadowRun(_MixedRun):
+    """The same graph in float32: every argument widened (:func:`_to_fp32`: a low float
+    tensor or dtype becomes float32), except a :func:`shadow_targets` node's, which runs its
+    substitute on the node's own dtype arguments."""
+
+    def __init__(self, gm: fx.GraphModule, mixed: _MixedRun, written: bool) -> None:
+        # The inputs are the mixed run's copies, each read when the mixed run has made it
+        # (the two runs step through the graph in lockstep).
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        super().__init__(gm, (mixed.env[n] for n in placeholders))
+        self.written = written
+
+    def placeholder(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = next(self.leaves)
+        wide = _to_fp32(value)
+        if self.written and wide is value and isinstance(value, torch.Tensor):
+            return value.clone()  # each run writes its own copy
+        return wide
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return _to_fp32(super().get_attr(target, args, kwargs))
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        substitute = shadow_targets().get(target)
+        if substitute is not None:
+            return substitute(*args, **kwargs)
+        return super().call_function(target, *_widened(args, kwargs))
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_method(target, *_widened(args, kwargs))
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_module(target, *_widened(args, kwargs))
+
+
+def _widened(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return pytree.tree_map(_to_fp32, (args, kwargs))
 
 
 @contextlib.contextmanager
@@ -451,69 +505,49 @@ def shadow_run(
     grad_mode = torch.enable_grad() if backward else torch.no_grad()
     nodes = list(gm.graph.nodes)
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
-    mixed: dict[fx.Node, Any] = {}
-    shadow: dict[fx.Node, Any] = {}
+    mixed = _MixedRun(gm, leaves)
+    written = written_storage(gm.graph)  # in-place ops: measure every node itself
+    shadow = _ShadowRun(gm, mixed, bool(written))
     stats: list[tuple[fx.Node, list[torch.Tensor], torch.dtype | None]] = []
     hooks: list[tuple[fx.Node, Any, Any]] = []  # (node, mixed value, shadow value)
-    placeholders = iter(leaves)
-    output = shadow_output = None
-    written = written_storage(gm.graph)  # in-place ops: measure every node itself
     measured: dict[fx.Node, list] = {}
     try:
         with _model_state_kept(gm, written), grad_mode:
             for i, node in enumerate(nodes):
-                if node.op == "placeholder":
-                    value = next(placeholders, None)
-                    if value is None and node.args:
-                        value = node.args[0]
-                    value = value.detach().clone() if isinstance(value, torch.Tensor) else value
-                    mixed[node], shadow[node] = value, _to_fp32(value)
-                    if written and shadow[node] is value and isinstance(value, torch.Tensor):
-                        shadow[node] = value.clone()  # each run writes its own copy
-                elif node.op == "get_attr":
-                    value = operator.attrgetter(node.target)(gm)
-                    mixed[node], shadow[node] = value, _to_fp32(value)
-                elif node.op == "output":
-                    output = pytree.tree_map_only(fx.Node, mixed.__getitem__, node.args[0])
-                    shadow_output = pytree.tree_map_only(fx.Node, shadow.__getitem__, node.args[0])
+                if _is_random(node):  # the shadow draws the numbers the mixed run drew
+                    state = rng.get()
+                    mixed.env[node] = mixed.run_node(node)
+                    rng.set(state)
                 else:
-                    m_args, m_kwargs = pytree.tree_map_only(
-                        fx.Node, mixed.__getitem__, (node.args, node.kwargs)
-                    )
-                    s_args, s_kwargs = pytree.tree_map_only(
-                        fx.Node, shadow.__getitem__, (node.args, node.kwargs)
-                    )
-                    if node.target not in shadow_targets():
-                        s_args, s_kwargs = pytree.tree_map(_to_fp32, (s_args, s_kwargs))
-                    if _is_random(node):
-                        state = rng.get()
-                        mixed[node] = _run_node(gm, node, m_args, m_kwargs, shadow=False)
-                        rng.set(state)
-                    else:
-                        mixed[node] = _run_node(gm, node, m_args, m_kwargs, shadow=False)
-                    shadow[node] = _run_node(gm, node, s_args, s_kwargs, shadow=True)
-                    if _returns_an_input(shadow[node], s_args) and not _returns_an_input(
-                        mixed[node], m_args
-                    ):  # `.float()` of a float32 tensor is the tensor: copy as the mixed run did
-                        shadow[node] = shadow[node].clone()
+                    mixed.env[node] = mixed.run_node(node)
+                shadow.env[node] = shadow.run_node(node)
+                m_value, s_value = mixed.env[node], shadow.env[node]
+                m_inputs = [mixed.env[n] for n in node.all_input_nodes]
+                s_inputs = [shadow.env[n] for n in node.all_input_nodes]
+                if _returns_an_input(s_value, s_inputs) and not _returns_an_input(
+                    m_value, m_inputs
+                ):  # `.float()` of a float32 tensor is the tensor: copy as the mixed run did
+                    s_value = shadow.env[node] = s_value.clone()
                 if _measured(node):
-                    m_floats = _floating(mixed[node])
+                    m_floats = _floating(m_value)
                     source = _same_values_as(node) if not written else None
                     if source is not None and source in measured:
                         node_stats = measured[source]  # a view or copy: its input's numbers
                     else:
-                        s_all = _tensors(shadow[node])
+                        s_all = _tensors(s_value)
                         node_stats = [_stats(t, s_all[j]) for j, t in m_floats if j < len(s_all)]
                     measured[node] = node_stats
-                    stats.append((node, node_stats, _dtype_of(mixed[node])))
+                    stats.append((node, node_stats, _dtype_of(m_value)))
                     if backward and m_floats and node.op != "get_attr":
                         # parameters: their gradients are measured as ``params``
-                        hooks.append((node, mixed[node], shadow[node]))
+                        hooks.append((node, m_value, s_value))
                 if not backward:
                     for arg in node.all_input_nodes:
                         if last_use.get(arg) == i and arg.op != "get_attr":
-                            mixed.pop(arg, None)
-                            shadow.pop(arg, None)
+                            mixed.env.pop(arg, None)
+                            shadow.env.pop(arg, None)
+            (output_node,) = gm.graph.find_nodes(op="output")
+            output, shadow_output = mixed.env[output_node], shadow.env[output_node]
             out = unflatten(output)
             shadow_out = unflatten(shadow_output)
             output_stats = [

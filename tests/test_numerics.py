@@ -335,6 +335,27 @@ def test_in_place_updates_are_measured_when_they_happen():
     assert report.outputs[0].rel_error == pytest.approx(error, rel=1e-3)
 
 
+def test_the_shadow_runs_fp8_nodes_as_their_float32_math():
+    """The shadow's fx.Interpreter runs an fp8 node's float32 substitute (shadow_targets),
+    given the node's own float8 dtype argument: the linear is ``F.linear``, the activation's
+    scale is 448 over the float32 activation's amax, the quantized input is ``x * scale``
+    unrounded. Run as written, the shadow would equal the fp8 run (no error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(4, 32)
+    report = amp_graph.numerics(amp_graph.compile(model, "fp8", example_inputs=(x,)), x)
+    with torch.no_grad():
+        linear = model[0](x)
+        gelu = model[1](linear)
+    rows = {r.node: r.forward for r in report.rows}
+    assert rows["linear_fp8"].shadow_max_abs == pytest.approx(linear.abs().max().item(), rel=1e-6)
+    assert rows["linear_fp8"].rel_error > 1e-3
+    scale = 448.0 / gelu.abs().max().item()  # float8_e4m3fn's max over the amax
+    assert rows["gelu_scale"].shadow_max_abs == pytest.approx(scale, rel=1e-6)
+    assert rows["input_1_e4m3"].shadow_max_abs == pytest.approx(448.0, rel=1e-6)
+    assert rows["input_1_e4m3"].rel_error > 1e-3
+
+
 # ---- views, errors, CLI ------------------------------------------------------------------------
 
 
