@@ -59,6 +59,7 @@ from amp_graph.passes.meta import (
     UNKNOWN,
     AmpInfo,
     Role,
+    cast_fact,
     is_castable,
     tensor_facts,
 )
@@ -87,7 +88,7 @@ class _Plan:
         input_facts: tuple[Any, ...],
     ) -> None:
         self.amp, self.compute, self.inputs, self.same_op = amp, compute, inputs, same_op
-        self.input_facts = input_facts  # planned facts of node.all_input_nodes
+        self.input_facts = input_facts  # node.all_input_nodes' planned facts, as read
         # The value is the op run on its planned inputs (cast to ``compute``), as the
         # rewritten graph runs it, unless an inner kernel's inputs were widened (batch_norm
         # of a bf16 input with float32 weights then computes in float32) or a cast ran after
@@ -249,7 +250,9 @@ class PolicyDtypeMode(TorchDispatchMode):
         arg_dtypes = pytree.tree_leaves(
             fx.node.map_arg((node.args, node.kwargs), lambda a: _Slot(self.planned.get(a)))
         )
-        input_facts = tuple(self.planned.get(a, UNKNOWN) for a in node.all_input_nodes)
+        input_facts = _as_read(
+            tuple(self.planned.get(a, UNKNOWN) for a in node.all_input_nodes), compute
+        )
         return _Plan(
             amp,
             compute,
@@ -277,6 +280,11 @@ class PolicyDtypeMode(TorchDispatchMode):
         if plan is not None:
             args, kwargs = _adjusted(func, args, kwargs, plan)
         return func(*args, **kwargs)
+
+
+def _as_read(facts: tuple[Any, ...], compute: torch.dtype | None) -> tuple[Any, ...]:
+    """The dtypes an op reads its inputs at: cast to ``compute`` where it casts them."""
+    return facts if compute is None else tuple(cast_fact(f, compute) for f in facts)
 
 
 def _computed_at(value: Any, compute: torch.dtype | None) -> bool:

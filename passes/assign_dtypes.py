@@ -51,6 +51,7 @@ from .meta import (
     AmpInfo,
     DtypeFact,
     Role,
+    cast_fact,
     is_castable,
     tensor_facts,
 )
@@ -226,7 +227,6 @@ class _Planner(fx.Interpreter):
     def _planned_call(self, node: fx.Node, amp: AmpInfo) -> Any:
         """Decide the node's compute dtype, then its value: the captured one where the
         capture decided alike, else the node run on fake inputs cast as planned."""
-        inputs = tuple(self.facts[a] for a in node.all_input_nodes)
         compute = None
         facts: list[DtypeFact] = []
         if self.plan:
@@ -241,7 +241,7 @@ class _Planner(fx.Interpreter):
             compute = compute_dtype_for(rule, facts, low) if amp.role is Role.OP else None
             amp.compute_dtype = compute
         captured = node.meta.get(VAL)
-        if self.plan and node.meta.get(CAPTURE_PLAN) == (compute, inputs) and captured is not None:
+        if self.plan and captured is not None and self._as_captured(node, compute):
             out = captured
         else:
             args, kwargs = self.fetch_args_kwargs_from_env(node)
@@ -251,6 +251,16 @@ class _Planner(fx.Interpreter):
         if self.plan:
             track_pinning(node, amp, facts, fact(out), self.pinned)
         return out
+
+    def _as_captured(self, node: fx.Node, compute: torch.dtype | None) -> bool:
+        """The capture computed the node's value with this compute dtype, on inputs it read
+        at the dtypes this plan gives them (after the cast to ``compute``)."""
+        record = node.meta.get(CAPTURE_PLAN)
+        if record is None or record[0] != compute:
+            return False
+        facts = (self.facts[a] for a in node.all_input_nodes)
+        read = tuple(facts) if compute is None else tuple(cast_fact(f, compute) for f in facts)
+        return record[1] == read
 
     def _evaluate(self, node: fx.Node, amp: AmpInfo, args: tuple, kwargs: dict) -> Any:
         captured = node.meta.get(VAL)
