@@ -419,7 +419,7 @@ def mark_capture_plans(
     for node in gm.graph.nodes:
         record = records.get(node.name)
         if record is not None and node.op == "call_function" and record[0] is node.target:
-            node.meta[CAPTURE_PLAN] = record[1:]
+            node.meta[CAPTURE_PLAN] = record
 
 
 def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None:

@@ -186,11 +186,21 @@ class _Planner(fx.Interpreter):
         if (
             isinstance(captured, FakeTensor)
             and captured.fake_mode is self.fake_mode
-            and captured.dtype == tensor.dtype
             and captured.shape == tensor.shape
             and captured.device == tensor.device
         ):
-            return captured
+            if captured.dtype == tensor.dtype:
+                return captured
+            # O2/O3: the capture saw the parameter low; a new fake of its own dtype costs
+            # half of a conversion of the tensor
+            with self.fake_mode:
+                return torch.empty_strided(
+                    tensor.shape,
+                    tensor.stride(),
+                    dtype=tensor.dtype,
+                    device=tensor.device,
+                    requires_grad=tensor.requires_grad,
+                )
         if _is_dtensor(tensor):  # an FSDP2 shard: the graph reads it gathered (fsdp_hooks)
             with self.fake_mode:
                 return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
@@ -256,11 +266,11 @@ class _Planner(fx.Interpreter):
         """The capture computed the node's value with this compute dtype, on inputs it read
         at the dtypes this plan gives them (after the cast to ``compute``)."""
         record = node.meta.get(CAPTURE_PLAN)
-        if record is None or record[0] != compute:
-            return False
+        if record is None or record[0] is not node.target or record[1] != compute:
+            return False  # a pass changed the op since (its record then no longer holds)
         facts = (self.facts[a] for a in node.all_input_nodes)
         read = tuple(facts) if compute is None else tuple(cast_fact(f, compute) for f in facts)
-        return record[1] == read
+        return record[2] == read
 
     def _evaluate(self, node: fx.Node, amp: AmpInfo, args: tuple, kwargs: dict) -> Any:
         captured = node.meta.get(VAL)

@@ -29,9 +29,10 @@ CHECKPOINT_REGION = "checkpoint_region"
 """``node.meta`` key: the number of the ``torch.utils.checkpoint`` call computing the node."""
 
 CAPTURE_PLAN = "amp_graph.capture_plan"
-"""``node.meta`` key: ``(compute dtype, dtype facts of node.all_input_nodes)``, the decision
-under which the capture computed the node's ``meta["val"]`` (amp_graph.capture_dtypes). A
-pass that reaches the same decision for the node has its value already (assign_dtypes)."""
+"""``node.meta`` key: ``(op, compute dtype, dtype facts of node.all_input_nodes as the op
+reads them, after the cast to the compute dtype)``, the decision under which the capture
+computed the node's ``meta["val"]`` (amp_graph.capture_dtypes). A pass that reaches the same
+decision for the same op has its value already (assign_dtypes)."""
 
 FSDP_UNITS = "amp_graph.fsdp_units"
 """``gm.meta`` key: the module paths of the model's FSDP2 units (relative to the module the

@@ -1,7 +1,11 @@
 """Pass 5, simplify_casts: remove the casts that change nothing, as a table of rules.
 
 Each rule looks at one node and returns the node that should replace it, or ``None`` for
-"no match". The driver applies the table until nothing matches. Only casts amp_graph
+"no match". The driver applies the table in one walk over the graph, then drops the casts
+left unused: that is the fixpoint, since a rule reads only the node and its inputs, which
+the walk has settled before it reaches the node, and a replacement changes only the
+node's users, which come after it (the tests run the pass again on its result and find
+nothing). Only casts amp_graph
 inserted are touched: the model's own casts are kept as written. A chain is folded only
 when the inner cast is lossless; ``fp32 -> fp16 -> fp32`` rounds, so it stays.
 
@@ -137,26 +141,23 @@ def _remove_dead_casts(graph: fx.Graph) -> int:
 
 
 def simplify_casts(gm: fx.GraphModule) -> PassResult:
-    """Apply :data:`RULES` to a fixpoint, then drop unused casts.
+    """Apply :data:`RULES` in one walk (their fixpoint, see the module docstring), then drop
+    unused casts.
 
     ``stats["casts_removed"]`` counts the casts that are gone.
     """
     graph = gm.graph
     before = sum(is_cast_node(n) for n in graph.nodes)
-    changed = True
-    while changed:
-        changed = False
-        ctx = _Context(gm)
-        for node in list(graph.nodes):
-            for rule in RULES:
-                replacement = rule(node, ctx)
-                if replacement is not None and replacement is not node:
-                    node.replace_all_uses_with(replacement)
-                    graph.erase_node(node)
-                    changed = True
-                    break
-            else:
-                ctx.visit(node)
-        changed |= _remove_dead_casts(graph) > 0
+    ctx = _Context(gm)
+    for node in list(graph.nodes):
+        for rule in RULES:
+            replacement = rule(node, ctx)
+            if replacement is not None and replacement is not node:
+                node.replace_all_uses_with(replacement)
+                graph.erase_node(node)
+                break
+        else:
+            ctx.visit(node)
+    _remove_dead_casts(graph)
     after = sum(is_cast_node(n) for n in graph.nodes)
     return PassResult(gm, modified=before != after, stats={"casts_removed": before - after})

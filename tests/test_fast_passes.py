@@ -191,3 +191,18 @@ def test_reuse_changes_nothing_op_by_op(low: torch.dtype) -> None:
                 differing[f"{name} ({case.label})"] = (ours, theirs)
     assert compared > 100
     assert differing == {}
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2", "autocast"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_simplify_casts_reaches_its_fixpoint_in_one_walk(name: str, policy: str) -> None:
+    """simplify_casts walks the graph once: run again on its result, it finds nothing."""
+    from amp_graph.passes import simplify_casts
+
+    make_model, make_inputs, _ = MODELS[name]
+    torch.manual_seed(0)
+    compiled = amp_graph.compile(make_model(), policy, BF16, example_inputs=make_inputs())
+    gm = amp_graph.compiler.as_graph_module(compiled)
+    nodes = [n.format_node() for n in gm.graph.nodes]
+    assert simplify_casts(gm).stats["casts_removed"] == 0
+    assert [n.format_node() for n in gm.graph.nodes] == nodes
