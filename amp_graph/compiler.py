@@ -115,18 +115,17 @@ def rewrite(
     """
     drop_string_annotations(gm)
     start = time.perf_counter()
-    inlined = inline_regions(gm)  # the graph as captured, in the form the passes and the diffs read
+    # the captured form the passes and the diffs read: the model's blocks flat
+    inlined = inline_regions(gm)
     inlined_seconds = time.perf_counter() - start
     original = (_copy_graph(gm), gm)
-    result = run_passes(
-        gm, policy, dtype, check_each=check_each_pass, regions_inlined=(inlined, inlined_seconds)
-    )
+    result = run_passes(gm, policy, dtype, check_each=check_each_pass)
     record = CompileRecord(
         policy,
         dtype,
         device_type,
-        result.stats,
-        {**(seconds or {}), **result.seconds},
+        {**inlined.stats, **result.stats},
+        {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds},
         bool(result.stats.get("exact_dtypes")),
         original,
     )

@@ -1,9 +1,10 @@
 """amp_graph's graph passes: each takes a GraphModule and returns a :class:`PassResult`.
 
 Installed as ``amp_graph.passes``. The passes talk through ``node.meta["amp"]``
-(:class:`~passes.meta.AmpInfo`); :func:`run_passes` runs them in order:
+(:class:`~passes.meta.AmpInfo`). The graph they take is flat: :func:`inline_regions` makes the
+model's autocast / no_grad blocks flat, each node recording its block, as part of the captured
+form (``amp_graph.compiler.rewrite`` runs it). Then :func:`run_passes` runs, in order:
 
-0. :func:`inline_regions` - the model's autocast / no_grad blocks, flattened and recorded;
 1. :func:`classify` - each node's policy rule and what decided it;
 2. :func:`assign_dtypes` - compute dtype and output dtype of every node;
 3. :func:`insert_casts` - the plan as cast nodes, one per (consumer, input);

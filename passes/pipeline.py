@@ -1,6 +1,9 @@
 """The driver: runs the passes in order, and says which one failed.
 
-Order: inline_regions -> classify -> (fp8_linears, under an fp8 policy)
+The graph comes flat: :func:`inline_regions` is part of the captured form (``rewrite``
+runs it before it keeps the graph as captured), not a pass of the list.
+
+Order: classify -> (fp8_linears, under an fp8 policy)
 -> assign_dtypes -> insert_casts -> simplify_casts -> verify -> fsdp_hooks (models sharded
 with FSDP2) -> outline_checkpoints. With ``check_each=True`` (the
 tests use it) the verifier also runs after every pass, so a pass that breaks an invariant is
@@ -26,7 +29,7 @@ from .fp8_linears import fp8_linears
 from .fsdp_hooks import fsdp_hooks
 from .insert_casts import insert_casts
 from .meta import VAL, model_root
-from .regions import inline_regions
+from .regions import region_left
 from .result import PassResult
 from .simplify_casts import simplify_casts
 from .verify import verify
@@ -54,7 +57,6 @@ def amp_passes(
     that every planned input has its planned dtype; ``full_verify`` also re-propagates every
     dtype through the rewritten graph (as costly again as assign_dtypes: the tests use it)."""
     passes: list[tuple[str, Callable[[fx.GraphModule], PassResult]]] = [
-        ("inline_regions", inline_regions),
         ("classify", lambda gm: classify(gm, policy)),
     ]
     if policy.fp8 is not None:  # after classify: an fp32 override outranks fp8
@@ -77,10 +79,20 @@ def require_captured_graph(gm: fx.GraphModule) -> None:
     (Python calls the capture records, ``torch._C.is_grad_enabled`` or ``getitem``, may have
     none: they compute no tensor the passes decide).
 
+    The model's autocast and grad-mode blocks are already flat (:func:`inline_regions`).
+
     Raises:
         TypeError: for a torch-level graph (``call_module`` / ``call_method`` nodes, as
-            ``torch.fx.symbolic_trace`` makes) or a node without a value, saying what to do.
+            ``torch.fx.symbolic_trace`` makes), a node without a value, or a block not yet
+            flattened, saying what to do.
     """
+    left = region_left(gm)
+    if left is not None:
+        raise TypeError(
+            f"amp_graph's passes take the model's autocast and grad-mode blocks flattened; "
+            f"node {left.name!r} ({left.target}) is one. Run amp_graph.passes.inline_regions "
+            "on the graph first (amp_graph.compiler.rewrite does)."
+        )
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
             raise TypeError(
@@ -103,27 +115,17 @@ def run_passes(
     low_dtype: torch.dtype,
     *,
     check_each: bool = False,
-    regions_inlined: tuple[PassResult, float] | None = None,
 ) -> PipelineResult:
-    """Run the AMP passes on ``gm`` in place and return it with the counters.
-
-    ``regions_inlined``: the result and seconds of an :func:`inline_regions` the caller
-    already ran on ``gm`` (to keep the graph as captured in the form the passes read). It is
-    not run again (a second run finds nothing), and its counters are reported as if it ran here.
-    """
+    """Run the AMP passes on ``gm`` (captured and flat, :func:`require_captured_graph`) in
+    place and return it with the counters."""
     require_captured_graph(gm)
     result = PipelineResult(gm)
     ran: list[str] = []
     for name, run in amp_passes(policy, low_dtype, full_verify=check_each):
         start = time.perf_counter()
-        already = name == "inline_regions" and regions_inlined is not None
         try:
-            if already:
-                out, seconds = regions_inlined
-                start -= seconds
-            else:
-                out = run(gm)
-            skip = ("verify", "inline_regions", "fp8_linears", "fsdp_hooks", "outline_checkpoints")
+            out = run(gm)
+            skip = ("verify", "fp8_linears", "fsdp_hooks", "outline_checkpoints")
             if check_each and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)

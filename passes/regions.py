@@ -215,4 +215,16 @@ def inline_regions(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, modified=modified, stats={"autocast_regions": regions})
 
 
-__all__ = ["REGION", "AutocastRegion", "autocast_marker", "inline_regions"]
+def region_left(gm: fx.GraphModule) -> fx.Node | None:
+    """A node :func:`inline_regions` would still change (a region, a marker, a dtype
+    assert), or None when the graph is flat."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        hop = node.target is not None and node.target in (_AUTOCAST_HOP, _GRAD_HOP)
+        if hop or autocast_marker(node) is not None or _is_dtype_assert(node):
+            return node
+    return None
+
+
+__all__ = ["REGION", "AutocastRegion", "autocast_marker", "inline_regions", "region_left"]

@@ -126,3 +126,23 @@ def test_the_passes_refuse_a_torch_level_graph() -> None:
     traced = fx.symbolic_trace(copy.deepcopy(model))
     with pytest.raises(TypeError, match=r"amp_graph\.compile"):
         run_passes(traced, Policy.preset("O1"), BF16)
+
+
+def test_the_passes_refuse_a_graph_whose_blocks_are_not_flat() -> None:
+    """inline_regions is the captured form, not a pass: a capture with the model's own
+    autocast block still in it is refused, saying what to run; once flat, it passes."""
+    from amp_graph.passes import inline_regions
+
+    from amp_graph.capture import capture_module
+
+    model = zoo.NestedRegion()
+    x = torch.randn(4, 16)
+    gm = capture_module(
+        model, (x,), {}, device_type="cpu", autocast_dtype=BF16, policy=Policy.preset("O1")
+    ).graph_module
+    with pytest.raises(TypeError, match=r"inline_regions"):
+        run_passes(gm, Policy.preset("O1"), BF16)
+    assert inline_regions(gm).stats["autocast_regions"] > 0
+    result = run_passes(gm, Policy.preset("O1"), BF16)
+    assert "inline_regions" not in result.seconds
+    assert torch.equal(gm(x), amp_graph.compile(model, "O1", BF16)(x))
