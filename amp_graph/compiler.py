@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 import time
 import warnings
 from collections import Counter
@@ -34,6 +35,7 @@ from amp_graph.amp_request import (
 )
 from amp_graph.capture import Captured, CaptureError, capture_module
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
+from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.meta import short
 from amp_graph.policy import Policy
 
@@ -434,11 +436,12 @@ class CompiledModule(nn.Module):
         tracer) is captured as any module: its code runs under the same capture, so the
         passes see one IR, aten ops with a fake value on every node."""
         model = self._orig_mod
-        if isinstance(model, fx.GraphModule):
-            model = graph_code_module(model)
+        traced = model if isinstance(model, fx.GraphModule) else None
+        if traced is not None:
+            model = graph_code_module(traced)
         autocast_dtype = None if self.policy.casts_nothing else self.dtype
         with _class_forward(model) if self._in_place else contextlib.nullcontext():
-            return capture_module(
+            captured = capture_module(
                 model,
                 args,
                 kwargs,
@@ -448,6 +451,9 @@ class CompiledModule(nn.Module):
                 policy=self.policy,
                 low_dtype=self.dtype,
             )
+        if traced is not None:
+            carry_module_stacks(captured.graph_module, traced)
+        return captured
 
 
 def graph_code_module(gm: fx.GraphModule) -> nn.Module:
@@ -472,6 +478,53 @@ def graph_code_module(gm: fx.GraphModule) -> nn.Module:
             setattr(module, top, getattr(gm, top))
     module.training = gm.training  # not train(): the children are the user's, as they are
     return module
+
+
+_ASSIGNED = re.compile(r"^\s*(\w+)\s*=")
+
+
+def carry_module_stacks(captured: fx.GraphModule, traced: fx.GraphModule) -> int:
+    """Give each captured node the modules its line of ``traced``'s code ran in.
+
+    A tracer inlines the forwards it traces through (attention's matmuls, residual adds):
+    ``traced``'s code calls only its leaf modules, so export records no module around the
+    ops it inlined, and a module override (``modules={"blocks.0.attn": "fp32"}``) would miss
+    them. The tracer kept each node's stack (``meta["nn_module_stack"]``); each captured
+    node's stack trace names its line of the code, whose assigned name is the traced node.
+    Returns how many nodes got a stack.
+    """
+    filename = type(traced).forward.__code__.co_filename
+    by_name = {node.name: node for node in traced.graph.nodes}
+    carried = 0
+    for node in captured.graph.nodes:
+        source = _traced_source(node.meta.get("stack_trace"), filename, by_name)
+        outer = source.meta.get("nn_module_stack") if source is not None else None
+        if not outer:
+            continue
+        inner = dict(node.meta.get("nn_module_stack") or {})
+        root = {k: v for k, v in inner.items() if not normalize_module_path(str(v[0]))}
+        paths = {normalize_module_path(str(v[0])) for v in outer.values()}
+        deeper = {
+            k: v for k, v in inner.items() if normalize_module_path(str(v[0])) not in paths | {""}
+        }
+        node.meta["nn_module_stack"] = {**root, **dict(outer), **deeper}
+        carried += 1
+    return carried
+
+
+def _traced_source(
+    stack_trace: str | None, filename: str, by_name: dict[str, fx.Node]
+) -> fx.Node | None:
+    """The traced node whose line of generated code (in ``filename``) computed a captured
+    node: the innermost such frame's ``name = ...``."""
+    if not stack_trace:
+        return None
+    lines = stack_trace.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        if f'File "{filename}"' in lines[index] and index + 1 < len(lines):
+            match = _ASSIGNED.match(lines[index + 1])
+            return by_name.get(match.group(1)) if match else None
+    return None
 
 
 def compile(

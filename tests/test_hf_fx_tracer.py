@@ -4,6 +4,8 @@ the models they were traced from.
 * GPT-2 and BERT, traced, get the plan their untraced models get (op, role, compute and out
   dtype, node by node), bit-identical outputs and gradients, and the traced GraphModule is
   left as it was.
+* A module override (by path or by type) of BERT's attention, which the tracer inlines, pins
+  the same ops in the trace as in the model: the capture carries the tracer's module stacks.
 * GPT-2, BERT and T5, traced, under ``policy="autocast"`` give the outputs of the traced
   GraphModule run under ``torch.autocast("cpu")``, bit for bit. T5 is held to that oracle only:
   its trace is another program under mixed precision (``scores += position_bias`` becomes
@@ -129,3 +131,30 @@ def test_an_hf_traced_model_compiles_as_the_model(name: str, policy: str) -> Non
 def test_an_hf_traced_model_matches_cpu_autocast(name: str) -> None:
     _, traced, inputs = _case(name)
     assert_bitwise_cpu_autocast(traced, (), inputs)
+
+
+@pytest.mark.parametrize("by", ["module path", "module type"])
+def test_module_overrides_reach_the_ops_hfs_tracer_inlined(by: str) -> None:
+    """HF's tracer inlines attention's forward; its nodes keep the tracer's module stack, so
+    an override of the attention module pins its matmuls in the trace as in the model."""
+    model, traced, inputs = _case("bert")
+    attention = transformers.models.bert.modeling_bert.BertSelfAttention
+    override = (
+        {"modules": {"bert.encoder.layer.0.attention.self": "fp32"}}
+        if by == "module path"
+        else {"module_types": {attention: "fp32"}}
+    )
+    policy = amp_graph.Policy.preset("O1").override(**override)
+
+    def pinned(compiled) -> list[str]:
+        return sorted(
+            str(n.target)
+            for n in compiled.graph_module.graph.nodes
+            if n.op == "call_function" and n.meta["amp"].source.startswith("module")
+        )
+
+    direct = amp_graph.compile(model, policy, BF16, example_kwargs=inputs)
+    via_trace = amp_graph.compile(traced, policy, BF16, example_kwargs=inputs)
+    assert any("matmul" in t or "scaled_dot" in t or "bmm" in t for t in pinned(direct))
+    assert pinned(via_trace) == pinned(direct)
+    assert torch.equal(via_trace(**inputs)["logits"], direct(**inputs)["logits"])

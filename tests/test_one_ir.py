@@ -146,3 +146,28 @@ def test_the_passes_refuse_a_graph_whose_blocks_are_not_flat() -> None:
     result = run_passes(gm, Policy.preset("O1"), BF16)
     assert "inline_regions" not in result.seconds
     assert torch.equal(gm(x), amp_graph.compile(model, "O1", BF16)(x))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [{"modules": {"blocks.0.attn": "fp32"}}, {"module_types": {models.DecoderBlock: "fp32"}}],
+    ids=["module path", "module type"],
+)
+def test_module_overrides_reach_the_ops_a_tracer_inlined(override: dict) -> None:
+    """symbolic_trace inlines the forwards it traces through (attention's matmuls, residual
+    adds); their nodes keep the tracer's module stack, which the capture carries over, so a
+    module override holds for them as it does for the model itself."""
+    torch.manual_seed(0)
+    model, inputs = _gpt()
+    policy = Policy.preset("O1").override(**override)
+    direct = amp_graph.compile(model, policy, BF16, example_inputs=inputs).graph_module
+    via_trace = amp_graph.compile(fx.symbolic_trace(model), policy, BF16, example_inputs=inputs)
+
+    def paths(gm: fx.GraphModule) -> list[tuple]:
+        return [(n.meta[AMP].module_path, n.meta[AMP].source) for n in gm.graph.nodes]
+
+    assert _plan(via_trace.graph_module) == _plan(direct)
+    assert paths(via_trace.graph_module) == paths(direct)
+    pinned = [n for n in direct.graph.nodes if n.meta[AMP].source.startswith("module")]
+    assert any(str(n.target).startswith("aten.scaled_dot_product_attention") for n in pinned)
+    assert torch.equal(via_trace(*inputs), amp_graph.compile(model, policy, BF16)(*inputs))
