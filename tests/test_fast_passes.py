@@ -8,7 +8,9 @@ changed its inputs (issue 20, "fast passes"). These tests hold:
 * reuse changes nothing: with the records and without them (every node run on fake values),
   each node gets the same compute dtype, output dtype, and a value of the same dtype and
   shape, on the front-end zoo, the models of ``amp_graph.models`` (BatchNorm among
-  them) and small HF models, under every preset and both low dtypes;
+  them), small HF models, a diffusers UNet, a Mixtral mixture of experts and every op
+  sample of the O1 per-op tests, under every preset and both low dtypes (the UNet and the
+  MoE also match CPU autocast bit for bit under ``policy="autocast"``);
 * reuse is real: on a GPT, under every preset, nearly every op carries a record and no op
   runs on fake values (the cost the benchmark measures, benchmarks/pass_bench.py), though
   O2 and O3 read float32 parameters the capture saw in the low dtype (their casts read
@@ -206,3 +208,63 @@ def test_simplify_casts_reaches_its_fixpoint_in_one_walk(name: str, policy: str)
     nodes = [n.format_node() for n in gm.graph.nodes]
     assert simplify_casts(gm).stats["casts_removed"] == 0
     assert [n.format_node() for n in gm.graph.nodes] == nodes
+
+
+# --- model code beyond transformers' dense decoders: a diffusers UNet, an MoE ---------------
+
+
+class _UNet(nn.Module):
+    """A diffusers UNet2DModel from a small random config (ResNet blocks, GroupNorm,
+    attention blocks, timestep embeddings), returning the sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        diffusers = pytest.importorskip("diffusers")
+        self.unet = diffusers.UNet2DModel(
+            sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+            block_out_channels=(32, 64), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8,
+        ).eval()  # fmt: skip
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        return self.unet(sample, timestep).sample
+
+
+class _MoE(nn.Module):
+    """transformers' Mixtral (sparse mixture of experts: top-2 routing of 4 experts, a
+    data-dependent gather and scatter of tokens), random small config, returning logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.MixtralConfig(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
+        )  # fmt: skip
+        self.model = transformers.MixtralForCausalLM(config).eval()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+BEYOND = {
+    "unet": (_UNet, lambda: (torch.randn(2, 3, 8, 8), torch.tensor([10, 20]))),
+    "moe": (_MoE, lambda: (torch.randint(0, 100, (2, 12)),)),
+}
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("name", sorted(BEYOND))
+def test_reuse_changes_nothing_on_a_unet_and_an_moe(name: str, policy: str) -> None:
+    make_model, make_inputs = BEYOND[name]
+    _assert_reuse_changes_nothing(make_model, make_inputs, policy, BF16)
+
+
+@pytest.mark.parametrize("name", sorted(BEYOND))
+def test_a_unet_and_an_moe_under_policy_autocast_are_cpu_autocast(name: str) -> None:
+    from oracles import assert_bitwise_cpu_autocast
+
+    make_model, make_inputs = BEYOND[name]
+    torch.manual_seed(0)
+    assert_bitwise_cpu_autocast(make_model(), make_inputs())
