@@ -72,6 +72,17 @@ log = logging.getLogger(__name__)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# Not recorded for reuse: under the capture's casts, torch 2.11's CPU kernels for these give
+# LSTM's h and c an extra dimension in bf16 (2.13's do not); a fake run of the op is right.
+_RECURRENT = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
+
+def _newest(graph: fx.Graph) -> fx.Node | None:
+    """The graph's last node. ``reversed(graph.nodes)`` is an iterator on torch 2.13 but an
+    iterable on 2.11: ``iter`` serves both."""
+    return next(iter(reversed(graph.nodes)), None)
+
+
 class _Plan:
     """One node's decision at capture: cast every floating input to ``compute`` (an op the
     policy casts), or give each input its planned dtype back (``inputs``: an op that takes
@@ -140,7 +151,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         """The node whose value is being computed: the tracer's newest node, while it has
         no value yet (a kernel run for anything else finds a node with one)."""
         graph = self.tracer.graph
-        node = next(reversed(graph.nodes), None) if len(graph.nodes) else None
+        node = _newest(graph)
         if node is None or node.op != "call_function" or "val" in node.meta:
             return None
         return node
@@ -157,7 +168,7 @@ class PolicyDtypeMode(TorchDispatchMode):
 
     def _catch_up_to_end(self) -> None:
         """Note the nodes recorded after the last kernel that needed a plan."""
-        last = next(reversed(self.tracer.graph.nodes), None)
+        last = _newest(self.tracer.graph)
         if last is not None and last is not self.seen:
             self._catch_up(last)
             self._note(last)
@@ -179,7 +190,9 @@ class PolicyDtypeMode(TorchDispatchMode):
         self.planned[node] = fact(value) if "val" in node.meta else UNKNOWN
         plan = self.plans.get(node)
         if plan is not None:
-            if plan.faithful and _computed_at(node.meta.get("val"), plan.compute):
+            recurrent = getattr(node.target, "__name__", "").split(".")[0] in _RECURRENT
+            faithful = plan.faithful and not recurrent
+            if faithful and _computed_at(node.meta.get("val"), plan.compute):
                 self.records[node.name] = plan.record()
         elif node.op == "call_function":
             # a node none of whose kernels needed a plan (a cast, a no-op .to()): its
@@ -358,7 +371,7 @@ class CompositePromoteMode(TorchFunctionMode):
                 for i, value in enumerate(leaves):
                     if isinstance(value, torch.Tensor) and value.dtype in floating - {wide}:
                         leaves[i] = value.to(wide)
-                        self.casts.add(next(reversed(self.tracer.graph.nodes)).name)
+                        self.casts.add(_newest(self.tracer.graph).name)
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
         return func(*args, **kwargs)
 

@@ -173,13 +173,15 @@ def test_reuse_changes_nothing_op_by_op(low: torch.dtype) -> None:
     inputs that make each list decide), captured and planned with the records and without."""
     import torch.fx as fx
     from op_samples import SAMPLES
-    from test_o1_per_op import cases
+    from test_o1_per_op import CATEGORIES, cases
 
     from amp_graph.compiler import graph_code_module
 
     differing: dict[str, tuple] = {}
     compared = 0
     for name, sample in sorted(SAMPLES.items()):
+        if sample.aten not in CATEGORIES:
+            continue  # an op this torch's autocast lists do not name (rms_norm before 2.13)
         traced = fx.symbolic_trace(sample.fn)
         for case in cases(sample, low):
             try:
