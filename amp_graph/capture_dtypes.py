@@ -49,6 +49,7 @@ from amp_graph.passes.assign_dtypes import (
     compute_dtype_for,
     effective_rule,
     fact,
+    read_dtypes,
     track_pinning,
 )
 from amp_graph.passes.classify import classify_node
@@ -59,7 +60,6 @@ from amp_graph.passes.meta import (
     UNKNOWN,
     AmpInfo,
     Role,
-    cast_fact,
     is_castable,
     tensor_facts,
 )
@@ -263,7 +263,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         arg_dtypes = pytree.tree_leaves(
             fx.node.map_arg((node.args, node.kwargs), lambda a: _Slot(self.planned.get(a)))
         )
-        input_facts = _as_read(
+        input_facts = read_dtypes(
             tuple(self.planned.get(a, UNKNOWN) for a in node.all_input_nodes), compute
         )
         return _Plan(
@@ -293,11 +293,6 @@ class PolicyDtypeMode(TorchDispatchMode):
         if plan is not None:
             args, kwargs = _adjusted(func, args, kwargs, plan)
         return func(*args, **kwargs)
-
-
-def _as_read(facts: tuple[Any, ...], compute: torch.dtype | None) -> tuple[Any, ...]:
-    """The dtypes an op reads its inputs at: cast to ``compute`` where it casts them."""
-    return facts if compute is None else tuple(cast_fact(f, compute) for f in facts)
 
 
 def _computed_at(value: Any, compute: torch.dtype | None) -> bool:
@@ -427,11 +422,11 @@ def mark_capture_plans(
     gm: fx.GraphModule, records: dict[str, tuple[Any, torch.dtype | None, tuple[Any, ...]]]
 ) -> None:
     """Write the plan each node's value was captured under to ``meta[CAPTURE_PLAN]`` (by
-    name, the node's op checked too), so that assign_dtypes reuses the value where it plans
-    the same."""
+    name; assign_dtypes uses a record only for the op it names), so that assign_dtypes
+    reuses the value where it plans the same."""
     for node in gm.graph.nodes:
         record = records.get(node.name)
-        if record is not None and node.op == "call_function" and record[0] is node.target:
+        if record is not None and node.op == "call_function":
             node.meta[CAPTURE_PLAN] = record
 
 

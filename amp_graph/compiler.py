@@ -483,7 +483,7 @@ def graph_code_module(gm: fx.GraphModule) -> nn.Module:
 _ASSIGNED = re.compile(r"^\s*(\w+)\s*=")
 
 
-def carry_module_stacks(captured: fx.GraphModule, traced: fx.GraphModule) -> int:
+def carry_module_stacks(captured: fx.GraphModule, traced: fx.GraphModule) -> None:
     """Give each captured node the modules its line of ``traced``'s code ran in.
 
     A tracer inlines the forwards it traces through (attention's matmuls, residual adds):
@@ -491,25 +491,25 @@ def carry_module_stacks(captured: fx.GraphModule, traced: fx.GraphModule) -> int
     ops it inlined, and a module override (``modules={"blocks.0.attn": "fp32"}``) would miss
     them. The tracer kept each node's stack (``meta["nn_module_stack"]``); each captured
     node's stack trace names its line of the code, whose assigned name is the traced node.
-    Returns how many nodes got a stack.
     """
     filename = type(traced).forward.__code__.co_filename
     by_name = {node.name: node for node in traced.graph.nodes}
-    carried = 0
     for node in captured.graph.nodes:
         source = _traced_source(node.meta.get("stack_trace"), filename, by_name)
         outer = source.meta.get("nn_module_stack") if source is not None else None
         if not outer:
             continue
-        inner = dict(node.meta.get("nn_module_stack") or {})
-        root = {k: v for k, v in inner.items() if not normalize_module_path(str(v[0]))}
-        paths = {normalize_module_path(str(v[0])) for v in outer.values()}
-        deeper = {
-            k: v for k, v in inner.items() if normalize_module_path(str(v[0])) not in paths | {""}
-        }
+        # export's root entry, then the tracer's stack, then the modules export saw deeper
+        # (those called inside a leaf module the traced code calls)
+        outer_paths = {normalize_module_path(str(v[0])) for v in outer.values()}
+        root, deeper = {}, {}
+        for key, value in (node.meta.get("nn_module_stack") or {}).items():
+            path = normalize_module_path(str(value[0]))
+            if not path:
+                root[key] = value
+            elif path not in outer_paths:
+                deeper[key] = value
         node.meta["nn_module_stack"] = {**root, **dict(outer), **deeper}
-        carried += 1
-    return carried
 
 
 def _traced_source(

@@ -106,6 +106,12 @@ def compute_dtype_for(rule: Rule, facts: list[DtypeFact], low: torch.dtype) -> t
     return None
 
 
+def read_dtypes(facts: tuple[DtypeFact, ...], compute: torch.dtype | None) -> tuple:
+    """The dtypes an op reads its inputs at: cast to ``compute`` where it casts them. With
+    the op and ``compute``, what ``meta[CAPTURE_PLAN]`` records of a capture's decision."""
+    return facts if compute is None else tuple(cast_fact(f, compute) for f in facts)
+
+
 def cast_value(value: Any, dtype: torch.dtype) -> Any:
     """Apply a planned cast to an environment value: autocast's eligibility, then .to()."""
     if isinstance(value, torch.Tensor):
@@ -267,10 +273,8 @@ class _Planner(fx.Interpreter):
         at the dtypes this plan gives them (after the cast to ``compute``)."""
         record = node.meta.get(CAPTURE_PLAN)
         if record is None or record[0] is not node.target or record[1] != compute:
-            return False  # a pass changed the op since (its record then no longer holds)
-        facts = (self.facts[a] for a in node.all_input_nodes)
-        read = tuple(facts) if compute is None else tuple(cast_fact(f, compute) for f in facts)
-        return record[2] == read
+            return False  # another op: a pass changed it, or the name went to another node
+        return record[2] == read_dtypes(tuple(self.facts[a] for a in node.all_input_nodes), compute)
 
     def _evaluate(self, node: fx.Node, amp: AmpInfo, args: tuple, kwargs: dict) -> Any:
         captured = node.meta.get(VAL)
@@ -459,5 +463,6 @@ __all__ = [
     "effective_rule",
     "fact",
     "propagate_dtypes",
+    "read_dtypes",
     "track_pinning",
 ]

@@ -43,6 +43,7 @@ def module_stack(
     graph (its nodes name the same modules again and again).
     """
     root = model_root(gm)
+    known = {} if known_types is None else known_types
     paths, types = [""], [type(root)]
     for value in (node.meta.get("nn_module_stack") or {}).values():
         path, mtype = value[0], value[1]
@@ -50,12 +51,9 @@ def module_stack(
         if not path:
             continue  # the root itself (export records it)
         if isinstance(mtype, str):  # export and some torch versions record the type's name
-            if known_types is None:
-                mtype = _submodule_type(root, path) or nn.Module
-            elif path in known_types:
-                mtype = known_types[path]
-            else:
-                mtype = known_types[path] = _submodule_type(root, path) or nn.Module
+            if path not in known:
+                known[path] = _submodule_type(root, path) or nn.Module
+            mtype = known[path]
         paths.append(path)
         types.append(mtype)
     return tuple(paths), tuple(types)

@@ -130,14 +130,11 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def _remove_dead_casts(graph: fx.Graph) -> int:
-    removed = 0
+def _remove_dead_casts(graph: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         unused_attr = node.op == "get_attr" and node.meta[AMP].role is Role.PARAM  # never inputs
         if not node.users and (is_cast_node(node) or unused_attr):
             graph.erase_node(node)
-            removed += is_cast_node(node)
-    return removed
 
 
 def simplify_casts(gm: fx.GraphModule) -> PassResult:
