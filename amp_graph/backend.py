@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph import recompute
 from amp_graph.amp_request import check_request, device_type_of, resolve
 from amp_graph.capture import capture_graph
 from amp_graph.compiler import CompileRecord, copy_graph_module, rewrite
@@ -147,7 +148,10 @@ class AmpGraphBackend:
         if isinstance(self.inner, str):
             from torch._dynamo.backends.registry import lookup_backend
 
-            return lookup_backend(self.inner)(gm, list(example_inputs))
+            compiled = lookup_backend(self.inner)(gm, list(example_inputs))
+            # the graph runs as it is: keep recomputed casts' sources, as compile does (with
+            # AOTAutograd, aot_eager and inductor, its partitioner decides what is kept)
+            return recompute.recording(compiled) if self.inner == "eager" else compiled
         return self.inner(gm, list(example_inputs))
 
     def _check_overrides(self, policy: Policy, gm: fx.GraphModule) -> None:

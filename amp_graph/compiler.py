@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from amp_graph import recompute
 from amp_graph.amp_request import (
     check_request,
     device_type_of,
@@ -132,6 +133,8 @@ def rewrite(
         original,
     )
     gm.meta[COMPILE_META] = record
+    if record.stats.get("casts_recomputed"):
+        recompute.install(gm)  # the hooks that keep those casts' sources instead
     return record
 
 

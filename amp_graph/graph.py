@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from amp_graph import recompute
 from amp_graph.amp_request import (
     check_request,
     device_type_of,
@@ -456,6 +457,7 @@ class Graph:
         self._scaler_in_use = scaler
         step = build_step_graph(step_root, build, plan)
         if self.config.compile:
+            recompute.uninstall(build)  # AOTAutograd's partitioner decides what is kept
             step.build = torch.compile(build, **self.config.compile_options)
         return step
 

@@ -201,3 +201,45 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class ResidualMLP(nn.Module):
+    """Residual MLP blocks (4x hidden), the FSDP2 memory benchmark's first model."""
+
+    def __init__(self, width: int = 256, blocks: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, causal attention, RMSNorm, SwiGLU: a Llama decoder layer's shape."""
+
+    def __init__(self, dim: int = 128, heads: int = 4) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.mlp = LlamaMLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x + self.attn(self.norm(x)))
+
+
+class LlamaStyle(nn.Module):
+    """Llama-style decoder layers on embeddings (no vocabulary), for the FSDP2 benchmark."""
+
+    def __init__(self, dim: int = 128, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(LlamaBlock(dim) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

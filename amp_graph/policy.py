@@ -278,6 +278,10 @@ class Policy:
             the evidence for each demotion here); :func:`amp_graph.explain` quotes it.
         fp8: run linear layers as float8 scaled matmuls (:mod:`amp_graph.fp8`) with this
             configuration; everything else follows the tables. None: no fp8.
+        recompute_casts: backward casts again, instead of keeping, every low-precision copy
+            whose source outlives the forward anyway (weights, softmax's float32 output):
+            the same gradients, bit for bit, without holding the copies from forward to
+            backward (``passes.recompute_casts``). False keeps them, as torch.autocast does.
     """
 
     name: str
@@ -294,6 +298,7 @@ class Policy:
     nodes: Mapping[str, Rule] = field(default_factory=lambda: _frozen(None))
     fp8: Fp8Config | None = None
     notes: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
+    recompute_casts: bool = True
 
     def __post_init__(self) -> None:
         """Validate and normalize every field, however the Policy was built (the
@@ -305,6 +310,10 @@ class Policy:
         clash = (self.allow & self.deny) | (self.allow & self.promote) | (self.deny & self.promote)
         if clash:
             raise ValueError(f"op names in more than one Policy table: {sorted(clash)}")
+        for flag in ("cast_inputs", "master_weights", "recompute_casts"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise ValueError(f"Policy {flag} is True or False; got {value!r}")
         object.__setattr__(self, "default", as_rule(self.default))
         object.__setattr__(self, "ops", _checked_ops(self.ops))
         object.__setattr__(self, "module_types", _checked_module_types(self.module_types))

@@ -11,7 +11,9 @@ form (``amp_graph.compiler.rewrite`` runs it). Then :func:`run_passes` runs, in 
 4. :func:`simplify_casts` - a rule table removes casts that change nothing;
 5. :func:`verify` - lint plus dtype consistency with the plan;
 6. :func:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
-7. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward.
+7. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
+8. :func:`recompute_casts` - casts whose source outlives the forward, cast again in backward
+   instead of kept (weights' low-precision copies).
 
 They take one IR: the aten-level GraphModule amp_graph's capture makes, with an example value
 on every node (:func:`~passes.pipeline.require_captured_graph` says so where it is not).
@@ -28,6 +30,7 @@ from .fsdp_hooks import fsdp_hooks
 from .insert_casts import insert_casts
 from .meta import AMP, CHECKPOINT_REGION, UNKNOWN, AmpInfo, Role
 from .pipeline import PassError, PipelineResult, run_passes
+from .recompute_casts import recompute_casts
 from .regions import REGION, AutocastRegion, inline_regions
 from .result import PassResult
 from .simplify_casts import RULES as SIMPLIFY_RULES
@@ -54,6 +57,7 @@ __all__ = [
     "insert_casts",
     "outline_checkpoints",
     "propagate_dtypes",
+    "recompute_casts",
     "run_passes",
     "simplify_casts",
     "verify",

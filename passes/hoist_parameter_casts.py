@@ -5,7 +5,7 @@ its casts of parameters (torch.autocast casts them again in every micro-batch to
 pass takes them out of the graph: they become the items of one new input,
 ``low_precision_weights``, which :class:`amp_graph.Graph`'s step graph computes once.
 
-Reads: cast nodes (``role=CAST``, ``x.to(dtype)``) of ``get_attr`` parameters and buffers
+Reads: inserted cast nodes (``role=CAST``, either form) of ``get_attr`` parameters and buffers
 (``role=PARAM``), except those of FSDP2 units' parameters (``meta["fsdp_unit"]``: a shard
 until the unit's pre-forward hook runs). Writes: ``getitem`` nodes in their place with
 ``role=PARAM``; removes the casts and the parameter reads left unused. Guarantees: every
@@ -27,6 +27,7 @@ import torch.fx as fx
 from amp_graph.policy import Rule
 
 from .meta import AMP, FSDP_UNIT, AmpInfo, Role, short
+from .recompute_casts import is_inserted_cast
 from .result import PassResult
 from .sharing import CastSharing, key_before_graph, written_values
 
@@ -35,10 +36,7 @@ def _is_parameter_cast(node: fx.Node) -> bool:
     """An inserted cast of a ``get_attr`` parameter or buffer, outside any FSDP2 unit (its
     parameter is a shard outside the unit's region: it is cast there)."""
     return (
-        node.op == "call_method"
-        and node.target == "to"
-        and node.meta.get(AMP) is not None
-        and node.meta[AMP].role is Role.CAST
+        is_inserted_cast(node)
         and isinstance(node.args[0], fx.Node)
         and node.args[0].op == "get_attr"
         and node.args[0].meta[AMP].role is Role.PARAM
@@ -65,7 +63,7 @@ def hoist_parameter_casts(gm: fx.GraphModule) -> tuple[PassResult, list[tuple[st
     """Take the casts of parameters out of ``gm``: they become the items of one new input,
     ``low_precision_weights``, which the step graph computes once for all micro-batches.
 
-    Reads: cast nodes (``role=CAST``, ``x.to(dtype)``) of ``get_attr`` parameters
+    Reads: inserted cast nodes (``role=CAST``, either form) of ``get_attr`` parameters
     (``role=PARAM``). Writes: ``getitem`` nodes in their place, with ``role=PARAM`` (they
     are the low-precision parameters: the build graph casts nothing there). Returns the pass
     result and, in input order, ``(parameter target, dtype)`` of each cast taken out.

@@ -96,7 +96,8 @@ class AmpInfo:
     Written by classify: ``role``, ``op``, ``aten``, ``module_path``, ``rule``, ``source``,
     ``detail``, ``low_dtype`` (inside the model's own autocast block). Written by
     assign_dtypes: ``compute_dtype``, ``out_dtype``, ``exact``. Cast
-    nodes written by insert_casts carry ``role=CAST``, ``cast_for`` and ``out_dtype``.
+    nodes written by insert_casts carry ``role=CAST``, ``cast_for`` and ``out_dtype``;
+    recompute_casts sets ``recompute`` on those backward casts again instead of keeping.
     """
 
     role: Role
@@ -111,6 +112,7 @@ class AmpInfo:
     exact: bool = False  # out_dtype comes from example values (FakeTensor propagation)
     cast_for: tuple[str, ...] = field(default_factory=tuple)  # CAST: the consumers it feeds
     low_dtype: torch.dtype | None = None  # the model's autocast block's dtype; None: policy's
+    recompute: str = ""  # CAST recast in backward, not kept: who keeps its source ("module")
 
     @classmethod
     def fixed(cls, role: Role, op: str, detail: str = "", **fields: Any) -> AmpInfo:

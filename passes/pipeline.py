@@ -5,7 +5,7 @@ runs it before it keeps the graph as captured), not a pass of the list.
 
 Order: classify -> (fp8_linears, under an fp8 policy)
 -> assign_dtypes -> insert_casts -> simplify_casts -> verify -> fsdp_hooks (models sharded
-with FSDP2) -> outline_checkpoints. With ``check_each=True`` (the
+with FSDP2) -> outline_checkpoints -> recompute_casts. With ``check_each=True`` (the
 tests use it) the verifier also runs after every pass, so a pass that breaks an invariant is
 caught where it happens.
 """
@@ -29,6 +29,7 @@ from .fp8_linears import fp8_linears
 from .fsdp_hooks import fsdp_hooks
 from .insert_casts import insert_casts
 from .meta import VAL, model_root
+from .recompute_casts import recompute_casts
 from .regions import region_left
 from .result import PassResult
 from .simplify_casts import simplify_casts
@@ -70,6 +71,8 @@ def amp_passes(
     passes.append(("fsdp_hooks", fsdp_hooks))
     # last: it moves checkpointed nodes into submodules, after every dtype is settled
     passes.append(("outline_checkpoints", outline_checkpoints))
+    # after the outlining: a checkpointed block's casts are recomputed by its checkpoint
+    passes.append(("recompute_casts", lambda gm: recompute_casts(gm, policy.recompute_casts)))
     return passes
 
 
@@ -125,7 +128,7 @@ def run_passes(
         start = time.perf_counter()
         try:
             out = run(gm)
-            skip = ("verify", "fp8_linears", "fsdp_hooks", "outline_checkpoints")
+            skip = ("verify", "fp8_linears", "fsdp_hooks", "outline_checkpoints", "recompute_casts")
             if check_each and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)

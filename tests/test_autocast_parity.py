@@ -3,9 +3,11 @@ runs it at, and fewer casts execute per forward+backward."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -49,17 +51,29 @@ def record_step(fn, inputs, autocast: bool):
     return recorder.ops[:forward], recorder.ops[forward:]
 
 
-def test_every_aten_op_matches_autocast_and_fewer_casts_run():
+# Views autograd runs around saved tensors: with saved-tensor hooks (recompute_casts) a
+# saved tensor's ``detach`` moves from the forward to the backward's unpacking, and a saved
+# view of a recomputed cast is rebuilt by ``as_strided``. They allocate and compute nothing.
+ALIASES = ("detach", "as_strided")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_every_aten_op_matches_autocast_and_fewer_casts_run(recompute: bool):
+    """With ``recompute_casts`` off, op for op as torch.autocast; on, the same ops but the
+    views around saved tensors, and backward casts again the weights it did not keep
+    (tests/test_recompute_casts.py checks those casts and views are all it adds)."""
     model = models.GPTWithLoss(layers=2)
     idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    compiled = amp_graph.compile(model, "autocast", example_inputs=(idx, targets))
+    policy = dataclasses.replace(amp_graph.Policy.preset("autocast"), recompute_casts=recompute)
+    compiled = amp_graph.compile(model, policy, example_inputs=(idx, targets))
 
     ref_fwd, ref_bwd = record_step(model, (idx, targets), autocast=True)
     model.zero_grad(set_to_none=True)
     our_fwd, our_bwd = record_step(compiled, (idx, targets), autocast=False)
+    skip = (CAST, *ALIASES) if recompute else (CAST,)
 
     def without_casts(ops):
-        return [op for op in ops if op[0] != CAST]
+        return [op for op in ops if op[0] not in skip]
 
     # forward: the same aten ops, in the same order, at the same dtypes
     assert without_casts(our_fwd) == without_casts(ref_fwd)
@@ -78,5 +92,8 @@ def test_every_aten_op_matches_autocast_and_fewer_casts_run():
 
     casts_ours = sum(op[0] == CAST for op in our_fwd + our_bwd)
     casts_autocast = sum(op[0] == CAST for op in ref_fwd + ref_bwd)
+    if recompute:  # the forward casts as before; backward adds one per recomputed copy
+        assert sum(op[0] == CAST for op in our_fwd) < sum(op[0] == CAST for op in ref_fwd)
+        return
     assert casts_ours < casts_autocast
     assert casts_autocast - casts_ours == 2 * removed_activation_casts  # forward + backward

@@ -24,7 +24,17 @@ import amp_graph
 BF16 = torch.bfloat16
 # casts differ by design (amp_graph casts a value once where autocast casts per use);
 # detach and alias ops are bookkeeping of autograd and checkpoint
-_IGNORED = ("aten._to_copy", "aten.detach", "aten.alias", "aten.t.", "aten.view", "prim.")
+# casts and views; as_strided rebuilds a saved view of a cast backward makes again
+# (recompute_casts: tests/test_recompute_casts.py counts what it adds)
+_IGNORED = (
+    "aten._to_copy",
+    "aten.detach",
+    "aten.alias",
+    "aten.t.",
+    "aten.view",
+    "aten.as_strided",
+    "prim.",
+)
 
 
 class OpRecorder(TorchDispatchMode):

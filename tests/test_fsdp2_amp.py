@@ -370,6 +370,68 @@ def checkpoints(rank: int) -> dict[str, Any]:
     }
 
 
+def _held_variants(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, int]:
+    """Bytes each rank holds for backward at the end of the forward, per variant."""
+    import dataclasses
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import amp_graph
+    from amp_graph.inspect.held import held_for_backward
+
+    def sharded(**kwargs: Any) -> nn.Module:
+        torch.manual_seed(0)
+        model = make()
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def measure(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, list]:
+        held, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
+        out.float().square().mean().backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return held, grads
+
+    results, grads = {}, {}
+    for recompute in (True, False):
+        model = sharded()
+        policy = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=recompute)
+        compiled = amp_graph.compile(model, policy=policy, dtype=torch.bfloat16)
+        measure(model, lambda c=compiled: c(x))  # capture
+        key = "amp_graph" if recompute else "amp_graph_keeping_casts"
+        results[key], grads[key] = measure(model, lambda c=compiled: c(x))
+        if recompute:
+            results["casts_recomputed"] = compiled.graph_module.meta["amp_graph"].stats[
+                "casts_recomputed"
+            ]
+    model = sharded()
+
+    def autocast() -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return model(x)
+
+    results["autocast"], _ = measure(model, autocast)
+    mixed = sharded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    results["fsdp_mixed_precision"], _ = measure(mixed, lambda: mixed(x))
+    results["same_grads"] = all(
+        torch.equal(a, b)
+        for a, b in zip(grads["amp_graph"], grads["amp_graph_keeping_casts"], strict=True)
+    )
+    return results
+
+
+def held_bytes(rank: int) -> dict[str, Any]:
+    from amp_graph import models
+
+    gen = torch.Generator().manual_seed(rank)
+    return {
+        "mlp": _held_variants(models.ResidualMLP, torch.randn(8, 256, generator=gen)),
+        "llama": _held_variants(models.LlamaStyle, torch.randn(4, 64, 128, generator=gen)),
+    }
+
+
 def _hook_order(gm: Any) -> list[str]:
     """The FSDP hook calls and the parameter reads, in graph order: ``pre:blocks_0``,
     ``param:model.blocks.0.fc1.weight``, ``post:blocks_0``..."""
@@ -447,6 +509,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp_compile": ddp_compile,
     "refusals": refusals,
     "checkpoints": checkpoints,
+    "held_bytes": held_bytes,
 }
 
 
@@ -535,3 +598,20 @@ def test_fsdp2_checkpoint_per_block_kept_and_spanning_refused(tmp_path: Path) ->
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+def test_fsdp2_holds_for_backward_what_its_own_mixed_precision_holds(tmp_path: Path) -> None:
+    """Issue 24: the casts of each unit's unsharded parameters are not kept from forward to
+    backward (each unit's backward casts its all-gathered parameters again), so a rank holds
+    no more than 2x what ``MixedPrecisionPolicy(param_dtype=bf16)`` holds, far below
+    torch.autocast's (the whole model in bf16); and the gradients are the same bits as with
+    the casts kept."""
+    for rank in run_ranks("held_bytes", tmp_path):
+        for name, held in rank.items():
+            assert held["casts_recomputed"] > 0, name
+            assert held["same_grads"], name
+            assert held["amp_graph"] <= 2 * held["fsdp_mixed_precision"], (name, held)
+            assert held["amp_graph"] < held["amp_graph_keeping_casts"] <= held["autocast"], (
+                name,
+                held,
+            )

@@ -40,7 +40,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     # the ops the graphs call and the scaler: they depend on nothing above them
-    ("ops and scaler", ("amp_graph.fp8", "amp_graph.kernels", "amp_graph.scaler")),
+    (
+        "ops and scaler",
+        ("amp_graph.fp8", "amp_graph.kernels", "amp_graph.scaler", "amp_graph.recompute"),
+    ),
     ("passes", ("amp_graph.passes",)),
     (
         "front ends",

@@ -72,6 +72,8 @@ class Report:
     casts_kept: int
     cast_bytes: int | None  # bytes read + written by the kept casts per call; None: unknown
     ops_by_dtype: dict[str, int]
+    casts_recomputed: int = 0  # casts backward makes again instead of keeping
+    recomputed_cast_bytes: int = 0  # their copies' bytes, per call, no longer held
     graph_module: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     def row(self, name: str) -> NodeRow:
@@ -88,7 +90,9 @@ class Report:
             f"policy {self.policy}, low dtype {self.dtype}; ops by output dtype: {per_dtype}\n"
             f"casts inserted {self.casts_inserted}, removed by simplification "
             f"{self.casts_removed}, kept {self.casts_kept}; bytes cast per call: "
-            f"{bytes_text(self.cast_bytes)}"
+            f"{bytes_text(self.cast_bytes)}\n"
+            f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
+            f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
         )
 
     def __str__(self) -> str:
@@ -199,6 +203,8 @@ def report(compiled: Any) -> Report:
         casts_kept=sum(r.role == str(Role.CAST) for r in rows),
         cast_bytes=cast_bytes(compiled),
         ops_by_dtype=dict(ops),
+        casts_recomputed=record.stats.get("casts_recomputed", 0),
+        recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
         graph_module=compiled,
     )
 
@@ -237,6 +243,27 @@ class Explanation(str):
         printer.text(str(self))
 
 
+def _recompute_sentence(cast: fx.Node, amp: AmpInfo) -> str:
+    """What backward keeps of a cast (passes.recompute_casts decided it)."""
+    source = cast.args[0]
+    if not amp.recompute:
+        return (
+            f"\nBackward keeps this cast where an op saves it: its source '{source.name}' is "
+            "not known to outlive the forward (or Policy(recompute_casts=False))."
+        )
+    numel, dtype = value_numel(source), cast.args[1]
+    size = f" ({bytes_text(numel * dtype.itemsize)})" if numel is not None else ""
+    why = (
+        "a parameter or buffer, which the module keeps"
+        if amp.recompute == "module"
+        else "a result its op's backward saves anyway"
+    )
+    return (
+        f"\nIt is not kept for backward{size}: its source '{source.name}' is {why}, so "
+        "backward casts it again where it needs it (the same bits)."
+    )
+
+
 def explain(compiled: Any, node_name: str) -> Explanation:
     """Why ``node_name`` has its dtype, one sentence per line.
 
@@ -265,6 +292,7 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             f"'{node.name}' is a cast amp_graph inserted: it converts '{source.name}' "
             f"({short(source.meta[AMP].out_dtype)}) to {short(node.args[1])} for "
             f"{', '.join(repr(c) for c in amp.cast_for)}.\n{amp.detail}."
+            + _recompute_sentence(node, amp)
         )
     if amp.role is Role.RUNTIME:
         return Explanation(

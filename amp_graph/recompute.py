@@ -1,0 +1,200 @@
+"""Casts that backward makes again instead of keeping: the graph op and its runtime.
+
+An op that reads a cast saves the cast for its backward (``linear`` keeps its bf16 weight
+copy to compute the input's gradient), and torch.autocast holds every such copy from the
+forward to the backward. Where the cast's source stays alive anyway (a parameter, or a
+value backward keeps in any case, such as softmax's float32 output), keeping the copy is
+pure cost: backward can cast the source again, bit for bit (a cast is deterministic).
+
+:func:`recomputed_cast` is the graph op ``passes.recompute_casts`` puts where it decided
+so. It casts, and records the copy while a graph runs with :func:`install` 's hooks; a
+``torch.autograd.graph.saved_tensors_hooks`` pair then packs every saved tensor that is
+such a copy, or a view of one, as ``(source, dtype, view geometry)`` and casts again when
+backward unpacks it. Where nothing is recording (tracing for ``torch.compile`` or export,
+a ``no_grad`` call, a run inside someone else's saved-tensor hooks: a checkpoint or
+``save_on_cpu`` around the graph) it is a plain cast.
+
+Why saved-tensor hooks rather than selective checkpointing: the copy is the only thing to
+recompute, and the hooks recompute exactly it, where backward needs it, with no second
+forward; and under FSDP2 the source is the unit's unsharded parameter, which FSDP frees
+after the unit's forward and all-gathers again before the unit's backward, so the copy
+exists only while that unit's backward runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+__all__ = [
+    "KEPT_BY_AUTOGRAD",
+    "KEPT_BY_MODULE",
+    "ModifiedSourceError",
+    "install",
+    "recomputed_cast",
+    "recording",
+    "uninstall",
+]
+
+
+class ModifiedSourceError(RuntimeError):
+    """A cast backward would make again reads a source written since the forward."""
+
+
+class _Recording(threading.local):
+    copies: WeakTensorKeyDictionary | None = None  # copy -> source, while a graph runs
+
+
+_recording = _Recording()
+
+
+KEPT_BY_MODULE = "module"  # a parameter or buffer: the module keeps it
+KEPT_BY_AUTOGRAD = "autograd"  # an op's result its own backward saves (softmax's output)
+
+
+def recomputed_cast(source: torch.Tensor, dtype: torch.dtype, kept_by: str) -> torch.Tensor:
+    """``source.to(dtype)``, which backward casts again from ``source`` instead of keeping
+    (while a graph with :func:`install` 's hooks runs and records grad). ``kept_by`` says
+    why the source outlives the forward: ``"module"`` (a parameter or buffer) or
+    ``"autograd"`` (a result its op's backward saves, which holds only where autograd
+    recorded that op: otherwise the copy is kept as usual)."""
+    copy = source.to(dtype)
+    copies = _recording.copies
+    if copies is None or copy is source:
+        return copy
+    if kept_by == KEPT_BY_MODULE or source.grad_fn is not None:
+        copies[copy] = source
+    return copy
+
+
+class _Recast:
+    """What autograd keeps for a saved copy: its source, and how to remake the copy."""
+
+    __slots__ = ("dtype", "geometry", "source", "version")
+
+    def __init__(self, source: torch.Tensor, saved: torch.Tensor, base: torch.Tensor) -> None:
+        self.source = source
+        self.dtype = saved.dtype
+        self.version = source._version
+        # a view of the copy (linear saves weight.t()): its geometry on the copy's storage
+        self.geometry = (
+            None if saved is base else (saved.size(), saved.stride(), saved.storage_offset())
+        )
+
+    def remake(self) -> torch.Tensor:
+        if self.source._version != self.version:
+            raise ModifiedSourceError(
+                "backward needs a cast that amp_graph recomputes from its source, but the "
+                f"source (shape {tuple(self.source.shape)}, {self.source.dtype}) was written "
+                "in place between the forward and the backward, so the cast would differ from "
+                "the one the forward used. Do not modify parameters between forward and "
+                "backward (step the optimizer after backward), or set "
+                "Policy(recompute_casts=False)."
+            )
+        copy = self.source.to(self.dtype)
+        if self.geometry is not None:
+            copy = copy.as_strided(*self.geometry)
+        return copy
+
+
+def _pack(saved: torch.Tensor) -> Any:
+    copies = _recording.copies
+    base = saved if saved._base is None else saved._base
+    source = copies.get(base) if copies is not None else None
+    if source is None:
+        return saved
+    return _Recast(source, saved, base)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.remake() if isinstance(packed, _Recast) else packed
+
+
+def _outer_hooks_active() -> bool:
+    """Someone's saved-tensor hooks (a checkpoint around the graph, ``save_on_cpu``) are
+    on: they decide what is kept, and ours stay off."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+class _RecordingCall:
+    """One graph call's recording: the hooks entered at the forward's start, left at its end."""
+
+    def __init__(self) -> None:
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        self.previous = _recording.copies
+
+    def __enter__(self) -> None:
+        self.hooks.__enter__()
+        _recording.copies = WeakTensorKeyDictionary()
+
+    def __exit__(self, *exc: Any) -> None:
+        _recording.copies = self.previous
+        self.hooks.__exit__(*exc)
+
+
+def _start_recording() -> _RecordingCall | None:
+    """Record this forward's copies, unless grad is off (nothing is saved), a graph's
+    forward already records (a graph called inside one), or outer hooks decide."""
+    if not torch.is_grad_enabled() or _recording.copies is not None or _outer_hooks_active():
+        return None
+    call = _RecordingCall()
+    call.__enter__()
+    return call
+
+
+def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a graph's forward that is not called as a module: what dynamo's eager backend
+    returns) run as :func:`install` 's hooks run a module."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        call = _start_recording()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if call is not None:
+                call.__exit__(None, None, None)
+
+    return run
+
+
+_CALLS = "_amp_graph_recompute_calls"
+
+
+def _before_forward(module: nn.Module, args: Any) -> None:
+    module.__dict__.setdefault(_CALLS, []).append(_start_recording())
+
+
+def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
+    calls = module.__dict__.get(_CALLS)
+    call = calls.pop() if calls else None
+    if call is not None:
+        call.__exit__(None, None, None)
+
+
+_HANDLES = "_amp_graph_recompute_handles"
+
+
+def install(module: nn.Module) -> None:
+    """Record the copies :func:`recomputed_cast` makes in ``module`` 's forward, so that
+    backward casts them again instead of keeping them. Idempotent."""
+    if _HANDLES in module.__dict__:
+        return
+    module.__dict__[_HANDLES] = (
+        module.register_forward_pre_hook(_before_forward),
+        module.register_forward_hook(_after_forward, always_call=True),
+    )
+
+
+def uninstall(module: nn.Module) -> None:
+    """Undo :func:`install` (a graph handed to ``torch.compile``, whose partitioner decides
+    what backward keeps, must not run Python hooks around its forward)."""
+    for handle in module.__dict__.pop(_HANDLES, ()):
+        handle.remove()

@@ -1,0 +1,241 @@
+"""What the forward holds for backward, and what that costs: amp_graph with
+``recompute_casts`` on and off against torch.autocast, side by side in one run.
+
+Held = bytes of the distinct storages still alive at the end of the forward among every
+tensor an aten op made during it, parameters and buffers left out
+(:mod:`amp_graph.inspect.held`): what autograd saved, and anything else kept.
+
+1. One device, bf16 on this CPU: the GPT-style decoder (``amp_graph.models.GPT``, 4
+   layers, width 128, 4x64 tokens) and HF Llama (eager attention, 2 layers, width 128,
+   4x64 tokens), under ``O1`` and ``autocast`` policies. Also: the casts backward runs, the
+   aten ops backward runs beyond the kept-casts variant, and the median step time
+   (forward + backward) of on against off, interleaved.
+2. FSDP2 on 2 gloo ranks (CPU): issue 24's six residual MLP blocks of width 256 (batch 8)
+   and four Llama-style layers of width 128 (4x64 tokens), ``fully_shard`` per block and
+   on the root: amp_graph O1 bf16 against torch.autocast on the same sharded model and
+   against ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16))``.
+
+    python benchmarks/held_memory.py            # the run recorded in BENCHMARKS.md
+    python benchmarks/held_memory.py --quick    # fewer timing repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp_graph
+from amp_graph import models
+from amp_graph.inspect.held import held_for_backward
+
+BF16 = torch.bfloat16
+MB = 1e6
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _policy(name: str, recompute: bool) -> amp_graph.Policy:
+    return dataclasses.replace(amp_graph.Policy.preset(name), recompute_casts=recompute)
+
+
+def _held_and_backward_ops(model: nn.Module, forward: Callable[[], Any]) -> tuple[int, Counter]:
+    model.zero_grad(set_to_none=True)
+    held, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
+    loss = out.float().square().mean()
+    with CountOps() as counter:
+        loss.backward()
+    return held, counter.ops
+
+
+def _step_seconds(model: nn.Module, forward: Callable[[], Any]) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    forward().float().square().mean().backward()
+    return time.perf_counter() - start
+
+
+def one_device(name: str, model: nn.Module, call: Callable, repeats: int) -> None:
+    compiled = {
+        rc: amp_graph.compile(model, _policy(policy, rc), BF16)
+        for policy in (name,)
+        for rc in (True, False)
+    }
+    for c in compiled.values():
+        _step_seconds(model, lambda c=c: call(c))  # capture
+
+    def autocast(m: nn.Module = model) -> Any:
+        with torch.autocast("cpu", BF16):
+            return call(m)
+
+    held_ac, ops_ac = _held_and_backward_ops(model, autocast)
+    held_on, ops_on = _held_and_backward_ops(model, lambda: call(compiled[True]))
+    held_off, ops_off = _held_and_backward_ops(model, lambda: call(compiled[False]))
+    extra = ops_on - ops_off
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):  # interleaved: the machine's drift hits both alike
+        for rc in (True, False):
+            times[rc].append(_step_seconds(model, lambda rc=rc: call(compiled[rc])))
+    stats = compiled[True].graph_module.meta["amp_graph"].stats
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(
+        f"  {name:8s} held: autocast {held_ac / MB:6.2f} MB | keeping casts "
+        f"{held_off / MB:6.2f} MB ({held_off / held_ac:.2f}x) | recomputing "
+        f"{held_on / MB:6.2f} MB ({held_on / held_ac:.2f}x autocast)"
+    )
+    print(
+        f"           casts recomputed {stats['casts_recomputed']} "
+        f"({stats['recomputed_cast_bytes'] / MB:.2f} MB of copies); backward's extra ops: "
+        f"{dict(extra)}; backward casts: autocast {ops_ac['_to_copy']}, keeping "
+        f"{ops_off['_to_copy']}, recomputing {ops_on['_to_copy']}"
+    )
+    print(
+        f"           step median over {repeats}: recomputing {on * 1e3:.1f} ms, keeping "
+        f"{off * 1e3:.1f} ms: {on / off:.3f}x"
+    )
+
+
+def _llama() -> tuple[nn.Module, Callable]:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    ids = torch.randint(0, 512, (4, 64))
+    return transformers.LlamaForCausalLM(config).train(), lambda m: m(ids).logits
+
+
+# ---- FSDP2 on 2 gloo ranks -----------------------------------------------------------------
+
+
+def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, int]:
+    """Held bytes per variant on this rank, ``make()`` 's blocks and root sharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def sharded(**kwargs: Any) -> nn.Module:
+        torch.manual_seed(0)
+        model = make()
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def held(model: nn.Module, forward: Callable[[], Any]) -> int:
+        n, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
+        out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        return n
+
+    row = {}
+    for rc in (True, False):
+        model = sharded()
+        compiled = amp_graph.compile(model, _policy("O1", rc), BF16)
+        held(model, lambda c=compiled: c(x))
+        row["recomputing" if rc else "keeping casts"] = held(model, lambda c=compiled: c(x))
+    model = sharded()
+
+    def autocast() -> Any:
+        with torch.autocast("cpu", BF16):
+            return model(x)
+
+    row["autocast"] = held(model, autocast)
+    mixed = sharded(mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+    row["MixedPrecisionPolicy"] = held(mixed, lambda: mixed(x))
+    return row
+
+
+def _fsdp_rank(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    results = {}
+    setups = {
+        "6 residual MLP blocks, width 256, batch 8": (models.ResidualMLP, (8, 256)),
+        "4 Llama-style layers, width 128, 4x64 tokens": (models.LlamaStyle, (4, 64, 128)),
+    }
+    for label, (make, shape) in setups.items():
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(rank))
+        results[label] = _fsdp_held(make, x)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def fsdp2() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_fsdp_rank, args=(port, out), nprocs=2, join=True)
+        rank0 = torch.load(Path(out) / "rank0.pt")
+    for label, row in rank0.items():
+        mpp = row["MixedPrecisionPolicy"]
+        print(f"  {label} (rank 0):")
+        for variant, value in row.items():
+            print(
+                f"    {variant:22s} {value / MB:7.3f} MB  {value / mpp:6.2f}x MixedPrecisionPolicy"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    options = parser.parse_args()
+    repeats = 5 if options.quick else 21
+    torch.set_num_threads(1)
+    print(
+        f"torch {torch.__version__}, CPU {platform.processor() or platform.machine()}, "
+        f"python {sys.version.split()[0]}, bf16, 1 thread"
+    )
+    torch.manual_seed(0)
+    gpt = models.GPT(vocab=512, block=64, dim=128, heads=4, layers=4)
+    ids = torch.randint(0, 512, (4, 64))
+    print("GPT-style decoder (4 layers, width 128, 4x64 tokens):")
+    for name in ("O1", "autocast"):
+        one_device(name, gpt, lambda m: m(ids), repeats)
+    llama, call = _llama()
+    print("HF Llama (eager attention, 2 layers, width 128, 4x64 tokens):")
+    for name in ("O1", "autocast"):
+        one_device(name, llama, call, repeats)
+    print("FSDP2, 2 gloo ranks, O1 bf16 (held at the end of the forward, per rank):")
+    fsdp2()
+
+
+if __name__ == "__main__":
+    main()

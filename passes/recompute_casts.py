@@ -1,0 +1,118 @@
+"""Pass recompute_casts: what backward keeps of the casts (a decision, like a dtype).
+
+The op that reads a cast keeps it for backward (``linear`` saves its bf16 weight copy), so
+under torch.autocast every low-precision copy of a weight lives from the forward to the
+backward: a fifth of what a GPT's forward keeps, and under FSDP2 the whole unsharded model
+on every rank. This pass decides which casts backward makes again instead: those whose
+source outlives the forward anyway, so that recasting costs one memory-bound cast and
+keeping the source costs nothing:
+
+* a parameter or buffer (``get_attr``, or a graph input dynamo lifted from the module:
+  ``role=PARAM``; the module keeps it; under FSDP2 the unit's
+  unsharded parameter, all-gathered again before the unit's backward), unless the graph
+  writes it in place (the recast would read the new value);
+* the result of an op whose backward saves its own result (:data:`SAVES_RESULT`: softmax's
+  float32 probabilities, whose bf16 copy feeds the next matmul), unless the graph writes it
+  in place; at run time only where autograd recorded that op (else the copy is kept).
+
+Each decided cast becomes a call of :func:`amp_graph.recompute.recomputed_cast` (the same
+cast, visible as such in the printed graph); :func:`amp_graph.recompute.install` 's hooks
+on the GraphModule then keep its source instead of the copy. Gradients are bit-identical:
+a cast is deterministic.
+
+Reads: ``meta["amp"]`` (casts: ``role=CAST``; their sources' role and aten op), the casts'
+sources' ``meta["val"]`` (for the bytes). Writes: the decided casts' target and args, and
+``meta["amp"].recompute`` (why the source is kept: ``"module"`` or ``"autograd"``).
+Guarantees: every value is computed as before; only top-level casts change (a checkpointed
+block's casts are recomputed by its checkpoint already); a graph input's cast is never
+decided (the caller may free the input after the forward: keeping it would cost more).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from amp_graph.recompute import KEPT_BY_AUTOGRAD, KEPT_BY_MODULE, recomputed_cast
+
+from .meta import AMP, VAL, Role
+from .result import PassResult
+from .sharing import written_values
+
+# aten ops whose derivative formula reads ``result`` (torch's derivatives.yaml): backward
+# keeps their output whenever autograd records them.
+SAVES_RESULT = frozenset(
+    {
+        "aten::softmax",  # composite: runs _softmax, whose output is its own
+        "aten::_softmax",
+        "aten::log_softmax",
+        "aten::_log_softmax",
+        "aten::exp",
+        "aten::tanh",
+        "aten::sigmoid",
+        "aten::sqrt",
+        "aten::rsqrt",
+        "aten::relu",
+    }
+)
+
+
+def is_inserted_cast(node: fx.Node) -> bool:
+    """A cast amp_graph inserted, as ``x.to(dtype)`` or as a :func:`recomputed_cast`."""
+    amp = node.meta.get(AMP)
+    return (
+        amp is not None
+        and amp.role is Role.CAST
+        and (node.op, node.target) in (("call_method", "to"), ("call_function", recomputed_cast))
+    )
+
+
+def _kept_by(source: fx.Node) -> str | None:
+    """Why ``source`` outlives the forward, or None."""
+    role = source.meta[AMP].role
+    if role is Role.PARAM and source.op in ("get_attr", "placeholder"):  # read, or lifted
+        return KEPT_BY_MODULE
+    target = source.target
+    saves_result = isinstance(target, torch._ops.OpOverload) and (
+        target._schema.name in SAVES_RESULT
+    )
+    if source.op == "call_function" and saves_result:
+        return KEPT_BY_AUTOGRAD
+    return None
+
+
+def _copy_bytes(cast: fx.Node) -> int:
+    value = cast.args[0].meta.get(VAL)
+    dtype = cast.args[1]
+    if not isinstance(value, torch.Tensor) or not isinstance(dtype, torch.dtype):
+        return 0
+    numel = value.numel()
+    return int(numel) * dtype.itemsize if isinstance(numel, int) else 0
+
+
+def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
+    """Make the casts whose source outlives the forward recomputed in backward.
+
+    ``enabled=False`` (``Policy(recompute_casts=False)``) decides none: backward keeps every
+    copy, as torch.autocast does. Stats: ``casts_recomputed`` and
+    ``recomputed_cast_bytes`` (the copies' bytes, per call, that backward no longer holds).
+    """
+    if not enabled:
+        return PassResult(gm, modified=False, stats={"casts_recomputed": 0})
+    written = written_values(gm)
+    count = nbytes = 0
+    for node in gm.graph.nodes:
+        if not (is_inserted_cast(node) and node.op == "call_method"):
+            continue
+        source, dtype = node.args[0], node.args[1]
+        if not isinstance(source, fx.Node) or source in written or node.kwargs:
+            continue
+        kept_by = _kept_by(source)
+        if kept_by is None:
+            continue
+        node.op, node.target, node.args = "call_function", recomputed_cast, (source, dtype, kept_by)
+        node.meta[AMP].recompute = kept_by
+        count += 1
+        nbytes += _copy_bytes(node)
+    stats = {"casts_recomputed": count, "recomputed_cast_bytes": nbytes}
+    return PassResult(gm, modified=count > 0, stats=stats)

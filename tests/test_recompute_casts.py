@@ -1,0 +1,349 @@
+"""Backward casts again what it can, instead of keeping it (passes/recompute_casts.py,
+amp_graph/recompute.py): less held from forward to backward, the same gradients, bit for bit.
+
+What the forward leaves alive is counted by :class:`amp_graph.inspect.held.HeldForBackward`:
+every tensor an aten op made, weakly referenced from a dispatch mode, by distinct live
+storage once the forward returns, parameters left out. It sees what a checkpoint or any
+cache keeps, not only what saved-tensor hooks see. Each test compares the same policy with
+``recompute_casts`` on and off (and torch.autocast), on the same model and batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp_graph
+from amp_graph.inspect.held import held_for_backward
+from amp_graph.models import GPT
+from amp_graph.recompute import ModifiedSourceError, recomputed_cast
+
+BF16 = torch.bfloat16
+
+
+def policy(name: str, recompute: bool) -> amp_graph.Policy:
+    return dataclasses.replace(amp_graph.Policy.preset(name), recompute_casts=recompute)
+
+
+def step(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+    """Bytes the forward leaves alive for backward (parameters and buffers aside), and the
+    gradients after backward."""
+    model.zero_grad(set_to_none=True)
+    held, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
+    out.float().square().mean().backward()
+    return held, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def compare(
+    model: nn.Module, call: Callable[[nn.Module], torch.Tensor], name: str
+) -> dict[str, int]:
+    """Held bytes with the recompute on, off, and under torch.autocast; asserts the
+    gradients of on and off are the same bits."""
+    held, grads = {}, {}
+    for recompute in (True, False):
+        compiled = amp_graph.compile(model, policy(name, recompute), BF16)
+        step(model, lambda c=compiled: call(c))  # capture; then measure a second call
+        held[str(recompute)], grads[recompute] = step(model, lambda c=compiled: call(c))
+        if recompute:
+            assert compiled.graph_module.meta["amp_graph"].stats["casts_recomputed"] > 0
+
+    def autocast() -> torch.Tensor:
+        with torch.autocast("cpu", BF16):
+            return call(model)
+
+    held["autocast"], _ = step(model, autocast)
+    assert_same_bits(grads[True], grads[False])
+    return held
+
+
+def llama(checkpointing: bool = False) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+IDS = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+LLAMA_IDS = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", ["O1", "autocast"])
+def test_gpt_keeps_no_weight_copy_and_computes_the_same_gradients(name: str) -> None:
+    model = GPT(vocab=64, block=32, dim=64, heads=4, layers=2)
+    held = compare(model, lambda m: m(IDS), name)
+    # what is no longer held is the weights' bf16 copies: the linears' (q, k, v, proj, fc,
+    # out) weights of 2 blocks are 12 * 64 * 64 * ... bytes; at least half of them
+    weights = sum(p.numel() for n, p in model.named_parameters() if "blocks" in n and p.dim() == 2)
+    assert held["False"] - held["True"] >= weights * 2 // 2
+    assert held["True"] < held["autocast"]
+
+
+@pytest.mark.parametrize("name", ["O1", "autocast"])
+def test_hf_llama_holds_less_than_autocast(name: str) -> None:
+    model = llama()
+    held = compare(model, lambda m: m(LLAMA_IDS).logits, name)
+    assert held["True"] < held["False"] and held["True"] < held["autocast"]
+
+
+def test_hf_gradient_checkpointing_composes() -> None:
+    """HF's checkpoints recompute their blocks (they keep their inputs only); the casts
+    outside them (the head's weight) are still not kept, and nothing more is."""
+    model = llama(checkpointing=True)
+    held = compare(model, lambda m: m(LLAMA_IDS).logits, "O1")
+    assert held["True"] <= held["False"] and held["True"] < held["autocast"]
+
+
+class CheckpointedGPT(nn.Module):
+    """The GPT with each block under ``torch.utils.checkpoint`` (as nanoGPT forks do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(vocab=64, block=32, dim=64, heads=4, layers=2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.tok(idx) + g.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in g.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return g.head(g.ln_f(x))
+
+
+def test_the_models_own_checkpoints_compose() -> None:
+    model = CheckpointedGPT()
+    held = compare(model, lambda m: m(IDS), "O1")
+    compiled = amp_graph.compile(model, "O1", BF16)
+    compiled(IDS)
+    code = compiled.code
+    assert "checkpoint" in code and "recomputed_cast" in code
+    assert held["True"] <= held["False"] < held["autocast"] + 1
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def is_alias(op_name: str) -> bool:
+    """An aten op whose every overload returns a view of its input: no memory, no kernel."""
+    packet = getattr(torch.ops.aten, op_name)
+    return all(
+        packet.overloads()
+        and all(r.alias_info is not None for r in getattr(packet, o)._schema.returns)
+        for o in packet.overloads()
+    )
+
+
+def test_backward_runs_no_extra_op_but_casts() -> None:
+    """Against the same policy without the recompute: backward adds casts (``_to_copy``)
+    and views (``as_strided`` rebuilds a saved ``weight.t()``; autograd unpacks what
+    saved-tensor hooks kept with a ``detach``), nothing else."""
+    model = GPT(vocab=64, block=32, dim=64, heads=4, layers=2)
+    counts = {}
+    for recompute in (True, False):
+        compiled = amp_graph.compile(model, policy("O1", recompute), BF16)
+        model.zero_grad(set_to_none=True)
+        loss = compiled(IDS).float().square().mean()
+        with CountOps() as mode:
+            loss.backward()
+        counts[recompute] = mode.ops
+    extra = counts[True] - counts[False]
+    assert extra["_to_copy"] > 0
+    assert all(is_alias(op) for op in set(extra) - {"_to_copy"}), extra
+    assert not counts[False] - counts[True]
+
+
+def test_a_source_written_before_backward_is_an_error() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    compiled = amp_graph.compile(model, "O1", BF16)
+    out = compiled(torch.randn(4, 8, requires_grad=True))
+    with torch.no_grad():
+        model[2].weight.add_(1.0)
+    with pytest.raises(ModifiedSourceError, match="recompute_casts=False"):
+        out.float().sum().backward()
+
+
+def test_outer_saved_tensor_hooks_decide_and_gradients_stay() -> None:
+    """Inside someone's saved-tensor hooks (``save_on_cpu``) amp_graph's stay off."""
+    model = GPT(vocab=64, block=32, dim=64, heads=4, layers=2)
+    compiled = amp_graph.compile(model, "O1", BF16)
+    _, plain = step(model, lambda: compiled(IDS))
+    packed = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, hooked = step(model, lambda: compiled(IDS))
+    assert BF16 in packed  # the weight copies reached the outer hooks, kept as they are
+    assert_same_bits(plain, hooked)
+
+
+def test_report_and_explain_say_what_is_recomputed() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Softmax(-1), nn.Linear(16, 8))
+    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(torch.randn(4, 8),))
+    report = amp_graph.report(compiled)
+    assert report.casts_recomputed == 5  # two weights, two biases, softmax's output
+    assert report.recomputed_cast_bytes == (8 * 16 + 16 + 16 * 8 + 8 + 4 * 16) * 2
+    assert "recomputed in backward" in report.totals()
+    cast = next(n for n in compiled.graph.nodes if n.target is recomputed_cast)
+    text = str(amp_graph.explain(compiled, cast.name))
+    assert "not kept for backward" in text and "parameter" in text
+    off = amp_graph.compile(model, policy("O1", False), BF16, example_inputs=(torch.randn(4, 8),))
+    assert amp_graph.report(off).casts_recomputed == 0
+    assert "recomputed_cast" not in off.code
+
+
+def test_softmax_output_cast_is_recomputed_from_the_kept_float32_result() -> None:
+    """O1 computes softmax in float32 and casts its output for the next matmul: backward
+    keeps the float32 probabilities anyway, so not also their bf16 copy."""
+
+    class Attention(nn.Module):
+        def forward(self, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(q @ q.transpose(-1, -2), -1) @ v
+
+    q = torch.randn(2, 16, 8, requires_grad=True)
+    v = torch.randn(2, 16, 8, requires_grad=True)
+    held, grads = {}, {}
+    for recompute in (True, False):
+        compiled = amp_graph.compile(Attention(), policy("O1", recompute), BF16)
+        q.grad = v.grad = None
+        held[recompute], out = held_for_backward(lambda c=compiled: c(q, v))
+        out.float().sum().backward()
+        grads[recompute] = [q.grad.clone(), v.grad.clone()]
+        kept = [n.args[2] for n in compiled.graph.nodes if n.target is recomputed_cast]
+        assert kept == (["autograd"] if recompute else [])
+    assert held[False] - held[True] == 2 * 16 * 16 * 2  # the bf16 probabilities
+    assert_same_bits(grads[True], grads[False])
+
+
+def test_a_policy_field_of_the_wrong_type_is_named() -> None:
+    with pytest.raises(ValueError, match="recompute_casts"):
+        dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts="no")
+    with pytest.raises(ValueError, match="cast_inputs"):
+        dataclasses.replace(amp_graph.Policy.preset("O1"), cast_inputs=1)
+
+
+# ---- the other entry points: the backend, Graph (accumulation, O2, enable_compile), fp8 ----
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_backend_gradients_are_the_same_bits(inner: str, fresh_dynamo: None) -> None:
+    """(Dynamo runs no compiled code under a dispatch mode, so what the forward holds is not
+    counted here; the casts backward runs are.)"""
+    model = GPT(vocab=64, block=32, dim=64, heads=4, layers=1)
+    casts, grads = {}, {}
+    for recompute in (True, False):
+        torch._dynamo.reset()
+        backend = amp_graph.backend(policy("O1", recompute), BF16, inner=inner)
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = compiled(IDS).float().square().mean()
+            with CountOps() as mode:
+                loss.backward()
+        casts[recompute] = mode.ops["_to_copy"]
+        grads[recompute] = [p.grad.clone() for p in model.parameters()]
+        [gm] = amp_graph.captured_graphs(compiled)
+        assert (gm.meta["amp_graph"].stats["casts_recomputed"] > 0) == recompute
+    assert_same_bits(grads[True], grads[False])
+    if inner == "eager":  # the graph runs as it is: backward casts the weights again
+        assert casts[True] > casts[False]
+
+
+def train_graph(
+    name: str, recompute: bool, micro_batches: int = 1, compile_build: bool = False
+) -> tuple[list[torch.Tensor], amp_graph.Graph]:
+    torch.manual_seed(0)
+    model = GPT(vocab=64, block=32, dim=64, heads=4, layers=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    class Train(amp_graph.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, policy=policy(name, recompute), dtype=BF16)
+            self.config.set_gradient_accumulation_steps(micro_batches)
+            if compile_build:
+                self.config.enable_compile(backend="aot_eager")
+
+        def build(self, idx: torch.Tensor) -> torch.Tensor:
+            loss = model(idx).float().square().mean()
+            loss.backward()
+            return loss
+
+    graph = Train()
+    for i in range(2):
+        graph(torch.roll(IDS, i))
+    return [p.detach().float().clone() for p in model.parameters()], graph
+
+
+@pytest.mark.parametrize(
+    ("name", "micro_batches", "compile_build"),
+    [("O1", 1, False), ("O1", 4, False), ("O2", 1, False), ("O1", 1, True)],
+)
+def test_graph_trains_the_same_bits(name: str, micro_batches: int, compile_build: bool) -> None:
+    on, graph = train_graph(name, True, micro_batches, compile_build)
+    off, _ = train_graph(name, False, micro_batches, compile_build)
+    assert_same_bits(on, off)
+    recomputed = graph.build_graph.meta["amp_graph"].stats["casts_recomputed"]
+    if name == "O1" and micro_batches == 1:  # O2 stores weights low; accumulation hoists
+        assert recomputed > 0 and "recomputed_cast" in graph.build_graph.code
+
+
+def test_fp8_policy_trains_the_same_bits() -> None:
+    from amp_graph.fp8 import fp8_matmul_error
+
+    if fp8_matmul_error("cpu") is not None:
+        pytest.skip(f"no fp8 matmul here: {fp8_matmul_error('cpu')}")
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))
+    x = torch.randn(16, 32)
+    grads = {}
+    for recompute in (True, False):
+        compiled = amp_graph.compile(model, policy("fp8", recompute), BF16)
+        _, grads[recompute] = step(model, lambda c=compiled: c(x))
+    assert_same_bits(grads[True], grads[False])
+
+
+def test_every_linear_weight_cast_is_recomputed_in_the_printed_graph() -> None:
+    model = GPT(vocab=64, block=32, dim=64, heads=4, layers=1)
+    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(IDS,))
+    casts = [n for n in compiled.graph.nodes if n.target is recomputed_cast]
+    assert all(n.args[0].op == "get_attr" and n.args[2] == "module" for n in casts)
+    sources = {n.args[0].target.removeprefix("model.") for n in casts}
+    linears = {f"{path}.weight" for path, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {"tok.weight" if p == "head.weight" else p for p in linears}  # tied
+    assert linears <= sources
+    assert compiled.code.count("recomputed_cast(") == len(casts)
