@@ -38,6 +38,7 @@ __all__ = [
     "ModifiedSourceError",
     "install",
     "recomputed_cast",
+    "recomputed_quantize",
     "recording",
     "uninstall",
 ]
@@ -48,7 +49,8 @@ class ModifiedSourceError(RuntimeError):
 
 
 class _Recording(threading.local):
-    copies: WeakTensorKeyDictionary | None = None  # copy -> source, while a graph runs
+    # copy -> (source, make, args), while a graph's forward runs
+    copies: WeakTensorKeyDictionary | None = None
 
 
 _recording = _Recording()
@@ -65,23 +67,39 @@ def recomputed_cast(source: torch.Tensor, dtype: torch.dtype, kept_by: str) -> t
     ``"autograd"`` (a result its op's backward saves, which holds only where autograd
     recorded that op: otherwise the copy is kept as usual)."""
     copy = source.to(dtype)
-    copies = _recording.copies
-    if copies is None or copy is source:
-        return copy
     if kept_by == KEPT_BY_MODULE or source.grad_fn is not None:
-        copies[copy] = source
+        _record(copy, source, torch.Tensor.to, (source, dtype))
     return copy
+
+
+def recomputed_quantize(
+    source: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``amp_graph.fp8_quantize(source, scale, dtype)`` of a parameter (its float8 copy, which
+    the fp8 linear saves for backward), quantized again in backward instead of kept."""
+    quantize = torch.ops.amp_graph.fp8_quantize.default
+    copy = quantize(source, scale, dtype)
+    _record(copy, source, quantize, (source, scale, dtype))
+    return copy
+
+
+def _record(
+    copy: torch.Tensor, source: torch.Tensor, make: Callable[..., torch.Tensor], args: tuple
+) -> None:
+    """While a graph's forward records: backward remakes ``copy`` as ``make(*args)``."""
+    copies = _recording.copies
+    if copies is not None and copy is not source:
+        copies[copy] = (source, make, args)
 
 
 class _Recast:
     """What autograd keeps for a saved copy: its source, and how to remake the copy."""
 
-    __slots__ = ("dtype", "geometry", "source", "version")
+    __slots__ = ("args", "geometry", "make", "source", "version")
 
-    def __init__(self, source: torch.Tensor, saved: torch.Tensor, base: torch.Tensor) -> None:
-        self.source = source
-        self.dtype = saved.dtype
-        self.version = source._version
+    def __init__(self, recipe: tuple, saved: torch.Tensor, base: torch.Tensor) -> None:
+        self.source, self.make, self.args = recipe
+        self.version = self.source._version
         # a view of the copy (linear saves weight.t()): its geometry on the copy's storage
         self.geometry = (
             None if saved is base else (saved.size(), saved.stride(), saved.storage_offset())
@@ -97,23 +115,44 @@ class _Recast:
                 "backward (step the optimizer after backward), or set "
                 "Policy(recompute_casts=False)."
             )
-        copy = self.source.to(self.dtype)
+        copy = self.make(*self.args)
         if self.geometry is not None:
             copy = copy.as_strided(*self.geometry)
         return copy
 
 
+class _Kept:
+    """A saved tensor kept as it is, with its version: autograd checks no version of what
+    saved-tensor hooks return, so the hooks check it, as autograd would have."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at "
+                f"version {self.tensor._version}; expected version {self.version} instead "
+                "(checked by amp_graph's saved-tensor hooks, in autograd's place)"
+            )
+        return self.tensor
+
+
 def _pack(saved: torch.Tensor) -> Any:
     copies = _recording.copies
     base = saved if saved._base is None else saved._base
-    source = copies.get(base) if copies is not None else None
-    if source is None:
-        return saved
-    return _Recast(source, saved, base)
+    recipe = copies.get(base) if copies is not None else None
+    if recipe is None:
+        return _Kept(saved)
+    return _Recast(recipe, saved, base)
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    return packed.remake() if isinstance(packed, _Recast) else packed
+    return packed.remake() if isinstance(packed, _Recast) else packed.unpack()
 
 
 def _outer_hooks_active() -> bool:

@@ -42,6 +42,7 @@ import torch.utils._pytree as pytree
 from amp_graph.compiler import COMPILE_META, CompiledModule, CompileRecord
 from amp_graph.passes.meta import AMP, FLOAT8
 from amp_graph.passes.schema import written_storage
+from amp_graph.recompute import recomputed_cast, recomputed_quantize
 
 LOW_FLOATS = frozenset({torch.float16, torch.bfloat16}) | FLOAT8
 
@@ -56,6 +57,7 @@ def shadow_targets() -> dict[Any, Callable[..., Any]]:
         amp.fp8_scale.default: amp.fp8_scale.default,
         amp.fp8_linear.default: lambda x, w, _xq, _xs, _wq, _ws, b, _r: F.linear(x, w, b),
         amp.fp8_quantize.default: lambda x, scale, _dtype: x.float() * scale,
+        recomputed_quantize: lambda x, scale, _dtype: x.float() * scale,
     }
 
 
@@ -291,6 +293,7 @@ def _is_random(node: fx.Node) -> bool:
         return not (
             isinstance(target, torch._ops.OpOverloadPacket)
             or target in (operator.getitem, operator.add, operator.mul)
+            or target in (recomputed_cast, recomputed_quantize)
         )
     return node.op == "call_module"
 

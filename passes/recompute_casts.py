@@ -15,6 +15,9 @@ keeping the source costs nothing:
   float32 probabilities, whose bf16 copy feeds the next matmul), unless the graph writes it
   in place; at run time only where autograd recorded that op (else the copy is kept).
 
+The fp8 policy's float8 copies of parameters (``fp8_quantize`` of a weight, which the fp8
+linear saves) are casts too: they become :func:`amp_graph.recompute.recomputed_quantize`.
+
 Each decided cast becomes a call of :func:`amp_graph.recompute.recomputed_cast` (the same
 cast, visible as such in the printed graph); :func:`amp_graph.recompute.install` 's hooks
 on the GraphModule then keep its source instead of the copy. Gradients are bit-identical:
@@ -33,7 +36,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_graph.recompute import KEPT_BY_AUTOGRAD, KEPT_BY_MODULE, recomputed_cast
+from amp_graph.recompute import (
+    KEPT_BY_AUTOGRAD,
+    KEPT_BY_MODULE,
+    recomputed_cast,
+    recomputed_quantize,
+)
 
 from .meta import AMP, VAL, Role
 from .result import PassResult
@@ -81,9 +89,22 @@ def _kept_by(source: fx.Node) -> str | None:
     return None
 
 
+def _is_parameter_quantization(node: fx.Node) -> bool:
+    """An fp8 policy's ``fp8_quantize`` of a parameter (its float8 copy, which the fp8 linear
+    saves for backward): a cast too."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target._schema.name == "amp_graph::fp8_quantize"
+        and isinstance(node.args[0], fx.Node)
+        and _kept_by(node.args[0]) == KEPT_BY_MODULE
+    )
+
+
 def _copy_bytes(cast: fx.Node) -> int:
     value = cast.args[0].meta.get(VAL)
-    dtype = cast.args[1]
+    dtype = cast.args[-1] if cast.target is recomputed_quantize else cast.args[1]
     if not isinstance(value, torch.Tensor) or not isinstance(dtype, torch.dtype):
         return 0
     numel = value.numel()
@@ -102,6 +123,12 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
     written = written_values(gm)
     count = nbytes = 0
     for node in gm.graph.nodes:
+        if _is_parameter_quantization(node) and node.args[0] not in written:
+            node.target = recomputed_quantize
+            node.meta[AMP].recompute = KEPT_BY_MODULE
+            count += 1
+            nbytes += _copy_bytes(node)
+            continue
         if not (is_inserted_cast(node) and node.op == "call_method"):
             continue
         source, dtype = node.args[0], node.args[1]

@@ -611,7 +611,5 @@ def test_fsdp2_holds_for_backward_what_its_own_mixed_precision_holds(tmp_path: P
             assert held["casts_recomputed"] > 0, name
             assert held["same_grads"], name
             assert held["amp_graph"] <= 2 * held["fsdp_mixed_precision"], (name, held)
-            assert held["amp_graph"] < held["amp_graph_keeping_casts"] <= held["autocast"], (
-                name,
-                held,
-            )
+            assert held["amp_graph"] < held["amp_graph_keeping_casts"], (name, held)
+            assert held["amp_graph"] < held["autocast"], (name, held)

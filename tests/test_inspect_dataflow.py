@@ -3,11 +3,14 @@ checked against the `_to_copy` calls PyTorch really makes (the oracle)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_graph
+from amp_graph import Policy
 from amp_graph.inspect import dataflow
 from amp_graph.models import (
     GPT,
@@ -45,6 +48,9 @@ def measured(compiled, inputs):
     return forward.count, forward.bytes, backward.count, backward.bytes
 
 
+# O1 with every cast kept for backward: dataflow's backward totals are then exact
+KEEPING_O1 = dataclasses.replace(Policy.preset("O1"), recompute_casts=False)
+
 CASES = {
     "MLP": (MLP, lambda: (torch.randn(4, 64),)),
     "DecoderBlock": (lambda: DecoderBlock(32, 4), lambda: (torch.randn(2, 8, 32),)),
@@ -60,23 +66,34 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_conversions_match_what_pytorch_runs(name, dtype, policy):
+    """Exact with the casts kept for backward; with ``recompute_casts`` (the default)
+    backward also casts again, at most once each, the recomputed copies an op saved."""
     make_model, make_inputs = CASES[name]
     inputs = make_inputs()
-    compiled = amp_graph.compile(make_model(), policy, dtype, example_inputs=inputs)
-    total = dataflow(compiled).total
-    predicted = (
-        total.forward_casts,
-        total.forward_bytes,
-        total.backward_casts,
-        total.backward_bytes,
-    )
-    assert predicted == measured(compiled, inputs)
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        chosen = dataclasses.replace(Policy.preset(policy), recompute_casts=recompute)
+        compiled = amp_graph.compile(make_model(), chosen, dtype, example_inputs=inputs)
+        total = dataflow(compiled).total
+        predicted = (
+            total.forward_casts,
+            total.forward_bytes,
+            total.backward_casts,
+            total.backward_bytes,
+        )
+        got = measured(compiled, inputs)
+        if not recompute:
+            assert predicted == got
+            continue
+        recomputed = amp_graph.report(compiled).casts_recomputed
+        assert got[:2] == predicted[:2]
+        assert predicted[2] <= got[2] <= predicted[2] + recomputed
 
 
 def test_rnn_conversions_in_fp16():
     # bf16 LSTMs on CPU convert weights inside the kernel's backward; fp16 runs as planned.
     inputs = (torch.randn(2, 5, 8),)
-    compiled = amp_graph.compile(RecurrentNet(), "O1", torch.float16, example_inputs=inputs)
+    compiled = amp_graph.compile(RecurrentNet(), KEEPING_O1, torch.float16, example_inputs=inputs)
     total = dataflow(compiled).total
     assert (
         total.forward_casts,
@@ -165,7 +182,7 @@ def test_frozen_parameters_have_no_backward_casts():
 
 
 def test_with_symbolic_sizes_bytes_are_unknown():
-    compiled, x = amp_graph.compile(MLP()), torch.randn(4, 64)
+    compiled, x = amp_graph.compile(MLP(), KEEPING_O1), torch.randn(4, 64)
     compiled(x)  # captured at the first call, with this call's sizes
     _, forward_bytes, _, backward_bytes = measured(compiled, (x,))
     assert dataflow(compiled).total.forward_bytes == forward_bytes

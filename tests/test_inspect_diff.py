@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -18,10 +19,23 @@ SVG_NS = "{http://www.w3.org/2000/svg}"
 
 @pytest.fixture(scope="module")
 def block() -> torch.fx.GraphModule:
+    """O1 with the casts kept for backward: the diffs below show what simplification did
+    alone (recompute_casts, a later pass, would also change every weight cast's target)."""
     torch.manual_seed(0)
+    keeping = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=False)
     return amp_graph.compile(
+        DecoderBlock(32, 4), keeping, torch.bfloat16, example_inputs=(torch.randn(2, 8, 32),)
+    )
+
+
+def test_recomputed_casts_show_as_changed_against_the_graph_before_simplification():
+    torch.manual_seed(0)
+    compiled = amp_graph.compile(
         DecoderBlock(32, 4), "O1", torch.bfloat16, example_inputs=(torch.randn(2, 8, 32),)
     )
+    changed = rows(diff(before_simplification(compiled), compiled), "changed")
+    recomputed = amp_graph.report(compiled).casts_recomputed
+    assert recomputed > 0 and len(changed) == recomputed + 2  # and the k, v linears
 
 
 def rows(d, change: str) -> dict:
@@ -118,7 +132,7 @@ def test_diff_drawing_marks_added_changed_and_removed_nodes(block):
 
 
 def test_diff_of_two_policies_says_why_casts_went(block):
-    policy = amp_graph.Policy.preset("O1").override(modules={"attn": "fp32"})
+    policy = block.meta["amp_graph"].policy.override(modules={"attn": "fp32"})
     model = block.model  # the same parameters
     kept_fp32 = amp_graph.compile(model, policy, example_inputs=(torch.randn(2, 8, 32),))
     d = diff(block, kept_fp32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp_graph
 from amp_graph.inspect.held import held_for_backward
 from amp_graph.models import GPT
-from amp_graph.recompute import ModifiedSourceError, recomputed_cast
+from amp_graph.recompute import ModifiedSourceError, recomputed_cast, recomputed_quantize
 
 BF16 = torch.bfloat16
 
@@ -330,11 +331,15 @@ def test_fp8_policy_trains_the_same_bits() -> None:
         pytest.skip(f"no fp8 matmul here: {fp8_matmul_error('cpu')}")
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))
     x = torch.randn(16, 32)
-    grads = {}
+    held, grads = {}, {}
     for recompute in (True, False):
         compiled = amp_graph.compile(model, policy("fp8", recompute), BF16)
-        _, grads[recompute] = step(model, lambda c=compiled: c(x))
+        step(model, lambda c=compiled: c(x))  # capture
+        held[recompute], grads[recompute] = step(model, lambda c=compiled: c(x))
+        quantized = [n for n in compiled.graph.nodes if n.target is recomputed_quantize]
+        assert len(quantized) == (2 if recompute else 0)  # the two weights' e4m3 copies
     assert_same_bits(grads[True], grads[False])
+    assert held[False] - held[True] == 32 * 64 + 64 * 32  # one byte per element
 
 
 def test_every_linear_weight_cast_is_recomputed_in_the_printed_graph() -> None:
@@ -347,3 +352,70 @@ def test_every_linear_weight_cast_is_recomputed_in_the_printed_graph() -> None:
     linears = {"tok.weight" if p == "head.weight" else p for p in linears}  # tied
     assert linears <= sources
     assert compiled.code.count("recomputed_cast(") == len(casts)
+
+
+def _native_bf16_cpu() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _zoo() -> list[Any]:
+    from test_front_end import MODELS
+
+    cases = []
+    for name, case in MODELS.items():
+        marks = []
+        if name == "lstm" and not _native_bf16_cpu():
+            marks = [pytest.mark.skip(reason="oneDNN has no bf16 LSTM without AVX512-BF16/AMX")]
+        cases.append(pytest.param(name, case, marks=marks, id=name))
+    return cases
+
+
+@pytest.mark.parametrize("policy_name", ["O1", "autocast"])
+@pytest.mark.parametrize(("name", "case"), _zoo())
+def test_zoo_gradients_are_the_same_bits(name: str, case: tuple, policy_name: str) -> None:
+    """Every model of the front-end zoo: the gradients with the recompute on and off are the
+    same bits (a cast is deterministic), whatever backward does not keep."""
+    make, inputs, loss_of = case
+    grads = {}
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        model = make().train()
+        args = inputs()
+        compiled = amp_graph.compile(model, policy(policy_name, recompute), BF16)
+        for _ in range(2):  # capture, then the measured call
+            model.zero_grad(set_to_none=True)
+            loss_of(compiled(*args)).float().backward()
+        grads[recompute] = [
+            p.grad.clone() if p.grad is not None else None for p in model.parameters()
+        ]
+    assert any(g is not None for g in grads[True])
+    for on, off in zip(grads[True], grads[False], strict=True):
+        assert (on is None) == (off is None)
+        if on is not None:
+            assert torch.equal(on, off)
+
+
+def test_a_saved_tensor_written_in_place_is_still_an_error() -> None:
+    """Autograd checks no version of what saved-tensor hooks return: amp_graph's hooks check
+    it themselves, so a model that writes a saved value in place fails as without them."""
+
+    class WritesSaved(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.sigmoid(self.fc(x).float())  # sigmoid saves its result
+            out = h * 2
+            h.mul_(3)  # ... which is written afterwards
+            return out
+
+    for recompute in (True, False):
+        compiled = amp_graph.compile(WritesSaved(), policy("O1", recompute), BF16)
+        out = compiled(torch.randn(4, 8))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()

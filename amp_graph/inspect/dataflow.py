@@ -16,6 +16,10 @@ backward
     bfloat16 activations with float32 weights and statistics) return each gradient in its
     input's own dtype, with no conversion.
 
+Not counted: the casts backward makes again of the copies it did not keep
+(``recompute_casts``, on by default: at most one per recomputed cast, where an op saved the
+copy; :func:`amp_graph.report` totals them and their bytes).
+
 An input needs a gradient when it depends on a parameter that requires one (or on a graph
 input whose example value requires one); every floating output is assumed to reach the
 loss. Modules are those of :func:`~amp_graph.inspect.modules.node_modules` (a weight's
