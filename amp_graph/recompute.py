@@ -14,11 +14,17 @@ backward unpacks it. Where nothing is recording (tracing for ``torch.compile`` o
 a ``no_grad`` call, a run inside someone else's saved-tensor hooks: a checkpoint or
 ``save_on_cpu`` around the graph) it is a plain cast.
 
-Why saved-tensor hooks rather than selective checkpointing: the copy is the only thing to
-recompute, and the hooks recompute exactly it, where backward needs it, with no second
-forward; and under FSDP2 the source is the unit's unsharded parameter, which FSDP frees
-after the unit's forward and all-gathers again before the unit's backward, so the copy
-exists only while that unit's backward runs.
+Where AOTAutograd compiles the graph instead, the same decision reaches its partitioner
+through torch's activation-checkpointing keys: the pass tags the cast node
+(``meta["recompute"]``, copied onto the nodes AOTAutograd traces from it), and under dynamo
+(``Graph``'s ``enable_compile`` retraces the graph) :func:`recomputed_cast` is a
+``torch.utils.checkpoint`` region of one cast.
+
+Why saved-tensor hooks rather than selective checkpointing for the eager graph: the copy is
+the only thing to recompute, and the hooks recompute exactly it, where backward needs it,
+with no second forward; and under FSDP2 the source is the unit's unsharded parameter,
+which FSDP frees after the unit's forward and all-gathers again before the unit's
+backward, so the copy exists only while that unit's backward runs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = [
@@ -66,6 +73,12 @@ def recomputed_cast(source: torch.Tensor, dtype: torch.dtype, kept_by: str) -> t
     why the source outlives the forward: ``"module"`` (a parameter or buffer) or
     ``"autograd"`` (a result its op's backward saves, which holds only where autograd
     recorded that op: otherwise the copy is kept as usual)."""
+    if torch.compiler.is_dynamo_compiling():
+        # dynamo retraces the graph (Graph's enable_compile): the cast as a region of torch's
+        # activation checkpointing, which AOTAutograd's partitioner recomputes in backward
+        return torch.utils.checkpoint.checkpoint(
+            torch.Tensor.to, source, dtype, use_reentrant=False
+        )
     copy = source.to(dtype)
     if kept_by == KEPT_BY_MODULE or source.grad_fn is not None:
         _record(copy, source, torch.Tensor.to, (source, dtype))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from amp_graph.recompute import (
     KEPT_BY_AUTOGRAD,
@@ -111,6 +112,15 @@ def _copy_bytes(cast: fx.Node) -> int:
     return int(numel) * dtype.itemsize if isinstance(numel, int) else 0
 
 
+def _mark_recompute(node: fx.Node, kept_by: str) -> None:
+    """The decision, for amp_graph's report and for AOTAutograd: torch's own activation
+    checkpointing keys (copied onto the nodes AOTAutograd traces from this one), so that
+    where the graph is compiled its partitioner recomputes the cast too."""
+    node.meta[AMP].recompute = kept_by
+    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    node.meta["ac_graph_id"] = 0
+
+
 def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
     """Make the casts whose source outlives the forward recomputed in backward.
 
@@ -125,7 +135,7 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
     for node in gm.graph.nodes:
         if _is_parameter_quantization(node) and node.args[0] not in written:
             node.target = recomputed_quantize
-            node.meta[AMP].recompute = KEPT_BY_MODULE
+            _mark_recompute(node, KEPT_BY_MODULE)
             count += 1
             nbytes += _copy_bytes(node)
             continue
@@ -138,7 +148,7 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
         if kept_by is None:
             continue
         node.op, node.target, node.args = "call_function", recomputed_cast, (source, dtype, kept_by)
-        node.meta[AMP].recompute = kept_by
+        _mark_recompute(node, kept_by)
         count += 1
         nbytes += _copy_bytes(node)
     stats = {"casts_recomputed": count, "recomputed_cast_bytes": nbytes}

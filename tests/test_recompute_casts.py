@@ -259,7 +259,7 @@ def test_a_policy_field_of_the_wrong_type_is_named() -> None:
 # ---- the other entry points: the backend, Graph (accumulation, O2, enable_compile), fp8 ----
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
 def test_backend_gradients_are_the_same_bits(inner: str, fresh_dynamo: None) -> None:
     """(Dynamo runs no compiled code under a dispatch mode, so what the forward holds is not
     counted here; the casts backward runs are.)"""
@@ -274,12 +274,14 @@ def test_backend_gradients_are_the_same_bits(inner: str, fresh_dynamo: None) -> 
             loss = compiled(IDS).float().square().mean()
             with CountOps() as mode:
                 loss.backward()
-        casts[recompute] = mode.ops["_to_copy"]
+        casts[recompute] = mode.ops["_to_copy"] + mode.ops["convert_element_type"]
         grads[recompute] = [p.grad.clone() for p in model.parameters()]
         [gm] = amp_graph.captured_graphs(compiled)
         assert (gm.meta["amp_graph"].stats["casts_recomputed"] > 0) == recompute
     assert_same_bits(grads[True], grads[False])
-    if inner == "eager":  # the graph runs as it is: backward casts the weights again
+    if inner != "inductor":  # inductor's backward is one kernel: no op to count
+        # eager: amp_graph's hooks; aot_eager: AOTAutograd's partitioner, told by the
+        # activation-checkpointing tags the pass puts on the casts (meta["recompute"])
         assert casts[True] > casts[False]
 
 
@@ -419,3 +421,54 @@ def test_a_saved_tensor_written_in_place_is_still_an_error() -> None:
         out = compiled(torch.randn(4, 8))
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+def test_inductor_saves_the_parameters_not_their_copies(fresh_dynamo: None) -> None:
+    """Where AOTAutograd compiles the graph, the pass's activation-checkpointing tags make its
+    partitioner save the float32 parameters (alive anyway: no bytes) and cast them again in
+    backward, where it saved their bf16 copies before, as torch.compile under autocast does."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters() if p.dim() == 2}
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    shapes |= {s[::-1] for s in shapes}
+    for recompute in (True, False):
+        torch._dynamo.reset()
+        backend = amp_graph.backend(policy("O1", recompute), BF16, inner="inductor")
+        saved = torch.compile(model, backend=backend)(x).grad_fn.saved_tensors
+        copies = [t for t in saved if t.dtype == BF16 and tuple(t.shape) in shapes]
+        kept = {t.untyped_storage().data_ptr() for t in saved} & weights
+        assert (len(copies), len(kept)) == ((0, 2) if recompute else (2, 0))
+
+
+def test_graph_enable_compile_saves_the_parameters_not_their_copies(fresh_dynamo: None) -> None:
+    """Graph's enable_compile hands the build graph to torch.compile, whose dynamo retraces
+    it: there each recomputed cast is a region of torch's activation checkpointing, which
+    AOTAutograd recomputes in backward."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters() if p.dim() == 2}
+    x = torch.randn(8, 64)
+    for recompute in (True, False):
+        torch._dynamo.reset()
+
+        class Train(amp_graph.Graph):
+            def __init__(self, chosen: amp_graph.Policy) -> None:
+                super().__init__()
+                self.model = model
+                self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+                self.config.enable_amp(True, policy=chosen, dtype=BF16)
+                self.config.enable_compile(backend="inductor")
+
+            def build(self, x: torch.Tensor) -> torch.Tensor:
+                loss = self.model(x).float().square().mean()
+                loss.backward()
+                return loss
+
+        graph = Train(policy("O1", recompute))
+        graph(x)
+        loss = graph.step_graph.get_submodule("build")(x)[0]  # the compiled build: its loss
+        saved = loss.grad_fn.saved_tensors
+        copies = [t for t in saved if t.dtype == BF16 and tuple(t.shape) in {(256, 64), (64, 256)}]
+        kept = {t.untyped_storage().data_ptr() for t in saved} & weights
+        # the first linear's weight gradient needs no input gradient: its copy was never saved
+        assert (len(copies), len(kept)) == ((0, 1) if recompute else (1, 0))
