@@ -43,9 +43,21 @@ from amp_graph.capture_dtypes import (
     mark_checkpoint_regions,
     strip_widening_casts,
 )
-from amp_graph.capture_fsdp import UnsupportedFSDP, fsdp_units_unsharded
+from amp_graph.capture_fsdp import (
+    FSDP_MIXED_PRECISION,
+    UnsupportedFSDP,
+    fsdp_units_unsharded,
+    gathered_dtypes,
+    mixed_precision,
+)
 from amp_graph.passes.fsdp_hooks import stack_unit
-from amp_graph.passes.meta import CHECKPOINT_REGION, FSDP_UNITS, MODEL_ROOT, model_root
+from amp_graph.passes.meta import (
+    CHECKPOINT_REGION,
+    FSDP_GATHERED_DTYPE,
+    FSDP_UNITS,
+    MODEL_ROOT,
+    model_root,
+)
 from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -192,6 +204,9 @@ def capture_module(
     if units:
         gm.meta[FSDP_UNITS] = units
         _check_checkpoints_within_units(gm, units)
+        if policies := mixed_precision(model):
+            gm.meta[FSDP_MIXED_PRECISION] = policies
+            _mark_gathered_dtypes(gm, gathered_dtypes(model), model_attr)
     spec = program.call_spec
     return Captured(
         gm, spec.in_spec, spec.out_spec, _shape_guard(gm, program), time.perf_counter() - start
@@ -311,6 +326,19 @@ def _bound(value: Any) -> int | None:
 
 
 _STATE_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+
+
+def _mark_gathered_dtypes(
+    gm: fx.GraphModule, gathered: dict[str, torch.dtype], attr: str | None
+) -> None:
+    """``meta[FSDP_GATHERED_DTYPE]`` on the reads of parameters their FSDP2 unit all-gathers
+    in another dtype than the model holds them in (the passes plan for the gathered one)."""
+    prefix = f"{attr}." if attr else ""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith(prefix):
+            dtype = gathered.get(node.target[len(prefix) :])
+            if dtype is not None:
+                node.meta[FSDP_GATHERED_DTYPE] = dtype
 
 
 def _graph_module(program: Any, model: nn.Module, attr: str | None) -> fx.GraphModule:

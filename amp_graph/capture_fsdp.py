@@ -13,20 +13,29 @@ The hooks come back as graph nodes: :func:`amp_graph.passes.fsdp_hooks.fsdp_hook
 them at each unit's boundary, as eager execution does. The unit paths this module finds
 are its input (``gm.meta["amp_graph.fsdp_units"]``).
 
-FSDP's own mixed precision (``MixedPrecisionPolicy(param_dtype=..., output_dtype=...)``)
-is refused: amp_graph casts each op's inputs itself, and a second set of casts inside the
-hooks, which the capture cannot see, would give the graph values of other dtypes than the
-ones it was planned for (:class:`UnsupportedFSDP`, raised as a ``CaptureError``).
-``reduce_dtype`` is fine (it is the gradient reduce-scatter's).
+FSDP's own mixed precision (``MixedPrecisionPolicy``) is honoured. ``param_dtype``: the
+units are unsharded for the capture as FSDP unshards them, so the graph reads (and the
+passes plan for) parameters in that dtype, all-gathered at half the bytes; ops the policy
+computes in float32 read them upcast. ``cast_forward_inputs`` and ``output_dtype``: while
+the hooks are detached, stand-ins at their places in the hook dicts cast the unit's inputs
+and outputs as FSDP's hooks do, so the capture records those casts and every dtype the
+passes plan is the one the hooks will deliver (where the graph runs the recorded cast
+after FSDP's own, it is a no-op or an identical copy). ``reduce_dtype`` is the gradient
+reduce-scatter's and touches no value of the graph. :func:`mixed_precision` describes
+each unit's policy for :func:`amp_graph.report`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from amp_graph.passes.meta import short
 
 
 def fsdp_module_type() -> type | None:
@@ -60,23 +69,81 @@ def _check_supported(path: str, module: nn.Module) -> Any:
             "fully_shard([...]) over several modules, whose hooks fire per module; call "
             "fully_shard on each module (or on their common parent) instead."
         )
-    policy = state._mp_policy
-    if policy.param_dtype is not None or policy.output_dtype is not None:
-        raise UnsupportedFSDP(
-            f"the FSDP2 unit {name!r} has MixedPrecisionPolicy(param_dtype="
-            f"{policy.param_dtype}, output_dtype={policy.output_dtype}): amp_graph casts each "
-            "op's inputs itself, so leave param_dtype and output_dtype unset (keep "
-            "reduce_dtype if you like) and pass the low dtype to amp_graph.compile or "
-            "Graph.config.enable_amp."
-        )
     return state
 
 
+def _cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
+    """FSDP's cast of a hook's inputs or outputs: floating tensors of another dtype."""
+    if dtype is None:
+        return value
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return pytree.tree_map(cast, value)
+
+
+def _stand_ins(state: Any) -> tuple[Callable, Callable]:
+    """The casts FSDP's pre- and post-forward hooks make (``cast_forward_inputs`` with
+    ``param_dtype``, ``output_dtype``), as hooks of the same signatures."""
+    policy = state._mp_policy
+    inputs = policy.param_dtype if policy.cast_forward_inputs else None
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _cast_floating(args, inputs), _cast_floating(kwargs, inputs)
+
+    def post(module: nn.Module, args: tuple, output: Any) -> Any:
+        return _cast_floating(output, policy.output_dtype)
+
+    return pre, post
+
+
+def gathered_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Parameter name -> the dtype its FSDP2 unit all-gathers it in, for the floating
+    parameters of units whose ``MixedPrecisionPolicy`` sets ``param_dtype`` (the innermost
+    unit owning a parameter shards it)."""
+    gathered: dict[str, torch.dtype] = {}
+    for path, module in fsdp_units(model):  # pre-order: inner units overwrite outer ones
+        dtype = module._get_fsdp_state()._mp_policy.param_dtype
+        prefix = f"{path}." if path else ""
+        for name, param in module.named_parameters():
+            if dtype is None:
+                gathered.pop(prefix + name, None)
+            elif param.is_floating_point():
+                gathered[prefix + name] = dtype
+    return gathered
+
+
+FSDP_MIXED_PRECISION = "amp_graph.fsdp_mixed_precision"
+"""``gm.meta`` key: :func:`mixed_precision` of the captured model, where any unit has one."""
+
+
+def mixed_precision(model: nn.Module) -> dict[str, str]:
+    """Per FSDP2 unit with a ``MixedPrecisionPolicy`` that changes anything, what it does."""
+    described = {}
+    for path, module in fsdp_units(model):
+        policy = module._get_fsdp_state()._mp_policy
+        parts = [
+            f"{field}={short(getattr(policy, field))}"
+            for field in ("param_dtype", "reduce_dtype", "output_dtype")
+            if getattr(policy, field) is not None
+        ]
+        if parts:
+            if policy.param_dtype is not None and policy.cast_forward_inputs:
+                parts.append("cast_forward_inputs")
+            described[path or "<root>"] = ", ".join(parts)
+    return described
+
+
 @contextlib.contextmanager
-def _detached(hooks: dict[int, Any], hook_id: int) -> Iterator[None]:
-    """Take one hook out of a module's hook dict; put it back at the same place after."""
+def _detached(hooks: dict[int, Any], hook_id: int, stand_in: Callable) -> Iterator[None]:
+    """Put ``stand_in`` in the place of one hook of a module's hook dict; put the hook back
+    at the same place after."""
     order = list(hooks)
-    hook = hooks.pop(hook_id)
+    hook = hooks[hook_id]
+    hooks[hook_id] = stand_in
     try:
         yield
     finally:
@@ -89,19 +156,29 @@ def _detached(hooks: dict[int, Any], hook_id: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def fsdp_units_unsharded(model: nn.Module) -> Iterator[list[str]]:
-    """Within: every FSDP2 unit of ``model`` unsharded, its forward hooks detached. Yields the
-    units' paths (empty for a model without FSDP2, for which this does nothing)."""
+    """Within: every FSDP2 unit of ``model`` unsharded, its forward hooks detached (stand-ins
+    making their casts in their places). Yields the units' paths (empty for a model without
+    FSDP2, for which this does nothing)."""
     units = fsdp_units(model)
     states = [_check_supported(path, module) for path, module in units]
     with contextlib.ExitStack() as stack:
         for (_, module), state in zip(units, states, strict=True):
             pre, post = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
-            stack.enter_context(_detached(module._forward_pre_hooks, pre))
-            stack.enter_context(_detached(module._forward_hooks, post))
+            cast_inputs, cast_outputs = _stand_ins(state)
+            stack.enter_context(_detached(module._forward_pre_hooks, pre, cast_inputs))
+            stack.enter_context(_detached(module._forward_hooks, post, cast_outputs))
         for _, module in units:
             stack.callback(module.reshard)  # runs before the hooks come back
             module.unshard()
         yield [path for path, _ in units]
 
 
-__all__ = ["UnsupportedFSDP", "fsdp_module_type", "fsdp_units", "fsdp_units_unsharded"]
+__all__ = [
+    "FSDP_MIXED_PRECISION",
+    "UnsupportedFSDP",
+    "fsdp_module_type",
+    "fsdp_units",
+    "fsdp_units_unsharded",
+    "gathered_dtypes",
+    "mixed_precision",
+]

@@ -12,8 +12,11 @@ tensor an aten op made during it, parameters and buffers left out
    (forward + backward) of on against off, interleaved.
 2. FSDP2 on 2 gloo ranks (CPU): issue 24's six residual MLP blocks of width 256 (batch 8)
    and four Llama-style layers of width 128 (4x64 tokens), ``fully_shard`` per block and
-   on the root: amp_graph O1 bf16 against torch.autocast on the same sharded model and
-   against ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16))``.
+   on the root: amp_graph O1 bf16 (casts recomputed, kept, and with the user's
+   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) against torch.autocast on
+   the same sharded model and against ``MixedPrecisionPolicy(param_dtype=bf16)`` eager:
+   held bytes, and the bytes all-gathered and reduce-scattered in one step
+   (:mod:`amp_graph.inspect.traffic`, counted on c10d's collectives).
 
     python benchmarks/held_memory.py            # the run recorded in BENCHMARKS.md
     python benchmarks/held_memory.py --quick    # fewer timing repeats
@@ -44,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp_graph
 from amp_graph import models
 from amp_graph.inspect.held import held_for_backward
+from amp_graph.inspect.traffic import CollectiveBytes
 
 BF16 = torch.bfloat16
 MB = 1e6
@@ -140,8 +144,9 @@ def _llama() -> tuple[nn.Module, Callable]:
 # ---- FSDP2 on 2 gloo ranks -----------------------------------------------------------------
 
 
-def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, int]:
-    """Held bytes per variant on this rank, ``make()`` 's blocks and root sharded."""
+def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """Per variant on this rank, ``make()`` 's blocks and root sharded: (held bytes,
+    all-gather bytes, reduce-scatter bytes) of one forward + backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def sharded(**kwargs: Any) -> nn.Module:
@@ -152,25 +157,31 @@ def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, int]
         fully_shard(model, **kwargs)
         return model
 
-    def held(model: nn.Module, forward: Callable[[], Any]) -> int:
-        n, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
-        out.float().square().mean().backward()
+    def held(model: nn.Module, forward: Callable[[], Any]) -> tuple[int, ...]:
+        with CollectiveBytes() as moved:
+            n, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
+            out.float().square().mean().backward()
         model.zero_grad(set_to_none=True)
-        return n
+        return n, moved.all_gather, moved.reduce_scatter
 
     row = {}
-    for rc in (True, False):
-        model = sharded()
-        compiled = amp_graph.compile(model, _policy("O1", rc), BF16)
+    user = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    for label, recompute, mp_policy in (
+        ("amp_graph O1", True, None),
+        ("amp_graph O1, casts kept", False, None),
+        ("amp_graph O1 + MPP(bf16)", True, user),
+    ):
+        model = sharded(mp_policy=mp_policy) if mp_policy else sharded()
+        compiled = amp_graph.compile(model, _policy("O1", recompute), BF16)
         held(model, lambda c=compiled: c(x))
-        row["recomputing" if rc else "keeping casts"] = held(model, lambda c=compiled: c(x))
+        row[label] = held(model, lambda c=compiled: c(x))
     model = sharded()
 
     def autocast() -> Any:
         with torch.autocast("cpu", BF16):
             return model(x)
 
-    row["autocast"] = held(model, autocast)
+    row["torch.autocast"] = held(model, autocast)
     mixed = sharded(mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
     row["MixedPrecisionPolicy"] = held(mixed, lambda: mixed(x))
     return row
@@ -205,11 +216,14 @@ def fsdp2() -> None:
         mp.spawn(_fsdp_rank, args=(port, out), nprocs=2, join=True)
         rank0 = torch.load(Path(out) / "rank0.pt")
     for label, row in rank0.items():
-        mpp = row["MixedPrecisionPolicy"]
-        print(f"  {label} (rank 0):")
-        for variant, value in row.items():
+        mpp = row["MixedPrecisionPolicy"][0]
+        fp32_gather = row["amp_graph O1"][1]
+        print(f"  {label} (rank 0): held | all-gather | reduce-scatter, per step")
+        for variant, (held, gathered, reduced) in row.items():
             print(
-                f"    {variant:22s} {value / MB:7.3f} MB  {value / mpp:6.2f}x MixedPrecisionPolicy"
+                f"    {variant:26s} {held / MB:7.3f} MB ({held / mpp:5.2f}x MPP) | "
+                f"{gathered / MB:6.3f} MB ({gathered / fp32_gather:4.2f}x fp32) | "
+                f"{reduced / MB:6.3f} MB"
             )
 
 

@@ -44,6 +44,7 @@ from . import schema
 from .meta import (
     AMP,
     CAPTURE_PLAN,
+    FSDP_GATHERED_DTYPE,
     LOW_PRECISION,
     NOT_TENSOR,
     UNKNOWN,
@@ -183,19 +184,24 @@ class _Planner(fx.Interpreter):
         detected = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
         return detected or FakeTensorMode(allow_non_fake_inputs=True)
 
-    def fake(self, tensor: torch.Tensor, captured: Any = None) -> Any:
-        """A fake of a graph attribute: its captured value where that still describes it."""
+    def fake(
+        self, tensor: torch.Tensor, captured: Any = None, read_as: torch.dtype | None = None
+    ) -> Any:
+        """A fake of a graph attribute: its captured value where that still describes it.
+        ``read_as``: the dtype the graph reads it in, where not its own (an FSDP2 shard
+        its unit all-gathers in its ``param_dtype``)."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         if isinstance(tensor, FakeTensor):
             return tensor
+        dtype = read_as or tensor.dtype
         if (
             isinstance(captured, FakeTensor)
             and captured.fake_mode is self.fake_mode
             and captured.shape == tensor.shape
             and captured.device == tensor.device
         ):
-            if captured.dtype == tensor.dtype:
+            if captured.dtype == dtype:
                 return captured
             # O2/O3: the capture saw the parameter low; a new fake of its own dtype costs
             # half of a conversion of the tensor
@@ -203,13 +209,13 @@ class _Planner(fx.Interpreter):
                 return torch.empty_strided(
                     tensor.shape,
                     tensor.stride(),
-                    dtype=tensor.dtype,
+                    dtype=dtype,
                     device=tensor.device,
                     requires_grad=tensor.requires_grad,
                 )
         if _is_dtensor(tensor):  # an FSDP2 shard: the graph reads it gathered (fsdp_hooks)
             with self.fake_mode:
-                return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+                return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
         return self.fake_mode.from_tensor(tensor, static_shapes=True)
 
     def plan_graph(self) -> int:
@@ -328,7 +334,8 @@ class _Planner(fx.Interpreter):
         attr = self.fetch_attr(target)
         if not isinstance(attr, torch.Tensor):
             return attr
-        return self.fake(attr, self._current_node().meta.get(VAL))
+        meta = self._current_node().meta
+        return self.fake(attr, meta.get(VAL), meta.get(FSDP_GATHERED_DTYPE))
 
     def _current_node(self) -> fx.Node:
         assert self._node is not None

@@ -23,9 +23,10 @@ outside are the pre-forward call's outputs (so gradients flow through FSDP's
 the values read after it are the post-forward call's outputs (which carry FSDP's
 pre-backward hook, the backward all-gather); nested units nest as in eager; the root
 unit's calls come first and last (its pre-forward does FSDP's lazy init). Every value is
-computed as before: the hooks return their inputs (FSDP's own casts, ``param_dtype``, are
-refused at capture). A parameter of a unit read outside its region, or regions of two
-sibling units that interleave, raise ``ValueError``.
+computed as before: the hooks return their inputs, or (``MixedPrecisionPolicy`` with
+``cast_forward_inputs`` or ``output_dtype``) the casts of them that the capture recorded
+in their places, so the dtypes are the planned ones. A parameter of a unit read outside
+its region, or regions of two sibling units that interleave, raise ``ValueError``.
 
 Why the hooks as registered, called through the module's hook dicts
 (:func:`fsdp_pre_forward`), and not FSDP's lower-level ``unshard()``/``reshard()``: the

@@ -38,6 +38,11 @@ FSDP_UNITS = "amp_graph.fsdp_units"
 """``gm.meta`` key: the module paths of the model's FSDP2 units (relative to the module the
 graph's module paths name), outermost first. Written by the capture."""
 
+FSDP_GATHERED_DTYPE = "amp_graph.fsdp_gathered_dtype"
+"""``node.meta`` key on a parameter read: the dtype its FSDP2 unit all-gathers it in, where
+the unit's ``MixedPrecisionPolicy`` sets ``param_dtype`` (the model holds it sharded in its
+own dtype). Written by the capture."""
+
 FSDP_UNIT = "fsdp_unit"
 """``node.meta`` key on a parameter read: the path of the FSDP2 unit that shards it."""
 

@@ -257,7 +257,7 @@ def _hooks(model: nn.Module) -> list[tuple[list, list]]:
 
 
 def refusals(rank: int) -> dict[str, Any]:
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import amp_graph
 
@@ -268,7 +268,6 @@ def refusals(rank: int) -> dict[str, Any]:
             return str(error)
         return ""
 
-    mixed = sharded_model(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     torch.manual_seed(0)
     branching = BranchingLM()
     for block in branching.blocks:
@@ -306,13 +305,102 @@ def refusals(rank: int) -> dict[str, Any]:
         masters = str(error)
     return {
         "masters": masters,
-        "param_dtype": capture_error(mixed),
         "failed": failed,
         "hooks_kept": before == _hooks(branching),
         "resharded": all(type(p).__name__ == "DTensor" for p in branching.parameters()),
         "pinned": pinned,
         "grads": all(p.grad is not None for p in branching.parameters()),
     }
+
+
+def mixed_precision(rank: int) -> dict[str, Any]:
+    """A user's own ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (inputs
+    cast by FSDP, its default), honoured: the graph against the same sharded model under
+    torch.autocast, eager; and the bytes each variant's collectives move in one step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import amp_graph
+    from amp_graph.inspect.traffic import CollectiveBytes
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = sharded_model(mp_policy=mp)
+    compiled = amp_graph.compile(model, policy="autocast", dtype=torch.bfloat16)
+    losses = train_compiled(compiled, model, rank)
+    reference = sharded_model(mp_policy=mp)
+    ref_losses = train_autocast(reference, rank, torch.bfloat16)
+
+    def comm(model: nn.Module, forward: Callable) -> tuple[int, int]:
+        x, y = batches(rank)[0]
+        with CollectiveBytes() as counted:
+            loss_fn(forward(x), y).backward()
+        model.zero_grad(set_to_none=True)
+        return counted.all_gather, counted.reduce_scatter
+
+    plain = sharded_model()
+    plain_compiled = amp_graph.compile(plain, policy="autocast", dtype=torch.bfloat16)
+    comm(plain, plain_compiled)  # captured outside the count
+
+    def autocast(x: torch.Tensor, m: nn.Module = plain) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return m(x)
+
+    return {
+        "losses": losses,
+        "params": full_parameters(model),
+        "ref_losses": ref_losses,
+        "ref_params": full_parameters(reference),
+        "report": amp_graph.report(compiled).totals(),
+        "comm": {
+            "amp_graph, param_dtype=bf16": comm(model, compiled),
+            "autocast, param_dtype=bf16": comm(reference, lambda x: autocast(x, reference)),
+            "amp_graph": comm(plain, plain_compiled),
+            "autocast": comm(plain, autocast),
+        },
+    }
+
+
+def read_low(rank: int) -> dict[str, Any]:
+    """Residual MLP blocks, whose every parameter read is a cast to bf16 under O1: report
+    names the units; the policy it proposes trains the same bits at half the all-gather."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import amp_graph
+    from amp_graph.inspect.traffic import CollectiveBytes
+    from amp_graph.models import ResidualMLP
+
+    def sharded(**kwargs: Any) -> nn.Module:
+        torch.manual_seed(0)
+        model = ResidualMLP(width=32, blocks=2)
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model)
+        return model
+
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(4, 32, generator=gen) for _ in range(STEPS)]
+    results: dict[str, Any] = {}
+    proposed = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    for name, kwargs in (("plain", {}), ("proposed", {"mp_policy": proposed})):
+        model = sharded(**kwargs)
+        compiled = amp_graph.compile(model, policy="O1", dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gathered = []
+        for x in xs:
+            opt.zero_grad(set_to_none=True)
+            with CollectiveBytes() as counted:
+                compiled(x).float().square().mean().backward()
+            gathered.append(counted.all_gather)
+            opt.step()
+        report = amp_graph.report(compiled)
+        results[name] = {
+            "params": full_parameters(model),
+            "read_low": report.fsdp_read_low,
+            "all_gather": gathered[-1],
+            "totals": report.totals(),
+        }
+    return results
 
 
 class CheckpointedLM(TinyLM):
@@ -510,6 +598,8 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "refusals": refusals,
     "checkpoints": checkpoints,
     "held_bytes": held_bytes,
+    "mixed_precision": mixed_precision,
+    "read_low": read_low,
 }
 
 
@@ -581,7 +671,6 @@ def test_ddp_of_compiled_module_matches_ddp_autocast(tmp_path: Path) -> None:
 
 def test_fsdp2_refusals_say_what_to_do_and_leave_fsdp_as_it_was(tmp_path: Path) -> None:
     for result in run_ranks("refusals", tmp_path):
-        assert "leave param_dtype and output_dtype unset" in result["param_dtype"]
         assert "already are the masters" in result["masters"]
         assert "branches on the values inside a tensor" in result["failed"]
         assert result["hooks_kept"] and result["resharded"] and result["grads"]
@@ -613,3 +702,31 @@ def test_fsdp2_holds_for_backward_what_its_own_mixed_precision_holds(tmp_path: P
             assert held["amp_graph"] <= 2 * held["fsdp_mixed_precision"], (name, held)
             assert held["amp_graph"] < held["amp_graph_keeping_casts"], (name, held)
             assert held["amp_graph"] < held["autocast"], (name, held)
+
+
+def test_a_users_mixed_precision_policy_is_honoured(tmp_path: Path) -> None:
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every unit: the graph
+    trains as the same sharded model does eagerly under torch.autocast, all-gathers half the
+    float32 bytes, reduce-scatters in float32, and report says what the policy means."""
+    ranks = run_ranks("mixed_precision", tmp_path)
+    _assert_close_to_reference(ranks)
+    for rank in ranks:
+        assert "FSDP2 MixedPrecisionPolicy honoured" in rank["report"]
+        assert "param_dtype=bf16" in rank["report"]
+        comm = rank["comm"]
+        low, full = comm["amp_graph, param_dtype=bf16"], comm["amp_graph"]
+        assert low == comm["autocast, param_dtype=bf16"] and full == comm["autocast"]
+        assert low[0] * 2 == full[0] and low[1] == full[1] > 0  # half gathered; fp32 reduced
+
+
+def test_report_names_units_read_only_in_low_precision_and_their_policy_changes_no_value(
+    tmp_path: Path,
+) -> None:
+    for rank in run_ranks("read_low", tmp_path):
+        plain, proposed = rank["plain"], rank["proposed"]
+        assert plain["read_low"] == ["blocks.0", "blocks.1"]
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in plain["totals"]
+        assert proposed["read_low"] == []  # honoured now, not proposed again
+        for name, value in plain["params"].items():
+            assert torch.equal(value, proposed["params"][name]), name
+        assert proposed["all_gather"] * 2 == plain["all_gather"]

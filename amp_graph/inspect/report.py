@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph.capture_fsdp import FSDP_MIXED_PRECISION
 from amp_graph.compiler import CompileRecord, compile_record, unwrap
-from amp_graph.passes.meta import AMP, AmpInfo, Role, short
+from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.policy import Rule, nearest
 
 from .html import OPEN_ROWS, explanation_html
@@ -74,6 +75,11 @@ class Report:
     ops_by_dtype: dict[str, int]
     casts_recomputed: int = 0  # casts backward makes again instead of keeping
     recomputed_cast_bytes: int = 0  # their copies' bytes, per call, no longer held
+    # FSDP2 units whose MixedPrecisionPolicy the graph honours: unit path -> its fields
+    fsdp_mixed_precision: dict[str, str] = field(default_factory=dict)
+    # FSDP2 units (no param_dtype yet) whose every parameter read is a cast to the low
+    # dtype: param_dtype there halves their all-gathers and changes no value
+    fsdp_read_low: list[str] = field(default_factory=list)
     graph_module: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     def row(self, name: str) -> NodeRow:
@@ -93,6 +99,8 @@ class Report:
             f"{bytes_text(self.cast_bytes)}\n"
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
+            + _fsdp_text(self.fsdp_mixed_precision)
+            + _read_low_text(self.fsdp_read_low, self.dtype)
         )
 
     def __str__(self) -> str:
@@ -141,6 +149,53 @@ class Report:
         from amp_graph.inspect import draw
 
         return draw(self._compiled(), **options)
+
+
+def _fsdp_text(units: dict[str, str]) -> str:
+    """What a user's FSDP2 ``MixedPrecisionPolicy`` means for the plan."""
+    if not units:
+        return ""
+    listed = "; ".join(f"{unit}: {fields}" for unit, fields in units.items())
+    return (
+        f"\nFSDP2 MixedPrecisionPolicy honoured ({listed}). param_dtype: those units "
+        "all-gather their parameters in it and the graph reads them so (ops the policy "
+        "computes in float32 read them upcast, rounded to param_dtype); cast_forward_inputs "
+        "and output_dtype: casts at the units' boundaries, in the graph as the capture "
+        "recorded them; reduce_dtype: the gradients' reduce-scatter."
+    )
+
+
+def _read_low_text(units: list[str], dtype: str) -> str:
+    if not units:
+        return ""
+    torch_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+    return (
+        f"\nFSDP2 units whose parameters every op reads in {dtype}: {', '.join(units)}. "
+        f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{torch_dtype}, "
+        "reduce_dtype=torch.float32, cast_forward_inputs=False)) on them all-gathers half "
+        "the bytes and changes no value."
+    )
+
+
+def fsdp_units_read_low(gm: fx.GraphModule, low: torch.dtype) -> list[str]:
+    """FSDP2 units without a ``param_dtype`` whose every parameter read in ``gm`` is a cast
+    to ``low``: all-gathering them in ``low`` computes every value as before."""
+    honoured = gm.meta.get(FSDP_MIXED_PRECISION, {})
+    reads: dict[str, list[bool]] = {}
+    for node in gm.graph.nodes:
+        unit = node.meta.get(FSDP_UNIT)
+        if node.op != "get_attr" or unit is None:
+            continue
+        low_casts = [
+            u.meta[AMP].role is Role.CAST and len(u.args) > 1 and u.args[1] == low
+            for u in node.users
+        ]
+        reads.setdefault(unit or "<root>", []).append(bool(low_casts) and all(low_casts))
+    return [
+        unit
+        for unit, read_low in reads.items()
+        if all(read_low) and "param_dtype" not in honoured.get(unit, "")
+    ]
 
 
 def cast_bytes(gm: fx.GraphModule) -> int | None:
@@ -205,6 +260,8 @@ def report(compiled: Any) -> Report:
         ops_by_dtype=dict(ops),
         casts_recomputed=record.stats.get("casts_recomputed", 0),
         recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
+        fsdp_mixed_precision=dict(compiled.meta.get(FSDP_MIXED_PRECISION, {})),
+        fsdp_read_low=fsdp_units_read_low(compiled, record.dtype),
         graph_module=compiled,
     )
 
