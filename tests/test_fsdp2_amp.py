@@ -344,12 +344,24 @@ def mixed_precision(rank: int) -> dict[str, Any]:
         with torch.autocast("cpu", torch.bfloat16):
             return m(x)
 
+    def parameter_casts_to_bf16(gm: Any) -> int:
+        return sum(
+            n.meta["amp"].role.value == "cast"
+            and n.args[0].op == "get_attr"
+            and n.args[1] == torch.bfloat16
+            for n in gm.graph.nodes
+        )
+
     return {
         "losses": losses,
         "params": full_parameters(model),
         "ref_losses": ref_losses,
         "ref_params": full_parameters(reference),
         "report": amp_graph.report(compiled).totals(),
+        "parameter_casts": (
+            parameter_casts_to_bf16(compiled.graph_module),
+            parameter_casts_to_bf16(plain_compiled.graph_module),
+        ),
         "comm": {
             "amp_graph, param_dtype=bf16": comm(model, compiled),
             "autocast, param_dtype=bf16": comm(reference, lambda x: autocast(x, reference)),
@@ -712,6 +724,9 @@ def test_a_users_mixed_precision_policy_is_honoured(tmp_path: Path) -> None:
     _assert_close_to_reference(ranks)
     for rank in ranks:
         assert "FSDP2 MixedPrecisionPolicy honoured" in rank["report"]
+        # the plan reads the parameters as gathered (bf16): nothing casts them to bf16
+        honoured, plain = rank["parameter_casts"]
+        assert honoured == 0 < plain
         assert "param_dtype=bf16" in rank["report"]
         comm = rank["comm"]
         low, full = comm["amp_graph, param_dtype=bf16"], comm["amp_graph"]
