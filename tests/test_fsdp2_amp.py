@@ -149,6 +149,7 @@ def compile_bf16(rank: int) -> dict[str, Any]:
         "ref_losses": train_autocast(reference, rank, torch.bfloat16),
         "ref_params": full_parameters(reference),
         "code": gm.code,
+        "recomputed": gm.meta["amp_graph"].stats["casts_recomputed"],
         "order": _hook_order(gm),
         "shares": _shares_parameters(gm, model),
     }
@@ -238,6 +239,7 @@ def ddp_compile(rank: int) -> dict[str, Any]:
         "params": full_parameters(model),
         "ref_losses": train_autocast(ref, rank, torch.bfloat16),
         "ref_params": full_parameters(reference),
+        "recomputed": compiled.module.graph_module.meta["amp_graph"].stats["casts_recomputed"],
     }
 
 
@@ -630,6 +632,7 @@ def _assert_close_to_reference(ranks: list[dict[str, Any]], atol: float = 1e-6) 
 def test_compile_fsdp2_bf16_matches_autocast(tmp_path: Path) -> None:
     ranks = run_ranks("compile_bf16", tmp_path)
     _assert_close_to_reference(ranks)
+    assert all(rank["recomputed"] > 0 for rank in ranks)  # the unsharded weights' casts
     code = ranks[0]["code"]
     for unit in ("root", "blocks_0", "blocks_1"):
         assert f"fsdp_unshard_{unit} = " in code and f"fsdp_reshard_{unit} = " in code
@@ -678,7 +681,10 @@ def test_compile_fsdp2_fp16_scaler_skips_a_step_poisoned_on_one_rank(tmp_path: P
 
 
 def test_ddp_of_compiled_module_matches_ddp_autocast(tmp_path: Path) -> None:
-    _assert_close_to_reference(run_ranks("ddp_compile", tmp_path))
+    """(with the weights' casts recomputed in backward, not kept: the default)"""
+    ranks = run_ranks("ddp_compile", tmp_path)
+    _assert_close_to_reference(ranks)
+    assert all(rank["recomputed"] > 0 for rank in ranks)
 
 
 def test_fsdp2_refusals_say_what_to_do_and_leave_fsdp_as_it_was(tmp_path: Path) -> None:
