@@ -15,6 +15,9 @@ keeping the source costs nothing:
   float32 probabilities, whose bf16 copy feeds the next matmul), unless the graph writes it
   in place; at run time only where autograd recorded that op (else the copy is kept).
 
+The model's own casts of such values (GPT-2's ``attn_weights.type(value.dtype)`` of its
+float32 probabilities, under O1) are casts too, where they change only the dtype.
+
 The fp8 policy's float8 copies of parameters (``fp8_quantize`` of a weight, which the fp8
 linear saves) are casts too: they become :func:`amp_graph.recompute.recomputed_quantize`.
 
@@ -103,6 +106,35 @@ def _is_parameter_quantization(node: fx.Node) -> bool:
     )
 
 
+_MODEL_CASTS = ("aten::to", "aten::_to_copy")
+
+
+def _model_cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype of a cast the model wrote that changes only the dtype of a floating value
+    (``x.to(torch.bfloat16)``, ``x.type_as(y)`` as captured), where it does change it;
+    else None (a no-op ``.to()`` returns its input: no copy to keep)."""
+    target = node.target
+    if node.meta[AMP].role is not Role.USER_CAST or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target._schema.name not in _MODEL_CASTS:
+        return None
+    if target._schema.name == "aten::to" and target._overloadname == "dtype":
+        dtype, extra = (node.args[1] if len(node.args) > 1 else None), node.args[2:]
+    elif target._schema.name == "aten::_to_copy" and len(node.args) == 1:
+        dtype, extra = node.kwargs.get("dtype"), ()
+    else:
+        return None
+    others = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+    source = node.args[0].meta.get(VAL) if isinstance(node.args[0], fx.Node) else None
+    if any(extra) or any(v not in (None, False) for v in others.values()):
+        return None  # non_blocking, copy, layout, device, memory_format: not just a dtype
+    if not isinstance(source, torch.Tensor) or not isinstance(dtype, torch.dtype):
+        return None
+    if not source.is_floating_point() or source.dtype == dtype:
+        return None
+    return dtype
+
+
 def _copy_bytes(cast: fx.Node) -> int:
     value = cast.args[0].meta.get(VAL)
     dtype = cast.args[-1] if cast.target is recomputed_quantize else cast.args[1]
@@ -138,6 +170,20 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
             _mark_recompute(node, KEPT_BY_MODULE)
             count += 1
             nbytes += _copy_bytes(node)
+            continue
+        model_dtype = _model_cast_dtype(node)
+        if model_dtype is not None:  # the model's own cast of a value kept anyway
+            source = node.args[0]
+            kept_by = _kept_by(source) if source not in written else None
+            if kept_by is not None:
+                node.target, node.args, node.kwargs = (
+                    recomputed_cast,
+                    (source, model_dtype, kept_by),
+                    {},
+                )
+                _mark_recompute(node, kept_by)
+                count += 1
+                nbytes += _copy_bytes(node)
             continue
         if not (is_inserted_cast(node) and node.op == "call_method"):
             continue

@@ -472,3 +472,28 @@ def test_graph_enable_compile_saves_the_parameters_not_their_copies(fresh_dynamo
         kept = {t.untyped_storage().data_ptr() for t in saved} & weights
         # the first linear's weight gradient needs no input gradient: its copy was never saved
         assert (len(copies), len(kept)) == ((0, 1) if recompute else (1, 0))
+
+
+def test_a_models_own_cast_of_a_kept_value_is_recomputed() -> None:
+    """HF GPT-2's eager attention casts its float32 probabilities (O1: softmax in float32)
+    back with ``attn_weights.type(value.dtype)``; softmax's backward keeps the float32
+    probabilities, so backward casts again instead of keeping the bf16 copy too."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_positions=32, n_embd=64, n_layer=2, n_head=4, vocab_size=128, use_cache=False
+    )
+    config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+    config._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 128, (2, 32))
+    held = compare(model, lambda m: m(ids).logits, "O1")
+    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(ids,))
+    model_casts = [
+        n
+        for n in compiled.graph.nodes
+        if n.meta["amp"].role.value == "user_cast" and n.target is recomputed_cast
+    ]
+    assert [n.args[2] for n in model_casts] == ["autograd", "autograd"]  # one per layer
+    assert all("softmax" in n.args[0].name for n in model_casts)
+    assert "not kept for backward" in str(amp_graph.explain(compiled, model_casts[0].name))
+    assert held["True"] < held["False"]

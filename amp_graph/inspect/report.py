@@ -16,6 +16,7 @@ from amp_graph.capture_fsdp import FSDP_MIXED_PRECISION
 from amp_graph.compiler import CompileRecord, compile_record, unwrap
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.policy import Rule, nearest
+from amp_graph.recompute import recomputed_quantize
 
 from .html import OPEN_ROWS, explanation_html
 from .modules import node_modules
@@ -308,7 +309,8 @@ def _recompute_sentence(cast: fx.Node, amp: AmpInfo) -> str:
             f"\nBackward keeps this cast where an op saves it: its source '{source.name}' is "
             "not known to outlive the forward (or Policy(recompute_casts=False))."
         )
-    numel, dtype = value_numel(source), cast.args[1]
+    numel = value_numel(source)
+    dtype = cast.args[2] if cast.target is recomputed_quantize else cast.args[1]
     size = f" ({bytes_text(numel * dtype.itemsize)})" if numel is not None else ""
     why = (
         "a parameter or buffer, which the module keeps"
@@ -374,6 +376,8 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             text.append(f"Its floating inputs are cast to {short(amp.compute_dtype)}{already}.")
     else:
         text.append(f"It is not reclassified: {amp.detail}.")
+    if amp.recompute:  # the model's own cast, or an fp8 quantization, of a kept value
+        text.append(_recompute_sentence(node, amp).strip())
     if casts_in:
         text.append(
             "Casts feeding it: "
