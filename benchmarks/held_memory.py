@@ -9,7 +9,7 @@ tensor an aten op made during it, parameters and buffers left out
    layers, width 128, 4x64 tokens) and HF Llama (eager attention, 2 layers, width 128,
    4x64 tokens), under ``O1`` and ``autocast`` policies. Also: the casts backward runs, the
    aten ops backward runs beyond the kept-casts variant, and the median step time
-   (forward + backward) of on against off, interleaved.
+   (forward + backward) of on against off, interleaved (41 repeats).
 2. FSDP2 on 2 gloo ranks (CPU): issue 24's six residual MLP blocks of width 256 (batch 8)
    and four Llama-style layers of width 128 (4x64 tokens), ``fully_shard`` per block and
    on the root: amp_graph O1 bf16 (casts recomputed, kept, and with the user's
@@ -231,7 +231,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     options = parser.parse_args()
-    repeats = 5 if options.quick else 21
+    repeats = 5 if options.quick else 41
     torch.set_num_threads(1)
     print(
         f"torch {torch.__version__}, CPU {platform.processor() or platform.machine()}, "

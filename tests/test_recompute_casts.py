@@ -497,3 +497,19 @@ def test_a_models_own_cast_of_a_kept_value_is_recomputed() -> None:
     assert all("softmax" in n.args[0].name for n in model_casts)
     assert "not kept for backward" in str(amp_graph.explain(compiled, model_casts[0].name))
     assert held["True"] < held["False"]
+
+
+def test_graph_build_holds_less_for_backward() -> None:
+    """Graph's build graph (one micro-batch), called as the step graph calls it: what its
+    forward leaves for the step's backward, recomputing against keeping. (With gradient
+    accumulation the step casts each weight once for all micro-batches and keeps those
+    copies through the step: the hoisted casts are not recomputed, by design.)"""
+    held = {}
+    for recompute in (True, False):
+        _, graph = train_graph("O1", recompute)
+        build = graph.step_graph.get_submodule("build")
+        model = graph.model
+        held[recompute], _ = held_for_backward(
+            lambda b=build: b(IDS)[0], [*model.parameters(), *model.buffers()]
+        )
+    assert held[True] < held[False]
