@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
-from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = [
     "KEPT_BY_AUTOGRAD",
@@ -56,8 +56,10 @@ class ModifiedSourceError(RuntimeError):
 
 
 class _Recording(threading.local):
-    # copy -> (source, make, args), while a graph's forward runs
-    copies: WeakTensorKeyDictionary | None = None
+    # id(copy) -> (weak reference to the copy, (source, make, args)), while a graph's
+    # forward runs (ids, checked against the reference: cheaper than weak-keyed lookups,
+    # which every saved tensor pays)
+    copies: dict[int, tuple[weakref.ref, tuple]] | None = None
 
 
 _recording = _Recording()
@@ -102,7 +104,7 @@ def _record(
     """While a graph's forward records: backward remakes ``copy`` as ``make(*args)``."""
     copies = _recording.copies
     if copies is not None and copy is not source:
-        copies[copy] = (source, make, args)
+        copies[id(copy)] = (weakref.ref(copy), (source, make, args))
 
 
 class _Recast:
@@ -134,38 +136,30 @@ class _Recast:
         return copy
 
 
-class _Kept:
-    """A saved tensor kept as it is, with its version: autograd checks no version of what
-    saved-tensor hooks return, so the hooks check it, as autograd would have."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
-
-    def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at "
-                f"version {self.tensor._version}; expected version {self.version} instead "
-                "(checked by amp_graph's saved-tensor hooks, in autograd's place)"
-            )
-        return self.tensor
-
-
 def _pack(saved: torch.Tensor) -> Any:
+    """A recomputed copy (or a view of one) as its recipe; any other tensor as itself with
+    its version: autograd checks no version of what saved-tensor hooks return, so
+    :func:`_unpack` checks it, as autograd would have."""
     copies = _recording.copies
     base = saved if saved._base is None else saved._base
-    recipe = copies.get(base) if copies is not None else None
-    if recipe is None:
-        return _Kept(saved)
-    return _Recast(recipe, saved, base)
+    entry = copies.get(id(base)) if copies is not None else None
+    if entry is None or entry[0]() is not base:
+        return (saved, saved._version)
+    return _Recast(entry[1], saved, base)
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    return packed.remake() if isinstance(packed, _Recast) else packed.unpack()
+    if type(packed) is not tuple:
+        return packed.remake()
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {version} instead (checked by amp_graph's "
+            "saved-tensor hooks, in autograd's place)"
+        )
+    return tensor
 
 
 def _outer_hooks_active() -> bool:
@@ -184,7 +178,7 @@ class _RecordingCall:
 
     def __enter__(self) -> None:
         self.hooks.__enter__()
-        _recording.copies = WeakTensorKeyDictionary()
+        _recording.copies = {}
 
     def __exit__(self, *exc: Any) -> None:
         _recording.copies = self.previous

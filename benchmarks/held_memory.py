@@ -9,7 +9,8 @@ tensor an aten op made during it, parameters and buffers left out
    layers, width 128, 4x64 tokens) and HF Llama (eager attention, 2 layers, width 128,
    4x64 tokens), under ``O1`` and ``autocast`` policies. Also: the casts backward runs, the
    aten ops backward runs beyond the kept-casts variant, and the median step time
-   (forward + backward) of on against off, interleaved (41 repeats).
+   (forward + backward) of on against off: 101 pairs, interleaved, the median of the
+   paired ratios with its quartiles.
 2. FSDP2 on 2 gloo ranks (CPU): issue 24's six residual MLP blocks of width 256 (batch 8)
    and four Llama-style layers of width 128 (4x64 tokens), ``fully_shard`` per block and
    on the root: amp_graph O1 bf16 (casts recomputed, kept, and with the user's
@@ -101,11 +102,13 @@ def one_device(name: str, model: nn.Module, call: Callable, repeats: int) -> Non
     held_off, ops_off = _held_and_backward_ops(model, lambda: call(compiled[False]))
     extra = ops_on - ops_off
     times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(repeats):  # interleaved: the machine's drift hits both alike
-        for rc in (True, False):
+    for i in range(repeats):  # paired and interleaved, alternating which runs first
+        for rc in (True, False) if i % 2 else (False, True):
             times[rc].append(_step_seconds(model, lambda rc=rc: call(compiled[rc])))
     stats = compiled[True].graph_module.meta["amp_graph"].stats
     on, off = statistics.median(times[True]), statistics.median(times[False])
+    ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]
+    quartiles = statistics.quantiles(ratios, n=4)
     print(
         f"  {name:8s} held: autocast {held_ac / MB:6.2f} MB | keeping casts "
         f"{held_off / MB:6.2f} MB ({held_off / held_ac:.2f}x) | recomputing "
@@ -119,7 +122,8 @@ def one_device(name: str, model: nn.Module, call: Callable, repeats: int) -> Non
     )
     print(
         f"           step median over {repeats}: recomputing {on * 1e3:.1f} ms, keeping "
-        f"{off * 1e3:.1f} ms: {on / off:.3f}x"
+        f"{off * 1e3:.1f} ms; paired ratio median {statistics.median(ratios):.3f}x "
+        f"(quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})"
     )
 
 
@@ -231,7 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     options = parser.parse_args()
-    repeats = 5 if options.quick else 41
+    repeats = 5 if options.quick else 101
     torch.set_num_threads(1)
     print(
         f"torch {torch.__version__}, CPU {platform.processor() or platform.machine()}, "
