@@ -6,11 +6,11 @@ tensor an aten op made during it, parameters and buffers left out
 (:mod:`amp_graph.inspect.held`): what autograd saved, and anything else kept.
 
 1. One device, bf16 on this CPU: the GPT-style decoder (``amp_graph.models.GPT``, 4
-   layers, width 128, 4x64 tokens) and HF Llama (eager attention, 2 layers, width 128,
-   4x64 tokens), under ``O1`` and ``autocast`` policies. Also: the casts backward runs, the
-   aten ops backward runs beyond the kept-casts variant, and the median step time
-   (forward + backward) of on against off: 101 pairs, interleaved, the median of the
-   paired ratios with its quartiles.
+   layers, width 128, 4x64 tokens; and width 256, 8x128 tokens, under O1) and HF Llama
+   (eager attention, 2 layers, width 128, 4x64 tokens), under ``O1`` and ``autocast``.
+   Also: the casts backward runs, the aten ops backward runs beyond the kept-casts
+   variant, and the step time (forward + backward) of on against off: 101 pairs,
+   interleaved, the median of the paired ratios with its quartiles.
 2. FSDP2 on 2 gloo ranks (CPU): issue 24's six residual MLP blocks of width 256 (batch 8)
    and four Llama-style layers of width 128 (4x64 tokens), ``fully_shard`` per block and
    on the root: amp_graph O1 bf16 (casts recomputed, kept, and with the user's
@@ -247,6 +247,11 @@ def main() -> None:
     print("GPT-style decoder (4 layers, width 128, 4x64 tokens):")
     for name in ("O1", "autocast"):
         one_device(name, gpt, lambda m: m(ids), repeats)
+    torch.manual_seed(0)
+    wider = models.GPT(vocab=512, block=128, dim=256, heads=8, layers=4)
+    wide_ids = torch.randint(0, 512, (8, 128))
+    print("GPT-style decoder (4 layers, width 256, 8x128 tokens):")
+    one_device("O1", wider, lambda m: m(wide_ids), repeats)
     llama, call = _llama()
     print("HF Llama (eager attention, 2 layers, width 128, 4x64 tokens):")
     for name in ("O1", "autocast"):
