@@ -23,12 +23,14 @@ linear saves) are casts too: they become :func:`amp_graph.recompute.recomputed_q
 
 Each decided cast becomes a call of :func:`amp_graph.recompute.recomputed_cast` (the same
 cast, visible as such in the printed graph); :func:`amp_graph.recompute.install` 's hooks
-on the GraphModule then keep its source instead of the copy. Gradients are bit-identical:
-a cast is deterministic.
+on the GraphModule then keep its source instead of the copy, and where AOTAutograd
+compiles the graph, torch's activation-checkpointing tags on the node tell its partitioner
+the same. Gradients are bit-identical: a cast is deterministic.
 
-Reads: ``meta["amp"]`` (casts: ``role=CAST``; their sources' role and aten op), the casts'
-sources' ``meta["val"]`` (for the bytes). Writes: the decided casts' target and args, and
-``meta["amp"].recompute`` (why the source is kept: ``"module"`` or ``"autograd"``).
+Reads: ``meta["amp"]`` (casts: ``role=CAST`` or ``USER_CAST``; their sources' role and aten
+op), the sources' ``meta["val"]`` (dtypes, bytes). Writes: the decided casts' target and
+args; ``meta["amp"].recompute`` (why the source is kept: ``"module"`` or ``"autograd"``);
+``meta["recompute"]`` and ``meta["ac_graph_id"]`` (torch's keys).
 Guarantees: every value is computed as before; only top-level casts change (a checkpointed
 block's casts are recomputed by its checkpoint already); a graph input's cast is never
 decided (the caller may free the input after the forward: keeping it would cost more).
