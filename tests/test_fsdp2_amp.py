@@ -360,6 +360,8 @@ def mixed_precision(rank: int) -> dict[str, Any]:
         "ref_losses": ref_losses,
         "ref_params": full_parameters(reference),
         "report": amp_graph.report(compiled).totals(),
+        # units mixing norms (read in float32) and linears: no low all-gather is proposed
+        "read_low": amp_graph.report(plain_compiled).fsdp_read_low,
         "parameter_casts": (
             parameter_casts_to_bf16(compiled.graph_module),
             parameter_casts_to_bf16(plain_compiled.graph_module),
@@ -733,6 +735,7 @@ def test_a_users_mixed_precision_policy_is_honoured(tmp_path: Path) -> None:
         # the plan reads the parameters as gathered (bf16): nothing casts them to bf16
         honoured, plain = rank["parameter_casts"]
         assert honoured == 0 < plain
+        assert rank["read_low"] == []  # TinyLM's blocks hold LayerNorms: kept exact
         assert "param_dtype=bf16" in rank["report"]
         comm = rank["comm"]
         low, full = comm["amp_graph, param_dtype=bf16"], comm["amp_graph"]
