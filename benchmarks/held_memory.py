@@ -163,7 +163,8 @@ def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, tupl
 
     def held(model: nn.Module, forward: Callable[[], Any]) -> tuple[int, ...]:
         with CollectiveBytes() as moved:
-            n, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
+            exclude = [*model.parameters(), *model.buffers()]
+            n, out = held_for_backward(forward, exclude, model)
             out.float().square().mean().backward()
         model.zero_grad(set_to_none=True)
         return n, moved.all_gather, moved.reduce_scatter

@@ -492,9 +492,11 @@ def _held_variants(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, 
         return model
 
     def measure(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, list]:
-        held, out = held_for_backward(forward, [*model.parameters(), *model.buffers()])
+        held, out = held_for_backward(forward, [*model.parameters(), *model.buffers()], model)
         out.float().square().mean().backward()
-        grads = [p.grad.full_tensor() for p in model.parameters()]
+        # full_tensor() may return a tensor whose all-gather completes when first used: use
+        # it now (clone), or its buffer would be made during the next measured forward
+        grads = [p.grad.full_tensor().clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         return held, grads
 

@@ -65,15 +65,26 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def fsdp_deferred_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """FSDP2's last all-gather output, where FSDP2 defers freeing it to its next all-gather
+    (``world_size > 1``; in eager runs too, in some interleavings): its communication
+    state, not something backward keeps."""
+    get_state = getattr(model, "_get_fsdp_state", None)
+    deferred = get_state()._comm_ctx.all_gather_state if callable(get_state) else None
+    return [] if deferred is None else [deferred.all_gather_result.all_gather_output]
+
+
 def held_for_backward(
-    forward: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()
+    forward: Callable[[], Any], exclude: Iterable[torch.Tensor] = (), model: Any = None
 ) -> tuple[int, Any]:
     """Run ``forward()`` and return (bytes it left alive, its output), storages of
-    ``exclude`` (the model's parameters and buffers) not counted."""
+    ``exclude`` (the model's parameters and buffers) not counted, nor those of
+    :func:`fsdp_deferred_buffers` of ``model`` (an FSDP2 root) after the forward."""
     mode = HeldForBackward()
     with mode:
         out = forward()
-    return mode.held_bytes(_local(t) for t in exclude), out
+    transient = fsdp_deferred_buffers(model) if model is not None else []
+    return mode.held_bytes([*(_local(t) for t in exclude), *transient]), out
 
 
-__all__ = ["HeldForBackward", "held_for_backward"]
+__all__ = ["HeldForBackward", "fsdp_deferred_buffers", "held_for_backward"]
