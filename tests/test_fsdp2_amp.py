@@ -492,13 +492,21 @@ def _held_variants(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, 
         return model
 
     def measure(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, list]:
-        held, out = held_for_backward(forward, [*model.parameters(), *model.buffers()], model)
-        out.float().square().mean().backward()
-        # full_tensor() may return a tensor whose all-gather completes when first used: use
-        # it now (clone), or its buffer would be made during the next measured forward
-        grads = [p.grad.full_tensor().clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return held, grads
+        """The least held over three steps: FSDP2 frees some communication buffers on
+        timing-dependent paths (in some interleavings one unit's gathered parameters are
+        still alive after the forward, eager torch.autocast included); what the graph
+        itself keeps for backward is kept in every step."""
+        held = []
+        for _ in range(3):
+            exclude = [*model.parameters(), *model.buffers()]
+            step_held, out = held_for_backward(forward, exclude, model)
+            held.append(step_held)
+            out.float().square().mean().backward()
+            # full_tensor() may return a tensor whose all-gather completes when first used:
+            # use it now (clone), or its buffer would be made during the next forward
+            grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+        return min(held), grads
 
     results, grads = {}, {}
     for recompute in (True, False):
