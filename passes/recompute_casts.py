@@ -38,6 +38,8 @@ decided (the caller may free the input after the forward: keeping it would cost 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -137,9 +139,22 @@ def _model_cast_dtype(node: fx.Node) -> torch.dtype | None:
     return dtype
 
 
+def _recast_of(node: fx.Node) -> tuple[Any, torch.dtype] | None:
+    """(source, dtype) of a cast this pass may decide: one amp_graph inserted
+    (``x.to(dtype)``), or one the model wrote that changes only the dtype."""
+    if is_inserted_cast(node) and node.op == "call_method" and not node.kwargs:
+        return node.args[0], node.args[1]
+    dtype = _model_cast_dtype(node)
+    return None if dtype is None else (node.args[0], dtype)
+
+
+def copy_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype of the copy a decided node makes (its recipe's target dtype)."""
+    return node.args[2] if node.target is recomputed_quantize else node.args[1]
+
+
 def _copy_bytes(cast: fx.Node) -> int:
-    value = cast.args[0].meta.get(VAL)
-    dtype = cast.args[-1] if cast.target is recomputed_quantize else cast.args[1]
+    value, dtype = cast.args[0].meta.get(VAL), copy_dtype(cast)
     if not isinstance(value, torch.Tensor) or not isinstance(dtype, torch.dtype):
         return 0
     numel = value.numel()
@@ -167,35 +182,18 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
     written = written_values(gm)
     count = nbytes = 0
     for node in gm.graph.nodes:
-        if _is_parameter_quantization(node) and node.args[0] not in written:
-            node.target = recomputed_quantize
-            _mark_recompute(node, KEPT_BY_MODULE)
-            count += 1
-            nbytes += _copy_bytes(node)
+        if _is_parameter_quantization(node):
+            source, kept_by = node.args[0], KEPT_BY_MODULE
+            target, args, kwargs = recomputed_quantize, node.args, node.kwargs
+        elif (recast := _recast_of(node)) is not None:
+            source, dtype = recast
+            kept_by = _kept_by(source) if isinstance(source, fx.Node) else None
+            target, args, kwargs = recomputed_cast, (source, dtype, kept_by), {}
+        else:
             continue
-        model_dtype = _model_cast_dtype(node)
-        if model_dtype is not None:  # the model's own cast of a value kept anyway
-            source = node.args[0]
-            kept_by = _kept_by(source) if source not in written else None
-            if kept_by is not None:
-                node.target, node.args, node.kwargs = (
-                    recomputed_cast,
-                    (source, model_dtype, kept_by),
-                    {},
-                )
-                _mark_recompute(node, kept_by)
-                count += 1
-                nbytes += _copy_bytes(node)
+        if kept_by is None or source in written:
             continue
-        if not (is_inserted_cast(node) and node.op == "call_method"):
-            continue
-        source, dtype = node.args[0], node.args[1]
-        if not isinstance(source, fx.Node) or source in written or node.kwargs:
-            continue
-        kept_by = _kept_by(source)
-        if kept_by is None:
-            continue
-        node.op, node.target, node.args = "call_function", recomputed_cast, (source, dtype, kept_by)
+        node.op, node.target, node.args, node.kwargs = "call_function", target, args, kwargs
         _mark_recompute(node, kept_by)
         count += 1
         nbytes += _copy_bytes(node)

@@ -15,8 +15,8 @@ import torch.fx as fx
 from amp_graph.capture_fsdp import FSDP_MIXED_PRECISION
 from amp_graph.compiler import CompileRecord, compile_record, unwrap
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
+from amp_graph.passes.recompute_casts import copy_dtype
 from amp_graph.policy import Rule, nearest
-from amp_graph.recompute import recomputed_quantize
 
 from .html import OPEN_ROWS, explanation_html
 from .modules import node_modules
@@ -309,8 +309,7 @@ def _recompute_sentence(cast: fx.Node, amp: AmpInfo) -> str:
             f"\nBackward keeps this cast where an op saves it: its source '{source.name}' is "
             "not known to outlive the forward (or Policy(recompute_casts=False))."
         )
-    numel = value_numel(source)
-    dtype = cast.args[2] if cast.target is recomputed_quantize else cast.args[1]
+    numel, dtype = value_numel(source), copy_dtype(cast)
     size = f" ({bytes_text(numel * dtype.itemsize)})" if numel is not None else ""
     why = (
         "a parameter or buffer, which the module keeps"
