@@ -8,6 +8,8 @@ a model that upcasts to float32 on purpose.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -243,3 +245,15 @@ class LlamaStyle(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def shard_blocks(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
+    """``model`` sharded with FSDP2 as the tests and benchmarks shard these models:
+    ``fully_shard`` on each of ``model.blocks``, then on the root, with the same arguments.
+    Returns ``model``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return model

@@ -151,15 +151,11 @@ def _llama() -> tuple[nn.Module, Callable]:
 def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, tuple[int, ...]]:
     """Per variant on this rank, ``make()`` 's blocks and root sharded: (held bytes,
     all-gather bytes, reduce-scatter bytes) of one forward + backward."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     def sharded(**kwargs: Any) -> nn.Module:
         torch.manual_seed(0)
-        model = make()
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return models.shard_blocks(make(), **kwargs)
 
     def held(model: nn.Module, forward: Callable[[], Any]) -> tuple[int, ...]:
         with CollectiveBytes() as moved:

@@ -68,14 +68,10 @@ class TinyLM(nn.Module):
 
 
 def sharded_model(**fully_shard_kwargs: Any) -> TinyLM:
-    from torch.distributed.fsdp import fully_shard
+    from amp_graph.models import shard_blocks
 
     torch.manual_seed(0)  # the same full parameters on every rank before sharding
-    model = TinyLM()
-    for block in model.blocks:
-        fully_shard(block, **fully_shard_kwargs)
-    fully_shard(model, **fully_shard_kwargs)
-    return model
+    return shard_blocks(TinyLM(), **fully_shard_kwargs)
 
 
 def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -259,9 +255,10 @@ def _hooks(model: nn.Module) -> list[tuple[list, list]]:
 
 
 def refusals(rank: int) -> dict[str, Any]:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     import amp_graph
+    from amp_graph.models import shard_blocks
 
     def capture_error(model: nn.Module) -> str:
         try:
@@ -271,10 +268,7 @@ def refusals(rank: int) -> dict[str, Any]:
         return ""
 
     torch.manual_seed(0)
-    branching = BranchingLM()
-    for block in branching.blocks:
-        fully_shard(block)
-    fully_shard(branching)
+    branching = shard_blocks(BranchingLM())
     before = _hooks(branching)
     failed = capture_error(branching)
     # the torch internals the capture and the pass rely on (FSDP2's hook handles)
@@ -440,14 +434,10 @@ class CheckpointedLM(TinyLM):
 
 
 def _sharded_checkpointed(per_block: bool) -> CheckpointedLM:
-    from torch.distributed.fsdp import fully_shard
+    from amp_graph.models import shard_blocks
 
     torch.manual_seed(0)
-    model = CheckpointedLM(per_block)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
+    return shard_blocks(CheckpointedLM(per_block))
 
 
 def checkpoints(rank: int) -> dict[str, Any]:
@@ -478,18 +468,15 @@ def _held_variants(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, 
     """Bytes each rank holds for backward at the end of the forward, per variant."""
     import dataclasses
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import amp_graph
     from amp_graph.inspect.held import held_for_backward
+    from amp_graph.models import shard_blocks
 
     def sharded(**kwargs: Any) -> nn.Module:
         torch.manual_seed(0)
-        model = make()
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return shard_blocks(make(), **kwargs)
 
     def measure(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, list]:
         """The least held over three steps: FSDP2 frees some communication buffers on
