@@ -8,6 +8,7 @@ a model that upcasts to float32 on purpose.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -121,6 +122,32 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's causal self-attention as written without flash attention (``att @ ...``,
+    ``masked_fill`` with a ``tril`` buffer, ``F.softmax``), then a log-softmax head: what O1
+    computes in float32 reads a bf16 matmul's output."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, block: int = 16, classes: int = 11) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, classes)
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return F.log_softmax(self.head(self.c_proj(y)), dim=-1)
 
 
 class GPTWithLoss(nn.Module):

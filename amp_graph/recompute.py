@@ -42,6 +42,7 @@ import torch.utils.checkpoint
 __all__ = [
     "KEPT_BY_AUTOGRAD",
     "KEPT_BY_MODULE",
+    "KEPT_SMALLER",
     "ModifiedSourceError",
     "install",
     "recomputed_cast",
@@ -67,6 +68,9 @@ _recording = _Recording()
 
 KEPT_BY_MODULE = "module"  # a parameter or buffer: the module keeps it
 KEPT_BY_AUTOGRAD = "autograd"  # an op's result its own backward saves (softmax's output)
+# an upcast's low-precision source, kept in the float32 copy's place: fewer bytes, and the
+# copy is exact (float32 holds every bf16 and fp16 value), so backward loses nothing
+KEPT_SMALLER = "smaller"
 
 
 def recomputed_cast(source: torch.Tensor, dtype: torch.dtype, kept_by: str) -> torch.Tensor:
@@ -74,7 +78,9 @@ def recomputed_cast(source: torch.Tensor, dtype: torch.dtype, kept_by: str) -> t
     (while a graph with :func:`install` 's hooks runs and records grad). ``kept_by`` says
     why the source outlives the forward: ``"module"`` (a parameter or buffer) or
     ``"autograd"`` (a result its op's backward saves, which holds only where autograd
-    recorded that op: otherwise the copy is kept as usual)."""
+    recorded that op: otherwise the copy is kept as usual) or ``"smaller"`` (an upcast's
+    source, kept in the copy's place where its storage is the smaller: not a view into a
+    larger tensor)."""
     if torch.compiler.is_dynamo_compiling():
         # dynamo retraces the graph (Graph's enable_compile): the cast as a region of torch's
         # activation checkpointing, which AOTAutograd's partitioner recomputes in backward
@@ -82,9 +88,18 @@ def recomputed_cast(source: torch.Tensor, dtype: torch.dtype, kept_by: str) -> t
             torch.Tensor.to, source, dtype, use_reentrant=False
         )
     copy = source.to(dtype)
-    if kept_by == KEPT_BY_MODULE or source.grad_fn is not None:
+    if kept_by == KEPT_SMALLER:
+        if _recording.copies is not None and _smaller_storage(source, copy):
+            _record(copy, source, torch.Tensor.to, (source, dtype))
+    elif kept_by == KEPT_BY_MODULE or source.grad_fn is not None:
         _record(copy, source, torch.Tensor.to, (source, dtype))
     return copy
+
+
+def _smaller_storage(source: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Keeping ``source`` alive costs less than keeping ``copy``: compared by storage, since a
+    view keeps its whole base alive."""
+    return source.untyped_storage().nbytes() < copy.untyped_storage().nbytes()
 
 
 def recomputed_quantize(

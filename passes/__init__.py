@@ -10,10 +10,12 @@ form (``amp_graph.compiler.rewrite`` runs it). Then :func:`run_passes` runs, in 
 3. :func:`insert_casts` - the plan as cast nodes, one per (consumer, input);
 4. :func:`simplify_casts` - a rule table removes casts that change nothing;
 5. :func:`verify` - lint plus dtype consistency with the plan;
-6. :func:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
-7. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
-8. :func:`recompute_casts` - casts whose source outlives the forward, cast again in backward
-   instead of kept (weights' low-precision copies).
+6. :func:`absorb_casts` - a widening cast folded into the one op that reads it, where that op
+   takes ``dtype=`` (softmax, log_softmax, sum, mean);
+7. :func:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
+8. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
+9. :func:`recompute_casts` - casts whose source outlives the forward, cast again in backward
+   instead of kept (weights' low-precision copies, widened activations).
 
 They take one IR: the aten-level GraphModule amp_graph's capture makes, with an example value
 on every node (:func:`~passes.pipeline.require_captured_graph` says so where it is not).
@@ -23,6 +25,7 @@ copied (casts read them); casts the model wrote and in-place ops are never alter
 integer, bool and float64 values are never cast; a cast chain is folded only if lossless.
 """
 
+from .absorb_casts import absorb_casts
 from .assign_dtypes import assign_dtypes, propagate_dtypes
 from .checkpoints import outline_checkpoints
 from .classify import classify
@@ -50,6 +53,7 @@ __all__ = [
     "PipelineResult",
     "Role",
     "VerificationError",
+    "absorb_casts",
     "assign_dtypes",
     "classify",
     "fsdp_hooks",

@@ -4,8 +4,8 @@ The graph comes flat: :func:`inline_regions` is part of the captured form (``rew
 runs it before it keeps the graph as captured), not a pass of the list.
 
 Order: classify -> (fp8_linears, under an fp8 policy)
--> assign_dtypes -> insert_casts -> simplify_casts -> verify -> fsdp_hooks (models sharded
-with FSDP2) -> outline_checkpoints -> recompute_casts. With ``check_each=True`` (the
+-> assign_dtypes -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
+(models sharded with FSDP2) -> outline_checkpoints -> recompute_casts. With ``check_each=True`` (the
 tests use it) the verifier also runs after every pass, so a pass that breaks an invariant is
 caught where it happens.
 """
@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from amp_graph.policy import Policy
 
+from .absorb_casts import absorb_casts
 from .assign_dtypes import assign_dtypes
 from .checkpoints import outline_checkpoints
 from .classify import classify
@@ -66,6 +67,9 @@ def amp_passes(
     passes.append(("insert_casts", insert_casts))
     passes.append(("simplify_casts", simplify_casts))
     passes.append(("verify", lambda gm: verify(gm, propagate=full_verify)))
+    # after verify, which checks each op's inputs against the plan: an absorbed cast's op
+    # receives its input narrow, and widens it itself
+    passes.append(("absorb_casts", absorb_casts))
     # after every dtype is settled (its calls run collectives: no pass may run the graph
     # after it); before the outlining, which then finds checkpoints inside units' regions
     passes.append(("fsdp_hooks", fsdp_hooks))
@@ -128,7 +132,14 @@ def run_passes(
         start = time.perf_counter()
         try:
             out = run(gm)
-            skip = ("verify", "fp8_linears", "fsdp_hooks", "outline_checkpoints", "recompute_casts")
+            skip = (
+                "verify",
+                "fp8_linears",
+                "absorb_casts",
+                "fsdp_hooks",
+                "outline_checkpoints",
+                "recompute_casts",
+            )
             if check_each and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)

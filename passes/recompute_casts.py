@@ -15,6 +15,12 @@ keeping the source costs nothing:
   float32 probabilities, whose bf16 copy feeds the next matmul), unless the graph writes it
   in place; at run time only where autograd recorded that op (else the copy is kept).
 
+* a widening cast's source (bf16 or fp16 to float32: O1 upcasts a bf16 activation for a
+  float32 op, and ``pow`` or ``group_norm`` saves the float32 copy): backward keeps the low
+  source in the copy's place, half the bytes, and widens it again (exact: float32 holds
+  every bf16 and fp16 value); at run time only where the source's storage is the smaller
+  (not a view into a larger tensor). So an activation is not held in float32 and in bf16.
+
 The model's own casts of such values (GPT-2's ``attn_weights.type(value.dtype)`` of its
 float32 probabilities, under O1) are casts too, where they change only the dtype.
 
@@ -29,11 +35,14 @@ the same. Gradients are bit-identical: a cast is deterministic.
 
 Reads: ``meta["amp"]`` (casts: ``role=CAST`` or ``USER_CAST``; their sources' role and aten
 op), the sources' ``meta["val"]`` (dtypes, bytes). Writes: the decided casts' target and
-args; ``meta["amp"].recompute`` (why the source is kept: ``"module"`` or ``"autograd"``);
+args; ``meta["amp"].recompute`` (why the source is kept: ``"module"``, ``"autograd"`` or
+``"smaller"``);
 ``meta["recompute"]`` and ``meta["ac_graph_id"]`` (torch's keys).
 Guarantees: every value is computed as before; only top-level casts change (a checkpointed
-block's casts are recomputed by its checkpoint already); a graph input's cast is never
-decided (the caller may free the input after the forward: keeping it would cost more).
+block's casts are recomputed by its checkpoint already); a graph input's cast is decided
+only where it widens (the caller may free the input after the forward: keeping it costs no
+more than the copy it replaces); no cast the graph writes, or whose source it writes, is
+decided.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from amp_graph.recompute import (
     KEPT_BY_AUTOGRAD,
     KEPT_BY_MODULE,
+    KEPT_SMALLER,
     recomputed_cast,
     recomputed_quantize,
 )
@@ -153,12 +163,28 @@ def copy_dtype(node: fx.Node) -> torch.dtype:
     return node.args[2] if node.target is recomputed_quantize else node.args[1]
 
 
-def _copy_bytes(cast: fx.Node) -> int:
+def _widens(source: Any, dtype: torch.dtype) -> bool:
+    """``source.to(dtype)`` is a floating upcast (bf16 or fp16 to float32): exact."""
+    value = source.meta.get(VAL) if isinstance(source, fx.Node) else None
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and dtype.is_floating_point
+        and dtype.itemsize > value.dtype.itemsize
+    )
+
+
+def _freed_bytes(cast: fx.Node) -> int:
+    """Bytes backward no longer holds for one decided cast: its copy's, less its source's
+    where the source is kept only in the copy's place (``"smaller"``)."""
     value, dtype = cast.args[0].meta.get(VAL), copy_dtype(cast)
     if not isinstance(value, torch.Tensor) or not isinstance(dtype, torch.dtype):
         return 0
     numel = value.numel()
-    return int(numel) * dtype.itemsize if isinstance(numel, int) else 0
+    if not isinstance(numel, int):
+        return 0
+    kept = value.dtype.itemsize if cast.meta[AMP].recompute == KEPT_SMALLER else 0
+    return int(numel) * (dtype.itemsize - kept)
 
 
 def _mark_recompute(node: fx.Node, kept_by: str) -> None:
@@ -175,7 +201,8 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
 
     ``enabled=False`` (``Policy(recompute_casts=False)``) decides none: backward keeps every
     copy, as torch.autocast does. Stats: ``casts_recomputed`` and
-    ``recomputed_cast_bytes`` (the copies' bytes, per call, that backward no longer holds).
+    ``recomputed_cast_bytes`` (per call, the bytes backward no longer holds: the copies',
+    less the low sources kept in the place of widened copies).
     """
     if not enabled:
         return PassResult(gm, modified=False, stats={"casts_recomputed": 0})
@@ -188,14 +215,16 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
         elif (recast := _recast_of(node)) is not None:
             source, dtype = recast
             kept_by = _kept_by(source) if isinstance(source, fx.Node) else None
+            if kept_by is None and _widens(source, dtype):
+                kept_by = KEPT_SMALLER
             target, args, kwargs = recomputed_cast, (source, dtype, kept_by), {}
         else:
             continue
-        if kept_by is None or source in written:
+        if kept_by is None or source in written or node in written:
             continue
         node.op, node.target, node.args, node.kwargs = "call_function", target, args, kwargs
         _mark_recompute(node, kept_by)
         count += 1
-        nbytes += _copy_bytes(node)
+        nbytes += _freed_bytes(node)
     stats = {"casts_recomputed": count, "recomputed_cast_bytes": nbytes}
     return PassResult(gm, modified=count > 0, stats=stats)

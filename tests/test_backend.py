@@ -246,9 +246,11 @@ def test_graph_breaks_hand_each_graph_the_dtype_it_was_traced_with(capsys):
     assert [n.meta[AMP].out_dtype for n in first.graph.nodes if n.op == "output"] == [(BF16,)]
     assert _tensor_inputs(condition) == {"l_h_": BF16}
     assert _tensor_inputs(softmax) == {"l_h_": BF16}
-    # ... where O1's fp32 softmax casts it up, so the value crossing the last break is fp32
+    # ... where O1's fp32 softmax widens it (by its dtype=: the cast absorbed), so the value
+    # crossing the last break is fp32
     [soft] = [n for n in softmax.graph.nodes if n.meta[AMP].aten == "softmax.int"]
-    assert soft.args[0].meta[AMP].role is Role.CAST and soft.meta[AMP].out_dtype == torch.float32
+    assert soft.meta[AMP].cast_absorbed and soft.args[2] is torch.float32
+    assert soft.args[0].meta[AMP].out_dtype == BF16 and soft.meta[AMP].out_dtype == torch.float32
     assert _tensor_inputs(tail) == {"l_h_": torch.float32}
     assert all(gm.meta["amp_graph"].exact for gm in graphs)
     # At run time every graph gets exactly the dtypes it was compiled for: no recompiles.

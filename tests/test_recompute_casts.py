@@ -217,6 +217,7 @@ def test_report_and_explain_say_what_is_recomputed() -> None:
     report = amp_graph.report(compiled)
     assert report.casts_recomputed == 5  # two weights, two biases, softmax's output
     assert report.recomputed_cast_bytes == (8 * 16 + 16 + 16 * 8 + 8 + 4 * 16) * 2
+    assert report.casts_absorbed == 1  # softmax widens its input itself (dtype=)
     assert "recomputed in backward" in report.totals()
     cast = next(n for n in compiled.graph.nodes if n.target is recomputed_cast)
     text = str(amp_graph.explain(compiled, cast.name))
@@ -341,7 +342,9 @@ def test_fp8_policy_trains_the_same_bits() -> None:
         quantized = [n for n in compiled.graph.nodes if n.target is recomputed_quantize]
         assert len(quantized) == (2 if recompute else 0)  # the two weights' e4m3 copies
     assert_same_bits(grads[True], grads[False])
-    assert held[False] - held[True] == 32 * 64 + 64 * 32  # one byte per element
+    # the weights' e4m3 copies (one byte per element), and layer_norm's float32 input: its
+    # bf16 source (GELU's output) kept in its place, 2 bytes per element instead of 4
+    assert held[False] - held[True] == 32 * 64 + 64 * 32 + 16 * 64 * (4 - 2)
 
 
 def test_every_linear_weight_cast_is_recomputed_in_the_printed_graph() -> None:
@@ -513,3 +516,99 @@ def test_graph_build_holds_less_for_backward() -> None:
             lambda b=build: b(IDS)[0], [*model.parameters(), *model.buffers()]
         )
     assert held[True] < held[False]
+
+
+class _WidenedForPow(nn.Module):
+    """O1 computes ``pow`` in float32 (torch.autocast's CUDA list): it widens the linear's
+    bf16 output, and pow's backward saves the float32 copy."""
+
+    def __init__(self, width: int = 64, sliced: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, width)
+        self.sliced = sliced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.pow(h[:, :2] if self.sliced else h, 3)
+
+
+def _held_on_and_off(model: nn.Module, x: torch.Tensor, name: str = "O1") -> dict[bool, int]:
+    held, grads = {}, {}
+    for recompute in (True, False):
+        compiled = amp_graph.compile(model, policy(name, recompute), BF16)
+        step(model, lambda c=compiled: c(x))  # capture
+        held[recompute], grads[recompute] = step(model, lambda c=compiled: c(x))
+        kept = [n.args[2] for n in compiled.graph.nodes if n.target is recomputed_cast]
+        assert ("smaller" in kept) == recompute
+    assert_same_bits(grads[True], grads[False])
+    return held
+
+
+def test_a_widened_activation_is_held_once_in_its_low_dtype() -> None:
+    """Backward keeps the bf16 source of pow's float32 input in its place: exactly half the
+    copy's bytes less, the same gradients, and explain says so."""
+    x = torch.randn(8, 16)
+    held = _held_on_and_off(_WidenedForPow(), x)
+    assert held[False] - held[True] == 8 * 64 * (4 - 2)
+    compiled = amp_graph.compile(_WidenedForPow(), "O1", BF16, example_inputs=(x,))
+    widened = next(
+        n for n in compiled.graph.nodes if n.target is recomputed_cast and n.args[2] == "smaller"
+    )
+    assert widened.args[1] is torch.float32 and widened.args[0].meta["val"].dtype is BF16
+    text = str(amp_graph.explain(compiled, widened.name))
+    assert "narrower source" in text and "not held twice" in text
+
+
+def test_a_widened_view_of_a_larger_tensor_is_kept_as_the_copy() -> None:
+    """A slice keeps its whole base alive: where the source's storage is not smaller than
+    the copy, backward keeps the copy, as before (nothing more is held)."""
+    held = _held_on_and_off(_WidenedForPow(width=64, sliced=True), torch.randn(8, 16))
+    assert held[True] == held[False]
+
+
+def test_a_group_norm_after_a_convolution_holds_its_input_in_bf16() -> None:
+    """diffusers' UNet under O1: every GroupNorm after a bf16 convolution saves its float32
+    input; backward keeps the convolution's bf16 output in its place."""
+    diffusers = pytest.importorskip("diffusers")
+    unet = diffusers.UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        norm_num_groups=8,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+    ).train()
+    sample, timestep = torch.randn(2, 3, 16, 16), torch.tensor([10])
+
+    class Call(nn.Module):  # the UNet's sample, for the shared helpers
+        def __init__(self) -> None:
+            super().__init__()
+            self.unet = unet
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.unet(x, timestep).sample
+
+    held = _held_on_and_off(Call(), sample)
+    assert held[True] < 0.85 * held[False]
+
+
+def test_llamas_own_upcast_under_o2_is_held_in_bf16() -> None:
+    """Under O2 Llama's residual stream is bf16, and its RMSNorm widens it on purpose
+    (``hidden_states.to(torch.float32)``), then saves the float32 copy for ``pow`` and the
+    product: backward keeps the bf16 hidden states instead."""
+    model = llama()
+    held, grads, kinds = {}, {}, {}
+    for recompute in (True, False):
+        compiled = amp_graph.compile(model, policy("O2", recompute), BF16)
+        step(model, lambda c=compiled: c(LLAMA_IDS).logits)
+        held[recompute], grads[recompute] = step(model, lambda c=compiled: c(LLAMA_IDS).logits)
+        kinds[recompute] = Counter(
+            n.args[2]
+            for n in compiled.graph.nodes
+            if n.target is recomputed_cast and n.meta["amp"].role.value == "user_cast"
+        )
+    assert kinds[True]["smaller"] >= 5  # two norms per layer, and the final norm
+    assert held[True] < held[False]
+    assert_same_bits(grads[True], grads[False])

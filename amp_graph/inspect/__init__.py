@@ -6,7 +6,7 @@
 >>> c = amp_graph.compile(m, "O1", example_inputs=(torch.randn(2, 4),))
 >>> svg = inspect.draw(c, renderer="networkx")  # in Jupyter: shown as the drawing
 >>> print(inspect.diff(c).summary())
-Sequential: before the passes -> Sequential: O1, bf16: 4 added, 0 removed, 2 changed, 4 unchanged
+Sequential: before the passes -> Sequential: O1, bf16: 3 added, 0 removed, 2 changed, 4 unchanged
 
 This package sits at the edge of amp_graph: the compiler never imports it, and it imports
 no plotting library (drawings are SVG written here, laid out by graphviz's ``dot`` when it

@@ -4,14 +4,19 @@ A *conversion* is a copy of a tensor into another dtype. The bytes of one are th
 reads plus the bytes it writes: ``numel * (source itemsize + target itemsize)``. Counted:
 
 forward
-    every cast amp_graph inserted, and every cast the model wrote (``x.float()``,
-    ``h.type_as(x)``) that changes the dtype;
+    every cast amp_graph inserted, every cast the model wrote (``x.float()``,
+    ``h.type_as(x)``) that changes the dtype, and every cast absorbed into a softmax's or
+    log_softmax's ``dtype=`` (``softmax(x, -1, torch.float32)`` runs that cast as an aten
+    ``_to_copy`` of its own; CUDA's fp16 softmax reads the narrow input directly, so there
+    the count is an upper bound). A reduction's ``dtype=`` (``sum``, ``mean``) converts
+    inside its kernel: no cast call, not counted;
 backward
     each of those casts whose input needs a gradient has a backward that casts the
-    gradient back (``ToCopyBackward``): same tensor size, the two dtypes swapped, so the
-    same bytes; and an op whose output is wider than one of its floating inputs
-    (``x_fp32 + y_bf16``, type promotion) returns its gradient in its output's dtype,
-    which autograd casts to each narrower input's dtype. An input *wider* than the output
+    gradient back (``ToCopyBackward``; for a reduction, autograd's cast of its gradient to
+    the input's dtype): same tensor size, the two dtypes swapped, so the same bytes; and
+    an op whose output is wider than one of its floating inputs (``x_fp32 + y_bf16``,
+    type promotion) returns its gradient in its output's dtype, which autograd casts to
+    each narrower input's dtype. An input *wider* than the output
     is not promoted: kernels that take mixed dtypes by design (``aten.batch_norm`` of
     bfloat16 activations with float32 weights and statistics) return each gradient in its
     input's own dtype, with no conversion.
@@ -40,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.compiler import compile_record, unwrap
+from amp_graph.passes.absorb_casts import CAST_BY_ATEN_CALL
 from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, short, tensor_facts
 
 from .modules import module_types, node_modules
@@ -56,7 +62,8 @@ class Conversion:
 
     node: str  # the cast, the model's cast, or the op whose gradient is converted
     module: str
-    kind: str  # "cast" (amp_graph's), "model cast", "fp8 quantize", or "promotion" (backward)
+    # "cast" (amp_graph's), "model cast", "absorbed cast", "fp8 quantize", or "promotion"
+    kind: str
     source: str  # dtype converted from, in the forward direction
     target: str
     numel: int | None
@@ -225,6 +232,22 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
                     short(dst),
                     value_numel(source),
                     moved,
+                    moved if grad.get(source.name) else 0,
+                )
+            )
+        elif amp.cast_absorbed:  # the op widens its input itself (its dtype=)
+            source = node.args[0]
+            src, dst = source.meta[AMP].out_dtype, amp.compute_dtype
+            moved = _size(value_numel(source), src, dst)
+            found.append(
+                Conversion(
+                    node.name,
+                    modules[node.name],
+                    "absorbed cast",
+                    short(src),
+                    short(dst),
+                    value_numel(source),
+                    moved if node.target in CAST_BY_ATEN_CALL else 0,
                     moved if grad.get(source.name) else 0,
                 )
             )

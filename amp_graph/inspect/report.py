@@ -75,6 +75,7 @@ class Report:
     cast_bytes: int | None  # bytes read + written by the kept casts per call; None: unknown
     ops_by_dtype: dict[str, int]
     casts_recomputed: int = 0  # casts backward makes again instead of keeping
+    casts_absorbed: int = 0  # widening casts folded into the op's dtype= (absorb_casts)
     recomputed_cast_bytes: int = 0  # their copies' bytes, per call, no longer held
     # FSDP2 units whose MixedPrecisionPolicy the graph honours: unit path -> its fields
     fsdp_mixed_precision: dict[str, str] = field(default_factory=dict)
@@ -96,8 +97,8 @@ class Report:
         return (
             f"policy {self.policy}, low dtype {self.dtype}; ops by output dtype: {per_dtype}\n"
             f"casts inserted {self.casts_inserted}, removed by simplification "
-            f"{self.casts_removed}, kept {self.casts_kept}; bytes cast per call: "
-            f"{bytes_text(self.cast_bytes)}\n"
+            f"{self.casts_removed}, absorbed into an op's dtype= {self.casts_absorbed}, kept "
+            f"{self.casts_kept}; bytes cast per call: {bytes_text(self.cast_bytes)}\n"
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
             + _fsdp_text(self.fsdp_mixed_precision)
@@ -260,6 +261,7 @@ def report(compiled: Any) -> Report:
         cast_bytes=cast_bytes(compiled),
         ops_by_dtype=dict(ops),
         casts_recomputed=record.stats.get("casts_recomputed", 0),
+        casts_absorbed=record.stats.get("casts_absorbed", 0),
         recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
         fsdp_mixed_precision=dict(compiled.meta.get(FSDP_MIXED_PRECISION, {})),
         fsdp_read_low=fsdp_units_read_low(compiled, record.dtype),
@@ -311,6 +313,12 @@ def _recompute_sentence(cast: fx.Node, amp: AmpInfo) -> str:
         )
     numel, dtype = value_numel(source), copy_dtype(cast)
     size = f" ({bytes_text(numel * dtype.itemsize)})" if numel is not None else ""
+    if amp.recompute == "smaller":
+        return (
+            f"\nIt is not kept for backward{size}: backward keeps its narrower source "
+            f"'{source.name}' in its place and widens it again where it needs it (exact: "
+            "the same bits), so the value is not held twice."
+        )
     why = (
         "a parameter or buffer, which the module keeps"
         if amp.recompute == "module"
@@ -370,7 +378,13 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
             f"by the {amp.source} level: {amp.detail}."
         )
-        if amp.compute_dtype is not None:
+        if amp.cast_absorbed:
+            text.append(
+                f"It widens its input to {short(amp.compute_dtype)} itself, by its dtype= "
+                "argument: the cast amp_graph inserted is absorbed into the op (torch defines "
+                "dtype= as that cast, applied first)."
+            )
+        elif amp.compute_dtype is not None:
             already = "" if casts_in else " (they already are: no cast needed)"
             text.append(f"Its floating inputs are cast to {short(amp.compute_dtype)}{already}.")
     else:
@@ -420,7 +434,8 @@ def report_summary_html(report: Report) -> str:
         f"<b>amp_graph report</b>: policy <b>{escape(report.policy)}</b>, low dtype "
         f"{badge(report.dtype, report.dtype)}{proven}<br>ops by output dtype: {per_dtype}<br>"
         f"casts inserted {report.casts_inserted}, removed by simplification "
-        f"{report.casts_removed}, kept <b>{report.casts_kept}</b>; bytes cast per call: "
+        f"{report.casts_removed}, absorbed into an op's dtype= {report.casts_absorbed}, kept "
+        f"<b>{report.casts_kept}</b>; bytes cast per call: "
         f"{bytes_text(report.cast_bytes)}</div>"
     )
 

@@ -1,0 +1,122 @@
+"""Pass absorb_casts: a widening cast folded into the op that reads it, where the op takes a
+``dtype=`` argument (``softmax(x.to(float32), -1)`` becomes ``softmax(x, -1, float32)``).
+
+O1 computes softmax, log_softmax and sum in float32 (torch.autocast's CUDA list),
+so it widens their bf16 or fp16 input with a cast of its own. These ops can widen their
+input themselves: torch's ``dtype=`` argument is defined as the same cast applied first.
+On a CPU, and for bf16 on CUDA, torch then runs exactly that cast inside the op; on CUDA
+an fp16 ``softmax``/``log_softmax`` (``half_to_float``) and a bf16 or fp16 ``sum``/``mean``
+read the narrow input directly and accumulate in float32, with no float32 copy of the input
+at all. The printed graph shows the op with its ``dtype=`` and no cast before it.
+
+Only a cast that is the op's input and nothing else's is absorbed: a cast shared by several
+readers (one float32 copy for softmax and sum) stays one cast, rather than one per reader.
+
+Reads: ``meta["amp"]`` (``role=CAST`` casts amp_graph inserted, their users' aten op).
+Writes: the op's input and ``dtype`` argument; removes the cast; sets
+``meta["amp"].cast_absorbed`` on the op. Guarantees: every op receives the same values in
+the dtype it received them in before the pass, converted by the op itself (torch's
+definition of ``dtype=``: on a CPU the same aten ``_to_copy``, so the same bits forward and
+backward; the tests check both); only widening casts amp_graph inserted are absorbed,
+never the model's own casts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .meta import AMP, VAL, Role
+from .result import PassResult
+
+aten = torch.ops.aten
+
+# ops whose ``dtype=`` argument casts their input before they compute (torch's
+# native_functions.yaml: "the input tensor is casted to dtype before the operation") and
+# whose backward then matches the cast's: the gradient reaches the narrow input through
+# the same float32 computation and one rounding. Not ``cumsum``: its derivative
+# (derivatives.yaml) casts the gradient down *before* the reverse cumulative sum, which then
+# accumulates in bf16 (other bits; tests/test_absorb_casts.py keeps it out).
+TAKES_DTYPE = frozenset(
+    {
+        aten.softmax.int,
+        aten.log_softmax.int,
+        aten.sum.default,
+        aten.sum.dim_IntList,
+        aten.mean.default,
+        aten.mean.dim,
+    }
+)
+
+# of those, the ones whose dtype= is an aten ``_to_copy`` call of its own (composite ops);
+# the reductions convert inside their kernel
+CAST_BY_ATEN_CALL = frozenset({aten.softmax.int, aten.log_softmax.int})
+
+
+def _dtype_argument(op: torch._ops.OpOverload) -> tuple[int, bool]:
+    """(position, keyword-only) of the op's ``dtype`` argument."""
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == "dtype":
+            return position, argument.kwarg_only
+    raise ValueError(f"{op} has no dtype argument")
+
+
+def _given_dtype(op_node: fx.Node) -> torch.dtype | None:
+    position, kwarg_only = _dtype_argument(op_node.target)
+    if kwarg_only or len(op_node.args) <= position:
+        return op_node.kwargs.get("dtype")
+    return op_node.args[position]
+
+
+def _absorbable(cast: fx.Node) -> fx.Node | None:
+    """The op that may take ``cast`` 's conversion as its ``dtype=``, or None."""
+    amp = cast.meta.get(AMP)
+    if amp is None or amp.role is not Role.CAST or cast.op != "call_method" or cast.kwargs:
+        return None
+    source, dtype = cast.args[0], cast.args[1]
+    value = source.meta.get(VAL) if isinstance(source, fx.Node) else None
+    widens = (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and isinstance(dtype, torch.dtype)
+        and dtype.itemsize > value.dtype.itemsize
+    )
+    if not widens or len(cast.users) != 1:
+        return None
+    (op_node,) = cast.users
+    if op_node.op != "call_function" or op_node.target not in TAKES_DTYPE:
+        return None
+    if op_node.args[0] is not cast or cast in op_node.args[1:] or cast in op_node.kwargs.values():
+        return None
+    return op_node if _given_dtype(op_node) in (None, dtype) else None
+
+
+def absorb_casts(gm: fx.GraphModule) -> PassResult:
+    """Fold each widening cast into the one op that reads it, where that op takes ``dtype=``.
+
+    Stats: ``casts_absorbed`` and ``absorbed_cast_bytes`` (the float32 copies' bytes per
+    call that the graph no longer makes itself).
+    """
+    count = nbytes = 0
+    for cast in list(gm.graph.nodes):
+        op_node = _absorbable(cast)
+        if op_node is None:
+            continue
+        source, dtype = cast.args[0], cast.args[1]
+        position, kwarg_only = _dtype_argument(op_node.target)
+        if kwarg_only:
+            op_node.kwargs = {**op_node.kwargs, "dtype": dtype}
+            op_node.args = (source, *op_node.args[1:])
+        else:
+            defaults = [a.default_value for a in op_node.target._schema.arguments[:position]]
+            args = [source, *op_node.args[1:]]
+            args += defaults[len(args) :]
+            op_node.args = (*args[:position], dtype, *op_node.args[position + 1 :])
+        op_node.meta[AMP].cast_absorbed = True
+        gm.graph.erase_node(cast)
+        count += 1
+        numel = source.meta[VAL].numel()
+        nbytes += int(numel) * dtype.itemsize if isinstance(numel, int) else 0
+    return PassResult(
+        gm, modified=count > 0, stats={"casts_absorbed": count, "absorbed_cast_bytes": nbytes}
+    )

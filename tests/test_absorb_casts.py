@@ -1,0 +1,216 @@
+"""A widening cast folded into the op that reads it (passes/absorb_casts.py): the op takes
+``dtype=`` instead, the same bits forward and backward, and the graph shows it.
+
+The oracle is the same compile with the pass replaced by one that changes nothing (the
+cast left in the graph); gradients and outputs must be equal, bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from amp_graph.passes.result import PassResult
+
+import amp_graph
+from amp_graph.models import NanoAttention
+
+# the modules (``amp_graph.passes`` exports the pass functions under the same names)
+absorb_module = importlib.import_module("amp_graph.passes.absorb_casts")
+pipeline = importlib.import_module("amp_graph.passes.pipeline")
+aten = torch.ops.aten
+
+
+class Reduce(nn.Module):
+    """A linear (bf16 under O1), then one op that takes ``dtype=``."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 24)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.fc(x) * 1.5)
+
+
+REDUCTIONS = {
+    "softmax": lambda h: torch.softmax(h, -1),
+    "log_softmax": lambda h: torch.log_softmax(h, -1),
+    "sum": lambda h: h.sum(),
+    "sum_dim": lambda h: h.sum(-1),
+    "mean": lambda h: h.mean(),
+    "mean_dim": lambda h: h.mean(-1, keepdim=True),
+}
+# mean is not in O1's float32 list: compute it in float32 so that it reads a widened input
+POLICY = amp_graph.Policy.preset("O1").override(ops={torch.mean: "fp32", torch.Tensor.mean: "fp32"})
+
+
+def _not_absorbing(gm: torch.fx.GraphModule) -> PassResult:
+    return PassResult(gm, modified=False, stats={})
+
+
+def run(compiled: nn.Module, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Output and every gradient (parameters and input) after one backward."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out = compiled(x)
+    out.float().square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return [out.detach(), x.grad.clone(), *grads]
+
+
+def absorbed_and_not(
+    model: nn.Module, x: torch.Tensor, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]]:
+    absorbed = amp_graph.compile(model, POLICY, dtype, example_inputs=(x,))
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "absorb_casts", _not_absorbing)
+        kept = amp_graph.compile(model, POLICY, dtype, example_inputs=(x,))
+    assert amp_graph.report(kept).casts_absorbed == 0
+    return absorbed, run(absorbed, model, x), run(kept, model, x)
+
+
+def assert_same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for got, want in zip(a, b, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+def test_each_op_takes_the_cast_as_its_dtype_with_the_same_bits(name, dtype, monkeypatch):
+    torch.manual_seed(0)
+    model = Reduce(REDUCTIONS[name])
+    absorbed, got, want = absorbed_and_not(model, torch.randn(5, 8), dtype, monkeypatch)
+    assert_same_bits(got, want)
+    (op_node,) = [n for n in absorbed.graph.nodes if n.meta["amp"].cast_absorbed]
+    assert op_node.target in absorb_module.TAKES_DTYPE
+    assert op_node.args[0].meta["val"].dtype == dtype  # reads the narrow value itself
+    given = op_node.kwargs.get("dtype", op_node.args[2] if len(op_node.args) > 2 else None)
+    assert given is torch.float32
+    assert amp_graph.report(absorbed).casts_absorbed == 1
+
+
+def test_nanogpt_attention_softmax_and_log_softmax_absorb_their_casts(monkeypatch):
+    torch.manual_seed(0)
+    model = NanoAttention()
+    x = torch.randn(2, 16, 32)
+    absorbed, got, want = absorbed_and_not(model, x, torch.bfloat16, monkeypatch)
+    assert_same_bits(got, want)
+    code = absorbed.code
+    assert "aten.softmax.int(mul, -1, torch.float32)" in code.replace("masked_fill", "mul")
+    assert "log_softmax.int(" in code and ", -1, torch.float32)" in code
+    report = amp_graph.report(absorbed)
+    assert report.casts_absorbed == 2
+    assert "absorbed into an op's dtype= 2" in report.totals()
+    softmax = next(n for n in absorbed.graph.nodes if n.target is aten.softmax.int)
+    text = str(amp_graph.explain(absorbed, softmax.name))
+    assert "widens its input to fp32 itself, by its dtype=" in text
+    diff = amp_graph.inspect.diff(absorbed)
+    assert any("dtype=fp32" in row.detail for row in diff.rows if row.node == softmax.name)
+
+
+def test_cumsum_keeps_its_cast():
+    """cumsum's ``dtype=`` would change its gradient's bits (its derivative casts the
+    gradient down before the reverse sum): the cast stays, and the bits are the cast's."""
+    model = Reduce(lambda h: h.cumsum(1))
+    x = torch.randn(5, 8)
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16, example_inputs=(x,))
+    assert amp_graph.report(compiled).casts_absorbed == 0
+    cumsum = next(n for n in compiled.graph.nodes if n.target is aten.cumsum.default)
+    assert cumsum.args[0].meta["amp"].role.value == "cast" and "dtype" not in cumsum.kwargs
+    leaf = torch.randn(5, 24, dtype=torch.bfloat16, requires_grad=True)
+    torch.cumsum(leaf, 1, dtype=torch.float32).square().sum().backward()
+    absorbed_grad, leaf.grad = leaf.grad, None
+    leaf.float().cumsum(1).square().sum().backward()
+    assert not torch.equal(absorbed_grad, leaf.grad)  # why it is not in TAKES_DTYPE
+
+
+def test_a_cast_several_ops_read_stays_one_cast():
+    """One float32 copy read by softmax and by sum: absorbing it would make each op cast
+    again (two conversions instead of one), so it stays."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.fc(x)
+            return torch.softmax(h, -1), h.sum(-1)
+
+    x = torch.randn(4, 8)
+    compiled = amp_graph.compile(Shared(), "O1", torch.bfloat16, example_inputs=(x,))
+    assert amp_graph.report(compiled).casts_absorbed == 0
+    assert not any(n.meta["amp"].cast_absorbed for n in compiled.graph.nodes)
+
+
+def test_the_models_own_cast_is_kept_as_written():
+    """``F.softmax(x.float(), -1)``: the model's own cast is never altered."""
+
+    class OwnCast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.softmax(self.fc(x).float(), -1)
+
+    x = torch.randn(4, 8)
+    compiled = amp_graph.compile(OwnCast(), "O1", torch.bfloat16, example_inputs=(x,))
+    assert amp_graph.report(compiled).casts_absorbed == 0
+    softmax = next(n for n in compiled.graph.nodes if n.target is aten.softmax.int)
+    assert softmax.args[0].meta["amp"].role.value == "user_cast"
+
+
+def test_conversions_are_counted_as_torch_runs_them():
+    """dataflow counts softmax's dtype= as a forward cast (an aten ``_to_copy`` of its own)
+    and a reduction's as none (its kernel converts); both have a backward cast."""
+    x = torch.randn(2, 16, 32)
+    flow = amp_graph.inspect.dataflow(
+        amp_graph.compile(NanoAttention(), "O1", torch.bfloat16, example_inputs=(x,))
+    )
+    absorbed = [c for c in flow.conversions if c.kind == "absorbed cast"]
+    assert len(absorbed) == 2 and all(c.forward_bytes and c.backward_bytes for c in absorbed)
+    x = torch.randn(5, 8)
+    summed = amp_graph.inspect.dataflow(
+        amp_graph.compile(Reduce(REDUCTIONS["sum"]), "O1", torch.bfloat16, example_inputs=(x,))
+    )
+    (reduction,) = [c for c in summed.conversions if c.kind == "absorbed cast"]
+    assert reduction.forward_bytes == 0 and reduction.backward_bytes == 5 * 24 * (2 + 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+@pytest.mark.parametrize("width", [24, 1000, 3000])
+def test_on_cuda_the_ops_dtype_gives_the_cast_s_bits(name, dtype, width):
+    """CUDA's fp16 softmax (``half_to_float``) and low-precision sum and mean read the
+    narrow input directly: their bits against the explicit cast's, forward and backward."""
+    torch.manual_seed(0)
+    x = torch.randn(64, width, device="cuda", dtype=dtype)
+    results = []
+    for absorbed in (True, False):
+        leaf = x.clone().requires_grad_()
+        op = REDUCTIONS[name]
+        wide = leaf if absorbed else leaf.float()
+        out = _with_dtype(name, wide) if absorbed else op(wide)
+        out.float().square().sum().backward()
+        results.append([out.detach(), leaf.grad])
+    assert_same_bits(results[0], results[1])
+
+
+def _with_dtype(name: str, h: torch.Tensor) -> torch.Tensor:
+    f32 = torch.float32
+    return {
+        "softmax": lambda: torch.softmax(h, -1, dtype=f32),
+        "log_softmax": lambda: torch.log_softmax(h, -1, dtype=f32),
+        "sum": lambda: h.sum(dtype=f32),
+        "sum_dim": lambda: h.sum(-1, dtype=f32),
+        "mean": lambda: h.mean(dtype=f32),
+        "mean_dim": lambda: h.mean(-1, keepdim=True, dtype=f32),
+    }[name]()
