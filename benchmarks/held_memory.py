@@ -6,7 +6,8 @@ tensor an aten op made during it, parameters and buffers left out
 (:mod:`amp_graph.inspect.held`): what autograd saved, and anything else kept.
 
 1. One device, bf16 on this CPU: the GPT-style decoder (``amp_graph.models.GPT``, 4
-   layers, width 128, 4x64 tokens; and width 256, 8x128 tokens, under O1) and HF Llama
+   layers, width 128, 4x64 tokens; width 256, 8x128 tokens, under O1; and
+   ``benchmarks/compile_bench.py``'s GPT, width 256, 16x128 tokens) and HF Llama
    (eager attention, 2 layers, width 128, 4x64 tokens), under ``O1`` and ``autocast``.
    Also: the casts backward runs, the aten ops backward runs beyond the kept-casts
    variant, and the step time (forward + backward) of on against off: 101 pairs,
@@ -19,8 +20,15 @@ tensor an aten op made during it, parameters and buffers left out
    held bytes, and the bytes all-gathered and reduce-scattered in one step
    (:mod:`amp_graph.inspect.traffic`, counted on c10d's collectives).
 
+3. ``--part3``: activations not held twice: held bytes keeping against recomputing on the
+   GPT, nanoGPT's attention, HF GPT-2, HF Llama (O1 and O2) and a diffusers UNet, with what
+   was decided (parameter copies, kept results, widened activations, casts absorbed into
+   ``dtype=``); and the casts per step of ``policy="autocast"`` against torch.autocast on
+   the GPT, by kind.
+
     python benchmarks/held_memory.py            # the run recorded in BENCHMARKS.md
     python benchmarks/held_memory.py --quick    # fewer timing repeats
+    python benchmarks/held_memory.py --part3    # section 3 only (no timing; a minute)
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import platform
 import socket
 import statistics
@@ -49,6 +58,9 @@ import amp_graph
 from amp_graph import models
 from amp_graph.inspect.held import held_for_backward
 from amp_graph.inspect.traffic import CollectiveBytes
+from amp_graph.recompute import recomputed_cast
+
+_recompute_pass = importlib.import_module("amp_graph.passes.recompute_casts")
 
 BF16 = torch.bfloat16
 MB = 1e6
@@ -145,12 +157,134 @@ def _llama() -> tuple[nn.Module, Callable]:
     return transformers.LlamaForCausalLM(config).train(), lambda m: m(ids).logits
 
 
+# ---- widened activations and absorbed casts (issue 24, part 3) ------------------------------
+
+
+def _hf_gpt2() -> tuple[nn.Module, Callable]:
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_positions=64, n_embd=128, n_layer=2, n_head=4, vocab_size=512, use_cache=False
+    )
+    config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+    config._attn_implementation = "eager"
+    ids = torch.randint(0, 512, (4, 64))
+    return transformers.GPT2LMHeadModel(config).train(), lambda m: m(ids).logits
+
+
+def _unet() -> tuple[nn.Module, Callable]:
+    import diffusers
+
+    unet = diffusers.UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        norm_num_groups=8,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+    ).train()
+    sample, timestep = torch.randn(4, 3, 16, 16), torch.tensor([10])
+    return unet, lambda m: m(sample, timestep).sample
+
+
+def widened(label: str, policy: str, model: nn.Module, call: Callable) -> None:
+    """Held bytes keeping against recomputing, and what part 3's two mechanisms decided:
+    widened activations kept narrow (``"smaller"``) and casts absorbed into ``dtype=``."""
+    held = {}
+    for variant in ("keeping", "recomputing, widened kept", "recomputing"):
+        # the middle variant turns off only the widened activations (this script's own
+        # switch on the pass's private predicate: no policy field for it)
+        widens = _recompute_pass._widens
+        if variant == "recomputing, widened kept":
+            _recompute_pass._widens = lambda source, dtype: False
+        try:
+            compiled = amp_graph.compile(model, _policy(policy, variant != "keeping"), BF16)
+            _held_and_backward_ops(model, lambda c=compiled: call(c))  # capture, passes
+        finally:
+            _recompute_pass._widens = widens
+        held[variant], _ = _held_and_backward_ops(model, lambda c=compiled: call(c))
+        if variant == "recomputing":
+            graph = compiled.graph_module
+            kinds = Counter(n.args[2] for n in graph.graph.nodes if n.target is recomputed_cast)
+            absorbed = graph.meta["amp_graph"].stats.get("casts_absorbed", 0)
+    keeping = held["keeping"]
+    print(
+        f"  {label:38s} {policy:3s} keeping {keeping / MB:5.2f} MB | recomputing, widened "
+        f"kept {held['recomputing, widened kept'] / MB:5.2f} MB "
+        f"({held['recomputing, widened kept'] / keeping:.2f}x) | recomputing "
+        f"{held['recomputing'] / MB:5.2f} MB ({held['recomputing'] / keeping:.2f}x) | "
+        f"decided: {kinds['module']} parameter, {kinds['autograd']} kept-result, "
+        f"{kinds['smaller']} widened; {absorbed} absorbed into dtype="
+    )
+
+
+class CastsPerStep(TorchDispatchMode):
+    """``_to_copy`` calls and their bytes read + written, forward and backward apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.count: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self.kinds: Counter[tuple[str, str, str, bool]] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            self.count[self.phase] += 1
+            self.bytes[self.phase] += out.numel() * (args[0].element_size() + out.element_size())
+            weight_shaped = out.dim() <= 2 and out.shape[0] != 4  # parameters; not 4x64 tokens
+            self.kinds[(self.phase, str(args[0].dtype)[6:], str(out.dtype)[6:], weight_shaped)] += 1
+        return out
+
+
+def like_for_like_casts(model: nn.Module, ids: torch.Tensor) -> None:
+    """Casts per step, ``policy="autocast"`` against torch.autocast on the same GPT."""
+
+    def count(forward: Callable[[], torch.Tensor]) -> CastsPerStep:
+        mode = CastsPerStep()
+        with mode:
+            out = forward()
+            mode.phase = "backward"
+            out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        return mode
+
+    def autocast() -> torch.Tensor:
+        with torch.autocast("cpu", BF16):
+            return model(ids)
+
+    runs = {"torch.autocast": count(autocast)}
+    for rc in (False, True):
+        compiled = amp_graph.compile(model, _policy("autocast", rc), BF16)
+        count(lambda c=compiled: c(ids))  # capture
+        runs["amp_graph, recomputing" if rc else "amp_graph, keeping"] = count(
+            lambda c=compiled: c(ids)
+        )
+    base = runs["torch.autocast"]
+    for label, run in runs.items():
+        total, nbytes = sum(run.count.values()), sum(run.bytes.values())
+        print(
+            f"  {label:24s} casts fwd {run.count['forward']:3d} bwd {run.count['backward']:3d}"
+            f" = {total:3d} ({total / sum(base.count.values()):.2f}x) | bytes "
+            f"{nbytes / MB:6.2f} MB ({nbytes / sum(base.bytes.values()):.2f}x)"
+        )
+    print("  by kind (phase, from, to, parameter-shaped): autocast / keeping / recomputing")
+    keys = sorted(set().union(*(run.kinds for run in runs.values())))
+    for key in keys:
+        print(f"    {key}: " + " / ".join(str(run.kinds[key]) for run in runs.values()))
+
+
 # ---- FSDP2 on 2 gloo ranks -----------------------------------------------------------------
 
 
 def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, tuple[int, ...]]:
     """Per variant on this rank, ``make()`` 's blocks and root sharded: (held bytes,
-    all-gather bytes, reduce-scatter bytes) of one forward + backward."""
+    all-gather bytes, reduce-scatter bytes) of a forward + backward; held bytes are the
+    least of three steps, as in tests/test_fsdp2_amp.py (FSDP2 frees some communication
+    buffers on timing-dependent paths; what the graph keeps is kept every step)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     def sharded(**kwargs: Any) -> nn.Module:
@@ -158,12 +292,15 @@ def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, tupl
         return models.shard_blocks(make(), **kwargs)
 
     def held(model: nn.Module, forward: Callable[[], Any]) -> tuple[int, ...]:
-        with CollectiveBytes() as moved:
-            exclude = [*model.parameters(), *model.buffers()]
-            n, out = held_for_backward(forward, exclude, model)
-            out.float().square().mean().backward()
-        model.zero_grad(set_to_none=True)
-        return n, moved.all_gather, moved.reduce_scatter
+        steps = []
+        for _ in range(3):
+            with CollectiveBytes() as moved:
+                exclude = [*model.parameters(), *model.buffers()]
+                n, out = held_for_backward(forward, exclude, model)
+                out.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+            steps.append((n, moved.all_gather, moved.reduce_scatter))
+        return min(n for n, _, _ in steps), *steps[-1][1:]
 
     row = {}
     user = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
@@ -231,6 +368,11 @@ def fsdp2() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--part3",
+        action="store_true",
+        help="only issue 24 part 3: widened activations, absorbed casts, like-for-like casts",
+    )
     options = parser.parse_args()
     repeats = 5 if options.quick else 101
     torch.set_num_threads(1)
@@ -241,6 +383,9 @@ def main() -> None:
     torch.manual_seed(0)
     gpt = models.GPT(vocab=512, block=64, dim=128, heads=4, layers=4)
     ids = torch.randint(0, 512, (4, 64))
+    if options.part3:
+        part3(gpt, ids)
+        return
     print("GPT-style decoder (4 layers, width 128, 4x64 tokens):")
     for name in ("O1", "autocast"):
         one_device(name, gpt, lambda m: m(ids), repeats)
@@ -249,12 +394,34 @@ def main() -> None:
     wide_ids = torch.randint(0, 512, (8, 128))
     print("GPT-style decoder (4 layers, width 256, 8x128 tokens):")
     one_device("O1", wider, lambda m: m(wide_ids), repeats)
+    torch.manual_seed(0)
+    bench_ids = torch.randint(0, 512, (16, 128))
+    print("compile_bench.py's GPT (4 layers, width 256, 16x128 tokens):")
+    for name in ("O1", "autocast"):
+        one_device(name, wider, lambda m: m(bench_ids), max(repeats // 3, 5))
     llama, call = _llama()
     print("HF Llama (eager attention, 2 layers, width 128, 4x64 tokens):")
     for name in ("O1", "autocast"):
         one_device(name, llama, call, repeats)
     print("FSDP2, 2 gloo ranks, O1 bf16 (held at the end of the forward, per rank):")
     fsdp2()
+
+
+def part3(gpt: nn.Module, ids: torch.Tensor) -> None:
+    print("Held for backward, casts kept against recomputed (widened activations kept narrow):")
+    torch.manual_seed(0)
+    widened("GPT-style decoder (SDPA)", "O1", gpt, lambda m: m(ids))
+    nano, tokens = models.NanoAttention(dim=128, heads=4, block=64), torch.randn(4, 64, 128)
+    widened("nanoGPT attention (no flash, 4x64x128)", "O1", nano, lambda m: m(tokens))
+    gpt2, call = _hf_gpt2()
+    widened("HF GPT-2 (eager, 2x128, 4x64)", "O1", gpt2, call)
+    llama, call = _llama()
+    for policy in ("O1", "O2"):
+        widened("HF Llama (eager, 2x128, 4x64)", policy, llama, call)
+    unet, call = _unet()
+    widened("diffusers UNet2D (32/64 ch, 4x16x16)", "O1", unet, call)
+    print("Casts per step (forward + backward), policy='autocast' vs torch.autocast, GPT:")
+    like_for_like_casts(gpt, ids)
 
 
 if __name__ == "__main__":
