@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import statistics
 import time
@@ -51,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_graph import models
 from amp_graph.graph import Graph
+from amp_graph.policy import Policy
 from amp_graph.scaler import GradScaler
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,7 +113,7 @@ def setups(device: str, quick: bool, medium: bool) -> list[Setup]:
 
 class StepGraph(Graph):
     def __init__(
-        self, setup: Setup, model: torch.nn.Module, policy: str, dtype: torch.dtype
+        self, setup: Setup, model: torch.nn.Module, policy: str | Policy, dtype: torch.dtype
     ) -> None:
         super().__init__()
         self.model = model
@@ -277,10 +279,16 @@ def step_time(setup: Setup, dtype: torch.dtype, repeats: int, device: str) -> No
     variants: dict[str, tuple[Callable, torch.nn.Module, Graph | None]] = {}
     model = copy.deepcopy(setup.model)
     variants[hand] = (handwritten(setup, model, dtype), model, None)
-    for policy in ("autocast", "O1", "O2"):
+    keeping = dataclasses.replace(Policy.preset("O1"), recompute_casts=False)
+    for label, policy in (
+        ("autocast", "autocast"),
+        ("O1", "O1"),
+        ("O1, casts kept", keeping),  # what the recompute of casts costs in time
+        ("O2", "O2"),
+    ):
         model = copy.deepcopy(setup.model)
         graph = StepGraph(setup, model, policy, dtype)
-        variants[f"Graph {policy}"] = (graph, model, graph)
+        variants[f"Graph {label}"] = (graph, model, graph)
     reads, memory = {}, {}
     for name, (step, model, graph) in variants.items():
         step(*setup.inputs)  # capture / warm up

@@ -165,16 +165,27 @@ def is_alias(op_name: str) -> bool:
     )
 
 
-def test_backward_runs_no_extra_op_but_casts() -> None:
+def _backward_cases() -> dict[str, tuple[Callable[[], nn.Module], Callable, str]]:
+    return {  # the weights' copies; widened activations (pow's input; Llama's RMSNorm)
+        "gpt": (lambda: GPT(vocab=64, block=32, dim=64, heads=4, layers=2), lambda m: m(IDS), "O1"),
+        "widened": (_WidenedForPow, lambda m: m(torch.randn(8, 16)), "O1"),
+        "llama_o2": (llama, lambda m: m(LLAMA_IDS).logits, "O2"),
+    }
+
+
+@pytest.mark.parametrize("case", ["gpt", "widened", "llama_o2"])
+def test_backward_runs_no_extra_op_but_casts(case: str) -> None:
     """Against the same policy without the recompute: backward adds casts (``_to_copy``)
     and views (``as_strided`` rebuilds a saved ``weight.t()``; autograd unpacks what
     saved-tensor hooks kept with a ``detach``), nothing else."""
-    model = GPT(vocab=64, block=32, dim=64, heads=4, layers=2)
+    make, call, name = _backward_cases()[case]
+    model = make()
     counts = {}
     for recompute in (True, False):
-        compiled = amp_graph.compile(model, policy("O1", recompute), BF16)
+        compiled = amp_graph.compile(model, policy(name, recompute), BF16)
         model.zero_grad(set_to_none=True)
-        loss = compiled(IDS).float().square().mean()
+        torch.manual_seed(0)
+        loss = call(compiled).float().square().mean()
         with CountOps() as mode:
             loss.backward()
         counts[recompute] = mode.ops
