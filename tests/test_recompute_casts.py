@@ -623,3 +623,37 @@ def test_llamas_own_upcast_under_o2_is_held_in_bf16() -> None:
     assert kinds[True]["smaller"] >= 5  # two norms per layer, and the final norm
     assert held[True] < held[False]
     assert_same_bits(grads[True], grads[False])
+
+
+class _MicroBatches(amp_graph.Graph):
+    """A Graph of 4 micro-batches per step over ``_WidenedForPow``."""
+
+    def __init__(self, recompute: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _WidenedForPow()
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=1e-3))
+        self.config.enable_amp(True, policy=policy("O1", recompute), dtype=BF16)
+        self.config.set_gradient_accumulation_steps(4)
+
+    def build(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x).float().square().mean()
+        loss.backward()
+        return loss
+
+
+def test_graph_with_micro_batches_holds_a_widened_activation_narrow() -> None:
+    """Under ``Graph`` with 4 micro-batches the step casts each weight once for all of them
+    (hoisted, held through the step by design); what one micro-batch's forward leaves for
+    its backward still holds a widened activation in bf16, not float32."""
+    held, x = {}, torch.randn(16, 16)
+    for recompute in (True, False):
+        graph = _MicroBatches(recompute)
+        graph(x)
+        hoist = next(n for n in graph.step_graph.graph.nodes if n.name == "low_precision_weights")
+        build = graph.step_graph.get_submodule("build")
+        weights = hoist.target(build, *hoist.args[1:])  # the step's weight copies
+        kept = [*graph.model.parameters(), *graph.model.buffers(), *weights]
+        held[recompute], _ = held_for_backward(lambda b=build, w=weights: b(x[:4], w), kept)
+        assert ("smaller" in build.code) == recompute
+    assert held[False] - held[True] == 4 * 64 * (4 - 2)
