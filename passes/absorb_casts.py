@@ -1,13 +1,15 @@
 """Pass absorb_casts: a widening cast folded into the op that reads it, where the op takes a
 ``dtype=`` argument (``softmax(x.to(float32), -1)`` becomes ``softmax(x, -1, float32)``).
 
-O1 computes softmax, log_softmax and sum in float32 (torch.autocast's CUDA list),
-so it widens their bf16 or fp16 input with a cast of its own. These ops can widen their
-input themselves: torch's ``dtype=`` argument is defined as the same cast applied first.
-On a CPU, and for bf16 on CUDA, torch then runs exactly that cast inside the op; on CUDA
-an fp16 ``softmax``/``log_softmax`` (``half_to_float``) and a bf16 or fp16 ``sum``/``mean``
-read the narrow input directly and accumulate in float32, with no float32 copy of the input
-at all. The printed graph shows the op with its ``dtype=`` and no cast before it.
+O1 computes softmax, log_softmax and sum in float32 (torch.autocast's CUDA list; a policy
+may add mean), so it widens their bf16 or fp16 input with a cast of its own. These ops can
+widen their input themselves: torch's ``dtype=`` argument is defined as the same cast
+applied first. On a CPU torch then runs exactly that conversion inside the op (softmax
+and log_softmax as an aten ``_to_copy`` of their own, also for bf16 on CUDA; the
+reductions inside their kernel); on CUDA an fp16 ``softmax``/``log_softmax``
+(``half_to_float``) and a bf16 or fp16 ``sum``/``mean`` read the narrow input directly
+and accumulate in float32, with no float32 copy of the input at all. The printed graph
+shows the op with its ``dtype=`` and no cast before it.
 
 Only a cast that is the op's input and nothing else's is absorbed: a cast shared by several
 readers (one float32 copy for softmax and sum) stays one cast, rather than one per reader.
@@ -16,9 +18,9 @@ Reads: ``meta["amp"]`` (``role=CAST`` casts amp_graph inserted, their users' ate
 Writes: the op's input and ``dtype`` argument; removes the cast; sets
 ``meta["amp"].cast_absorbed`` on the op. Guarantees: every op receives the same values in
 the dtype it received them in before the pass, converted by the op itself (torch's
-definition of ``dtype=``: on a CPU the same aten ``_to_copy``, so the same bits forward and
-backward; the tests check both); only widening casts amp_graph inserted are absorbed,
-never the model's own casts.
+definition of ``dtype=``: on a CPU the same conversion, so the same bits forward and
+backward; the tests check both, and on CUDA where a GPU runs them); only widening casts
+amp_graph inserted are absorbed, never the model's own casts.
 """
 
 from __future__ import annotations

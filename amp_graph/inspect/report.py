@@ -76,6 +76,7 @@ class Report:
     ops_by_dtype: dict[str, int]
     casts_recomputed: int = 0  # casts backward makes again instead of keeping
     casts_absorbed: int = 0  # widening casts folded into the op's dtype= (absorb_casts)
+    absorbed_cast_bytes: int = 0  # the float32 copies those casts made, per call
     recomputed_cast_bytes: int = 0  # their copies' bytes, per call, no longer held
     # FSDP2 units whose MixedPrecisionPolicy the graph honours: unit path -> its fields
     fsdp_mixed_precision: dict[str, str] = field(default_factory=dict)
@@ -97,8 +98,9 @@ class Report:
         return (
             f"policy {self.policy}, low dtype {self.dtype}; ops by output dtype: {per_dtype}\n"
             f"casts inserted {self.casts_inserted}, removed by simplification "
-            f"{self.casts_removed}, absorbed into an op's dtype= {self.casts_absorbed}, kept "
-            f"{self.casts_kept}; bytes cast per call: {bytes_text(self.cast_bytes)}\n"
+            f"{self.casts_removed}, absorbed into an op's dtype= {self.casts_absorbed} "
+            f"({bytes_text(self.absorbed_cast_bytes)}), kept {self.casts_kept}; bytes cast per "
+            f"call: {bytes_text(self.cast_bytes)}\n"
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
             + _fsdp_text(self.fsdp_mixed_precision)
@@ -262,6 +264,7 @@ def report(compiled: Any) -> Report:
         ops_by_dtype=dict(ops),
         casts_recomputed=record.stats.get("casts_recomputed", 0),
         casts_absorbed=record.stats.get("casts_absorbed", 0),
+        absorbed_cast_bytes=record.stats.get("absorbed_cast_bytes", 0),
         recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
         fsdp_mixed_precision=dict(compiled.meta.get(FSDP_MIXED_PRECISION, {})),
         fsdp_read_low=fsdp_units_read_low(compiled, record.dtype),
@@ -434,7 +437,8 @@ def report_summary_html(report: Report) -> str:
         f"<b>amp_graph report</b>: policy <b>{escape(report.policy)}</b>, low dtype "
         f"{badge(report.dtype, report.dtype)}{proven}<br>ops by output dtype: {per_dtype}<br>"
         f"casts inserted {report.casts_inserted}, removed by simplification "
-        f"{report.casts_removed}, absorbed into an op's dtype= {report.casts_absorbed}, kept "
+        f"{report.casts_removed}, absorbed into an op's dtype= {report.casts_absorbed} "
+        f"({bytes_text(report.absorbed_cast_bytes)}), kept "
         f"<b>{report.casts_kept}</b>; bytes cast per call: "
         f"{bytes_text(report.cast_bytes)}</div>"
     )
