@@ -98,7 +98,10 @@ def recomputed_cast(source: torch.Tensor, dtype: torch.dtype, kept_by: str) -> t
 
 def _smaller_storage(source: torch.Tensor, copy: torch.Tensor) -> bool:
     """Keeping ``source`` alive costs less than keeping ``copy``: compared by storage, since a
-    view keeps its whole base alive."""
+    view keeps its whole base alive (a tensor subclass, whose storage may be elsewhere or
+    none: never)."""
+    if type(source) is not torch.Tensor or type(copy) is not torch.Tensor:
+        return False
     return source.untyped_storage().nbytes() < copy.untyped_storage().nbytes()
 
 

@@ -657,3 +657,20 @@ def test_graph_with_micro_batches_holds_a_widened_activation_narrow() -> None:
         held[recompute], _ = held_for_backward(lambda b=build, w=weights: b(x[:4], w), kept)
         assert ("smaller" in build.code) == recompute
     assert held[False] - held[True] == 4 * 64 * (4 - 2)
+
+
+class _Tagged(torch.Tensor):
+    """A plain tensor subclass (``__torch_function__`` keeps it through every op)."""
+
+
+def test_a_widened_subclass_is_never_kept_in_its_copys_place() -> None:
+    """A tensor subclass's storage may be elsewhere, or none (a wrapper such as DTensor):
+    its widened copy is kept as before; a plain tensor's source is kept where smaller."""
+    from amp_graph.recompute import _smaller_storage
+
+    source = torch.randn(8, 16, dtype=BF16)
+    assert _smaller_storage(source, source.float())
+    tagged = source.as_subclass(_Tagged)
+    assert not _smaller_storage(tagged, tagged.float())
+    held = _held_on_and_off(_WidenedForPow(), torch.randn(8, 16).as_subclass(_Tagged))
+    assert held[True] == held[False]  # and the gradients are the same bits
