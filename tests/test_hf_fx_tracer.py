@@ -94,9 +94,14 @@ def _case(name: str) -> tuple[torch.nn.Module, torch.fx.GraphModule, dict[str, t
 def _same_decision(traced: tuple, direct: tuple) -> bool:
     """One node of each plan. fx proxies have no in-place operators, so the trace records
     ``x += y`` as ``x + y``: ``aten.add_`` (role inplace, never cast, so no compute dtype) in
-    the model's plan is ``aten.add`` there, the same decision when the out dtypes agree."""
+    the model's plan is ``aten.add`` there, the same decision when the out dtypes agree. For
+    the same reason a cast of that value may be recomputed in backward in the trace (an
+    ``aten.add`` result nothing writes) and kept in the model (recompute_casts never decides
+    a cast of a value the graph writes): the same dtypes, a different memory decision."""
     if direct[1] == "inplace" and traced[1] == "op":
         return traced[0] == direct[0].replace("_.", ".") and traced[3] == direct[3]
+    if traced[1] == direct[1] == "cast":
+        return traced[2:] == direct[2:]
     return traced == direct
 
 
