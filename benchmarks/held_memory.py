@@ -21,10 +21,10 @@ tensor an aten op made during it, parameters and buffers left out
    (:mod:`amp_graph.inspect.traffic`, counted on c10d's collectives).
 
 3. ``--part3``: activations not held twice: held bytes keeping against recomputing on the
-   GPT, nanoGPT's attention, HF GPT-2, HF Llama (O1 and O2) and a diffusers UNet, with what
-   was decided (parameter copies, kept results, widened activations, casts absorbed into
-   ``dtype=``); and the casts per step of ``policy="autocast"`` against torch.autocast on
-   the GPT, by kind.
+   GPT, nanoGPT's attention, HF GPT-2, HF Llama (O1 and O2), HF BERT (O2) and a diffusers
+   UNet, with what was decided (parameter copies, kept results, widened activations, casts
+   absorbed into ``dtype=``); and the casts per step of ``policy="autocast"`` against
+   torch.autocast on the GPT, by kind.
 
     python benchmarks/held_memory.py            # the run recorded in BENCHMARKS.md
     python benchmarks/held_memory.py --quick    # fewer timing repeats
@@ -170,6 +170,24 @@ def _hf_gpt2() -> tuple[nn.Module, Callable]:
     config._attn_implementation = "eager"
     ids = torch.randint(0, 512, (4, 64))
     return transformers.GPT2LMHeadModel(config).train(), lambda m: m(ids).logits
+
+
+def _bert() -> tuple[nn.Module, Callable]:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    config._attn_implementation = "eager"
+    ids = torch.randint(0, 512, (4, 64))
+    return transformers.BertForMaskedLM(config).train(), lambda m: m(input_ids=ids).logits
 
 
 def _unet() -> tuple[nn.Module, Callable]:
@@ -418,6 +436,8 @@ def part3(gpt: nn.Module, ids: torch.Tensor) -> None:
     llama, call = _llama()
     for policy in ("O1", "O2"):
         widened("HF Llama (eager, 2x128, 4x64)", policy, llama, call)
+    bert, call = _bert()
+    widened("HF BERT (eager, 2x128, 4x64)", "O2", bert, call)
     unet, call = _unet()
     widened("diffusers UNet2D (32/64 ch, 4x16x16)", "O1", unet, call)
     print("Casts per step (forward + backward), policy='autocast' vs torch.autocast, GPT:")

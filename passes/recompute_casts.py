@@ -9,11 +9,10 @@ keeping the source costs nothing:
 
 * a parameter or buffer (``get_attr``, or a graph input dynamo lifted from the module:
   ``role=PARAM``; the module keeps it; under FSDP2 the unit's
-  unsharded parameter, all-gathered again before the unit's backward), unless the graph
-  writes it in place (the recast would read the new value);
+  unsharded parameter, all-gathered again before the unit's backward);
 * the result of an op whose backward saves its own result (:data:`SAVES_RESULT`: softmax's
-  float32 probabilities, whose bf16 copy feeds the next matmul), unless the graph writes it
-  in place; at run time only where autograd recorded that op (else the copy is kept).
+  float32 probabilities, whose bf16 copy feeds the next matmul); at run time only where
+  autograd recorded that op (else the copy is kept);
 
 * a widening cast's source (bf16 or fp16 to float32: O1 upcasts a bf16 activation for a
   float32 op, and ``pow`` or ``group_norm`` saves the float32 copy): backward keeps the low
@@ -41,8 +40,13 @@ args; ``meta["amp"].recompute`` (why the source is kept: ``"module"``, ``"autogr
 Guarantees: every value is computed as before; only top-level casts change (a checkpointed
 block's casts are recomputed by its checkpoint already); a graph input's cast is decided
 only where it widens (the caller may free the input after the forward: keeping it costs no
-more than the copy it replaces); no cast the graph writes, or whose source it writes, is
-decided.
+more than the copy it replaces); no cast whose source the graph writes after the cast
+reads it (the recast would read the new value), or whose copy it writes, is decided; nor
+one whose source's storage outlives the call (a parameter, buffer or input, or a view of
+one) and is written anywhere in the graph. A write before the read into a value the call
+made (the in-place op that made it) is no obstacle: the recast reads what the cast read.
+A write between the forward and the backward, outside the graph, is
+``ModifiedSourceError`` at backward.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from amp_graph.recompute import (
 
 from .meta import AMP, VAL, Role
 from .result import PassResult
-from .sharing import written_values
+from .sharing import CastSharing
 
 # aten ops whose derivative formula reads ``result`` (torch's derivatives.yaml): backward
 # keeps their output whenever autograd records them.
@@ -196,6 +200,33 @@ def _mark_recompute(node: fx.Node, kept_by: str) -> None:
     node.meta["ac_graph_id"] = 0
 
 
+def _written_after_the_cast(gm: fx.GraphModule, casts: list[fx.Node]) -> set[fx.Node]:
+    """The casts whose source the graph writes after the cast reads it (backward would
+    recast the new value), or whose copy it writes. A write before the read into a value
+    the call made (the in-place op that made it: BERT's ``embeddings += ...``) is no
+    obstacle; a write anywhere into a storage that outlives the call (a parameter, a
+    buffer, a graph input, or a view of one) is: the next call writes it again, maybe
+    before this call's backward."""
+    if not casts:
+        return set()
+    wanted, sharing = set(casts), CastSharing(gm)
+    at_cast: dict[fx.Node, tuple[int, int]] = {}  # versions of (source, copy) at the cast
+    for node in gm.graph.nodes:
+        source_version = sharing.key(node.args[0])[1] if node in wanted else 0
+        sharing.visit(node)
+        if node in wanted:
+            at_cast[node] = (source_version, sharing.key(node)[1])
+    unsafe = set()
+    for cast, versions in at_cast.items():
+        root = sharing.root(cast.args[0])
+        outlives_the_call = root.op in ("placeholder", "get_attr")
+        if (sharing.key(cast.args[0])[1], sharing.key(cast)[1]) != versions or (
+            outlives_the_call and sharing.key(root)[1]
+        ):
+            unsafe.add(cast)
+    return unsafe
+
+
 def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
     """Make the casts whose source outlives the forward recomputed in backward.
 
@@ -206,12 +237,11 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
     """
     if not enabled:
         return PassResult(gm, modified=False, stats={"casts_recomputed": 0})
-    written = written_values(gm)
-    count = nbytes = 0
+    decided: list[tuple[fx.Node, str, Any, tuple, dict]] = []
     for node in gm.graph.nodes:
         if _is_parameter_quantization(node):
             source, kept_by = node.args[0], KEPT_BY_MODULE
-            target, args, kwargs = recomputed_quantize, node.args, node.kwargs
+            target, args, kwargs = recomputed_quantize, node.args, dict(node.kwargs)
         elif (recast := _recast_of(node)) is not None:
             source, dtype = recast
             kept_by = _kept_by(source) if isinstance(source, fx.Node) else None
@@ -220,7 +250,12 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
             target, args, kwargs = recomputed_cast, (source, dtype, kept_by), {}
         else:
             continue
-        if kept_by is None or source in written or node in written:
+        if kept_by is not None:
+            decided.append((node, kept_by, target, args, kwargs))
+    unsafe = _written_after_the_cast(gm, [node for node, *_ in decided])
+    count = nbytes = 0
+    for node, kept_by, target, args, kwargs in decided:
+        if node in unsafe:
             continue
         node.op, node.target, node.args, node.kwargs = "call_function", target, args, kwargs
         _mark_recompute(node, kept_by)

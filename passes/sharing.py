@@ -94,6 +94,10 @@ class CastSharing:
         """The key of a read of ``value`` at the current point of the walk."""
         return (value, self._versions.version(value), self._mode)
 
+    def root(self, value: fx.Node) -> fx.Node:
+        """The node whose storage ``value`` holds: itself, what it views, a tied attribute."""
+        return self._versions.root(value)
+
     def visit(self, node: fx.Node) -> None:
         """Step past ``node``: record what it views, writes, and does to the grad mode."""
         if node.op == "get_attr":

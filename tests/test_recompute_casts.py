@@ -674,3 +674,65 @@ def test_a_widened_subclass_is_never_kept_in_its_copys_place() -> None:
     assert not _smaller_storage(tagged, tagged.float())
     held = _held_on_and_off(_WidenedForPow(), torch.randn(8, 16).as_subclass(_Tagged))
     assert held[True] == held[False]  # and the gradients are the same bits
+
+
+class _WrittenAroundTheCast(nn.Module):
+    """The linear's bf16 output written in place before pow's widening cast reads it (as
+    BERT's ``embeddings += position_embeddings`` before its LayerNorm), or after."""
+
+    def __init__(self, after: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.after = after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if not self.after:
+            h.mul_(2.0)
+        y = torch.pow(h, 3)
+        if self.after:
+            h.mul_(2.0)  # the source changes after the cast read it: the copy must be kept
+        return y + h.float().sum()
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["written_before", "written_after"])
+def test_a_source_written_in_place_is_recast_only_if_written_before_the_cast(after: bool):
+    model, x = _WrittenAroundTheCast(after), torch.randn(8, 16)
+    grads = {}
+    for recompute in (True, False):
+        compiled = amp_graph.compile(model, policy("O1", recompute), BF16, example_inputs=(x,))
+        pow_input = next(n for n in compiled.graph.nodes if "pow" in n.name).args[0]
+        decided = pow_input.target is recomputed_cast
+        assert decided == (recompute and not after)
+        _, grads[recompute] = step(model, lambda c=compiled: c(x))  # no ModifiedSourceError
+    assert_same_bits(grads[True], grads[False])
+
+
+class _BufferScaledBeforeUse(nn.Module):
+    """A buffer written in place before its cast reads it: the next call writes it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("mix", torch.eye(8) + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mix.diagonal().mul_(1.01)  # through a view: the cast then reads the buffer
+        return self.fc(x) @ self.mix
+
+
+def test_a_buffer_the_graph_writes_is_never_recast_even_if_written_before_the_read():
+    """Two calls, then one backward (the second call's write comes before the first
+    call's backward): the buffer's copy is kept, so no ModifiedSourceError, and the
+    gradients are those of the casts kept."""
+    grads = {}
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        model, x = _BufferScaledBeforeUse(), torch.randn(4, 8)
+        compiled = amp_graph.compile(model, policy("O1", recompute), BF16, example_inputs=(x,))
+        (mix_cast,) = [n for n in compiled.graph.nodes if n.name == "model_mix_bf16"]
+        assert mix_cast.target == "to"  # kept, not a recomputed_cast
+        model.mix.copy_(torch.eye(8) + 0.1)
+        (compiled(x).float().sum() + compiled(x).float().sum()).backward()
+        grads[recompute] = [p.grad for p in model.parameters()]
+    assert_same_bits(grads[True], grads[False])
