@@ -13,7 +13,6 @@ keeping the source costs nothing:
 * the result of an op whose backward saves its own result (:data:`SAVES_RESULT`: softmax's
   float32 probabilities, whose bf16 copy feeds the next matmul); at run time only where
   autograd recorded that op (else the copy is kept);
-
 * a widening cast's source (bf16 or fp16 to float32: O1 upcasts a bf16 activation for a
   float32 op, and ``pow`` or ``group_norm`` saves the float32 copy): backward keeps the low
   source in the copy's place, half the bytes, and widens it again (exact: float32 holds
@@ -237,7 +236,7 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
     """
     if not enabled:
         return PassResult(gm, modified=False, stats={"casts_recomputed": 0})
-    decided: list[tuple[fx.Node, str, Any, tuple, dict]] = []
+    candidates: list[tuple[fx.Node, str, Any, tuple, dict]] = []
     for node in gm.graph.nodes:
         if _is_parameter_quantization(node):
             source, kept_by = node.args[0], KEPT_BY_MODULE
@@ -251,10 +250,10 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
         else:
             continue
         if kept_by is not None:
-            decided.append((node, kept_by, target, args, kwargs))
-    unsafe = _written_after_the_cast(gm, [node for node, *_ in decided])
+            candidates.append((node, kept_by, target, args, kwargs))
+    unsafe = _written_after_the_cast(gm, [node for node, *_ in candidates])
     count = nbytes = 0
-    for node, kept_by, target, args, kwargs in decided:
+    for node, kept_by, target, args, kwargs in candidates:
         if node in unsafe:
             continue
         node.op, node.target, node.args, node.kwargs = "call_function", target, args, kwargs

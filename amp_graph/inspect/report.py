@@ -75,9 +75,10 @@ class Report:
     cast_bytes: int | None  # bytes read + written by the kept casts per call; None: unknown
     ops_by_dtype: dict[str, int]
     casts_recomputed: int = 0  # casts backward makes again instead of keeping
+    # per call, the bytes no longer held: their copies', less widened copies' kept sources
+    recomputed_cast_bytes: int = 0
     casts_absorbed: int = 0  # widening casts folded into the op's dtype= (absorb_casts)
     absorbed_cast_bytes: int = 0  # the float32 copies those casts made, per call
-    recomputed_cast_bytes: int = 0  # their copies' bytes, per call, no longer held
     # FSDP2 units whose MixedPrecisionPolicy the graph honours: unit path -> its fields
     fsdp_mixed_precision: dict[str, str] = field(default_factory=dict)
     # FSDP2 units (no param_dtype yet) whose every parameter read is a cast to the low
