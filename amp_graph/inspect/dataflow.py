@@ -210,6 +210,32 @@ def _promoted(fact: Any, out: torch.dtype) -> bool:
     return fact.is_floating_point and fact != out and torch.promote_types(fact, out) == out
 
 
+def _copy(
+    node: fx.Node,
+    source: fx.Node,
+    target: Any,
+    kind: str,
+    modules: dict[str, str],
+    *,
+    forward: bool,
+    backward: bool | None,
+) -> Conversion:
+    """``node`` 's copy of ``source`` into ``target``: its bytes where it runs forward, and
+    backward where a gradient flows back through it."""
+    src = source.meta[AMP].out_dtype
+    moved = _size(value_numel(source), src, target)
+    return Conversion(
+        node.name,
+        modules[node.name],
+        kind,
+        short(src),
+        short(target),
+        value_numel(source),
+        moved if forward else 0,
+        moved if backward else 0,
+    )
+
+
 def conversions(gm: fx.GraphModule) -> list[Conversion]:
     """Every dtype conversion of the compiled graph, forward and backward (module docstring)."""
     grad = needs_grad(gm)
@@ -219,54 +245,33 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
         amp = node.meta[AMP]
         if amp.role in (Role.CAST, Role.USER_CAST) and node.all_input_nodes:
             source = node.all_input_nodes[0]
-            src, dst = source.meta[AMP].out_dtype, amp.out_dtype
-            if amp.role is Role.USER_CAST and (src == dst or not _floating(src)):
+            src = source.meta[AMP].out_dtype
+            if amp.role is Role.USER_CAST and (src == amp.out_dtype or not _floating(src)):
                 continue  # .float() of a float32 tensor returns it: no copy
-            moved = _size(value_numel(source), src, dst)
+            kind = "cast" if amp.role is Role.CAST else "model cast"
+            backward = grad.get(source.name)
             found.append(
-                Conversion(
-                    node.name,
-                    modules[node.name],
-                    "cast" if amp.role is Role.CAST else "model cast",
-                    short(src),
-                    short(dst),
-                    value_numel(source),
-                    moved,
-                    moved if grad.get(source.name) else 0,
-                )
+                _copy(node, source, amp.out_dtype, kind, modules, forward=True, backward=backward)
             )
         elif amp.cast_absorbed:  # the op widens its input itself (its dtype=)
             source = node.args[0]
-            src, dst = source.meta[AMP].out_dtype, amp.compute_dtype
-            moved = _size(value_numel(source), src, dst)
             found.append(
-                Conversion(
-                    node.name,
-                    modules[node.name],
+                _copy(
+                    node,
+                    source,
+                    amp.compute_dtype,
                     "absorbed cast",
-                    short(src),
-                    short(dst),
-                    value_numel(source),
-                    moved if node.target in CAST_BY_ATEN_CALL else 0,
-                    moved if grad.get(source.name) else 0,
+                    modules,
+                    forward=node.target in CAST_BY_ATEN_CALL,
+                    backward=grad.get(source.name),
                 )
             )
         elif amp.role is Role.OP and amp.op == "fp8 quantize":
-            source = node.all_input_nodes[0]
-            src, dst = source.meta[AMP].out_dtype, amp.out_dtype
-            moved = _size(value_numel(source), src, dst)
             # the quantized operand is saved for backward; no gradient flows through it
+            source = node.all_input_nodes[0]
+            kind = "fp8 quantize"
             found.append(
-                Conversion(
-                    node.name,
-                    modules[node.name],
-                    "fp8 quantize",
-                    short(src),
-                    short(dst),
-                    value_numel(source),
-                    moved,
-                    0,
-                )
+                _copy(node, source, amp.out_dtype, kind, modules, forward=True, backward=False)
             )
         elif (
             amp.role in (Role.OP, Role.INPLACE)
