@@ -37,13 +37,14 @@ class Reduce(nn.Module):
         return self.reduce(self.fc(x) * 1.5)
 
 
-REDUCTIONS = {
-    "softmax": lambda h: torch.softmax(h, -1),
-    "log_softmax": lambda h: torch.log_softmax(h, -1),
-    "sum": lambda h: h.sum(),
-    "sum_dim": lambda h: h.sum(-1),
-    "mean": lambda h: h.mean(),
-    "mean_dim": lambda h: h.mean(-1, keepdim=True),
+# each op as the model writes it; ``dtype=`` given, as absorb_casts rewrites it
+REDUCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "softmax": lambda h, **dtype: torch.softmax(h, -1, **dtype),
+    "log_softmax": lambda h, **dtype: torch.log_softmax(h, -1, **dtype),
+    "sum": lambda h, **dtype: h.sum(**dtype),
+    "sum_dim": lambda h, **dtype: h.sum(-1, **dtype),
+    "mean": lambda h, **dtype: h.mean(**dtype),
+    "mean_dim": lambda h, **dtype: h.mean(-1, keepdim=True, **dtype),
 }
 # mean is not in O1's float32 list: compute it in float32 so that it reads a widened input
 POLICY = amp_graph.Policy.preset("O1").override(ops={torch.mean: "fp32", torch.Tensor.mean: "fp32"})
@@ -199,20 +200,7 @@ def test_on_cuda_the_ops_dtype_gives_the_cast_s_bits(name, dtype, width):
     for absorbed in (True, False):
         leaf = x.clone().requires_grad_()
         op = REDUCTIONS[name]
-        wide = leaf if absorbed else leaf.float()
-        out = _with_dtype(name, wide) if absorbed else op(wide)
+        out = op(leaf, dtype=torch.float32) if absorbed else op(leaf.float())
         out.float().square().sum().backward()
         results.append([out.detach(), leaf.grad])
     assert_same_bits(results[0], results[1])
-
-
-def _with_dtype(name: str, h: torch.Tensor) -> torch.Tensor:
-    f32 = torch.float32
-    return {
-        "softmax": lambda: torch.softmax(h, -1, dtype=f32),
-        "log_softmax": lambda: torch.log_softmax(h, -1, dtype=f32),
-        "sum": lambda: h.sum(dtype=f32),
-        "sum_dim": lambda: h.sum(-1, dtype=f32),
-        "mean": lambda: h.mean(dtype=f32),
-        "mean_dim": lambda: h.mean(-1, keepdim=True, dtype=f32),
-    }[name]()
