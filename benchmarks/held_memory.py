@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -239,10 +239,12 @@ def widened(label: str, policy: str, model: nn.Module, call: Callable) -> None:
 
 
 class CastsPerStep(TorchDispatchMode):
-    """``_to_copy`` calls and their bytes read + written, forward and backward apart."""
+    """``_to_copy`` calls and their bytes read + written, forward and backward apart, and by
+    kind: whether the copy is shaped like one of ``parameters``."""
 
-    def __init__(self) -> None:
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
         super().__init__()
+        self.parameter_shapes = {tuple(p.shape) for p in parameters}
         self.phase = "forward"
         self.count: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
@@ -253,8 +255,8 @@ class CastsPerStep(TorchDispatchMode):
         if func is torch.ops.aten._to_copy.default:
             self.count[self.phase] += 1
             self.bytes[self.phase] += out.numel() * (args[0].element_size() + out.element_size())
-            weight_shaped = out.dim() <= 2 and out.shape[0] != 4  # parameters; not 4x64 tokens
-            self.kinds[(self.phase, str(args[0].dtype)[6:], str(out.dtype)[6:], weight_shaped)] += 1
+            shaped = tuple(out.shape) in self.parameter_shapes
+            self.kinds[(self.phase, str(args[0].dtype)[6:], str(out.dtype)[6:], shaped)] += 1
         return out
 
 
@@ -262,7 +264,7 @@ def like_for_like_casts(model: nn.Module, ids: torch.Tensor) -> None:
     """Casts per step, ``policy="autocast"`` against torch.autocast on the same GPT."""
 
     def count(forward: Callable[[], torch.Tensor]) -> CastsPerStep:
-        mode = CastsPerStep()
+        mode = CastsPerStep(model.parameters())
         with mode:
             out = forward()
             mode.phase = "backward"
