@@ -64,7 +64,12 @@ def autocast_tables(device_type: str) -> tuple[frozenset[str], frozenset[str], f
             _bases(lists.CPU_PROMOTE),
         )
     if device_type == "cuda":
-        fp32 = lists.CUDA_FP32 | lists.CUDA_FP32_SET_OPT_DTYPE | lists.CUDA_BANNED
+        fp32 = (
+            lists.CUDA_FP32
+            | lists.CUDA_FP32_EXTRA
+            | lists.CUDA_FP32_SET_OPT_DTYPE
+            | lists.CUDA_BANNED
+        )
         return (
             _bases(lists.CUDA_LOWER_PRECISION | lists.CUDA_LOWER_PRECISION_EXTRA),
             _bases(fp32),

@@ -506,6 +506,18 @@ _LIST: list[OpSample] = [
     ),
 ]
 
+# Ops of later torch releases (amp_graph.tables.autocast_lists.CHANGES), where they exist.
+HAS_MATRIX_SQRTH = hasattr(torch.ops.aten, "linalg_matrix_sqrth")  # new in torch 2.14
+if HAS_MATRIX_SQRTH:
+    _LIST.append(
+        OpSample(
+            "linalg_matrix_sqrth",
+            lambda x: torch.ops.aten.linalg_matrix_sqrth.default(x),
+            inputs(floats(1, 1, lo=0.5, hi=2.0)),  # symmetric positive definite
+            note="autocast_mode.cpp registers it float32 for CUDA, outside the header",
+        )
+    )
+
 SAMPLES: dict[str, OpSample] = {sample.aten: sample for sample in _LIST}
 assert len(SAMPLES) == len(_LIST), "two samples for one op name"
 
@@ -546,6 +558,7 @@ CUDA_OUTSIDE_HEADER: dict[str, str] = {
     "cudnn_convolution_transpose": LOWER,
     "_cudnn_rnn": LOWER,
     "binary_cross_entropy": BANNED,
+    **({"linalg_matrix_sqrth": FP32} if HAS_MATRIX_SQRTH else {}),
 }
 
 
@@ -576,19 +589,40 @@ CUDA_AUTOCAST_REGISTERED: frozenset[str] = frozenset(
 """Op names with an ``AutocastCUDA`` kernel in this build (CPU-only builds have them too)."""
 
 # Messages of errors that mean "faking CUDA needs a real CUDA build here", not a wrong dtype.
-NEEDS_REAL_CUDA = ("Torch not compiled with CUDA enabled", "not linked with support for cuda")
+NEEDS_REAL_CUDA = (
+    "Torch not compiled with CUDA enabled",
+    "not linked with support for cuda",
+    # a CUDA build on a machine without a GPU driver: cuDNN's kernels (called directly, as
+    # the cudnn_* samples do) ask the driver even for fake tensors
+    "CUDA driver version is insufficient",
+    "Found no NVIDIA driver",
+)
+
+# A CUDA build of torch on a machine without a GPU driver (torch 2.15's wheel on a CPU box).
+CUDA_BUILD_WITHOUT_DRIVER = torch.backends.cudnn.is_available() and not torch.cuda.is_available()
 
 
 @contextlib.contextmanager
-def _cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
-    # torch.autocast("cuda") turns itself off without a GPU; the flags it sets do not.
-    enabled, previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    torch.set_autocast_enabled("cuda", True)
+def cuda_autocast(dtype: torch.dtype, enabled: bool = True) -> Iterator[None]:
+    """torch.autocast("cuda") without a GPU: it turns itself off there, its flags do not.
+
+    In a CUDA build without a driver, cuDNN is switched off for the block: nn.LSTM on fake
+    CUDA tensors then runs torch's own RNN cells (both are in autocast's lower-precision
+    list), as it does in a CPU build, instead of asking cuDNN, which needs the driver.
+    """
+    was_enabled, previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", enabled)
     torch.set_autocast_dtype("cuda", dtype)
+    no_cudnn = (
+        torch.backends.cudnn.flags(enabled=False)
+        if CUDA_BUILD_WITHOUT_DRIVER
+        else contextlib.nullcontext()
+    )
     try:
-        yield
+        with no_cudnn:
+            yield
     finally:
-        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_enabled("cuda", was_enabled)
         torch.set_autocast_dtype("cuda", previous)
         torch.clear_autocast_cache()
 
@@ -612,7 +646,7 @@ def cuda_autocast_output(fn: Callable[..., Any], inputs: Inputs, dtype: torch.dt
     def fake(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
 
-    with FakeTensorMode(), _cuda_autocast(dtype):
+    with FakeTensorMode(), cuda_autocast(dtype):
         args = tuple(fake(t) for t in inputs)
         if isinstance(fn, nn.Module):
             state = {name: fake(t) for name, t in [*fn.named_parameters(), *fn.named_buffers()]}

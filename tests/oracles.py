@@ -15,13 +15,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.fx as fx
 from amp_graph.passes import AMP, REGION, Role
+from op_samples import cuda_autocast
 from torch.utils import _pytree as pytree
 
 import amp_graph
@@ -107,20 +108,6 @@ class _CudaAutocastRun(fx.Interpreter):
                 args,
             )
             return getattr(self, n.op)(target, contiguous, kwargs)
-
-
-@contextlib.contextmanager
-def cuda_autocast(dtype: torch.dtype, enabled: bool = True) -> Iterator[None]:
-    """torch.autocast("cuda") without a GPU: it turns itself off there, its flags do not."""
-    was_enabled, previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-    torch.set_autocast_enabled("cuda", enabled)
-    torch.set_autocast_dtype("cuda", dtype)
-    try:
-        yield
-    finally:
-        torch.set_autocast_enabled("cuda", was_enabled)
-        torch.set_autocast_dtype("cuda", previous)
-        torch.clear_autocast_cache()
 
 
 def cuda_autocast_mismatches(

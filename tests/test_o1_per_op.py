@@ -116,6 +116,7 @@ def test_samples_cover_every_cuda_table_name() -> None:
     ours = (
         lists.CUDA_LOWER_PRECISION
         | lists.CUDA_FP32
+        | lists.CUDA_FP32_EXTRA
         | lists.CUDA_FP32_SET_OPT_DTYPE
         | lists.CUDA_PROMOTE
         | lists.CUDA_LOWER_PRECISION_EXTRA

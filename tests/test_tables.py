@@ -115,6 +115,7 @@ def test_autocast_cuda_registrations_are_the_cuda_tables() -> None:
         lists.CUDA_LOWER_PRECISION
         | lists.CUDA_LOWER_PRECISION_EXTRA
         | lists.CUDA_FP32
+        | lists.CUDA_FP32_EXTRA
         | lists.CUDA_FP32_SET_OPT_DTYPE
         | lists.CUDA_PROMOTE
         | lists.CUDA_BANNED
@@ -262,7 +263,12 @@ _BY_DEVICE = {
     },
     "cuda": {
         "lower": lists.CUDA_LOWER_PRECISION | lists.CUDA_LOWER_PRECISION_EXTRA,
-        "fp32": lists.CUDA_FP32 | lists.CUDA_FP32_SET_OPT_DTYPE | lists.CUDA_BANNED,
+        "fp32": (
+            lists.CUDA_FP32
+            | lists.CUDA_FP32_EXTRA
+            | lists.CUDA_FP32_SET_OPT_DTYPE
+            | lists.CUDA_BANNED
+        ),
         "promote": lists.CUDA_PROMOTE,
     },
     "cuda header": {

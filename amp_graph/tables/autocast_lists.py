@@ -6,9 +6,21 @@ every torch wheel under ``torch/include``); the CPU lists are the registrations 
 an overload is written ``name.overload`` only where autocast registers just that overload.
 ``tests/test_tables.py`` checks these tables against the installed torch (the header, and
 the dispatcher's ``AutocastCPU``/``AutocastCUDA`` registrations) so that drift shows up.
+
+The lists differ between torch releases. The literal tables below are torch.autocast's as of
+torch 2.11 to 2.13; :data:`CHANGES` records what later releases added and removed, and the
+module's public tables (``CPU_FP32``, ...) are those of the *installed* torch
+(:func:`tables_for`), so that O1 and ``policy="autocast"`` mean what this torch's autocast
+does. A release that changes them again fails ``tests/test_tables.py`` until a
+:class:`ListChange` says what changed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.torch_version import TorchVersion
 
 # fmt: off  (the tables read better packed)
 
@@ -168,6 +180,10 @@ CUDA_PROMOTE: frozenset[str] = frozenset(
 # Autocast raises for these on CUDA (unsafe to autocast; use the *_with_logits form).
 CUDA_BANNED: frozenset[str] = frozenset({"binary_cross_entropy"})
 
+# Registered for AutocastCUDA as float32 outside the header's macros (autocast_mode.cpp):
+# none before torch 2.14 (see CHANGES).
+CUDA_FP32_EXTRA: frozenset[str] = frozenset()
+
 # --- CPU (aten/src/ATen/autocast_mode.cpp, AutocastCPU) --------------------------------
 
 CPU_LOWER_PRECISION: frozenset[str] = frozenset(
@@ -306,3 +322,78 @@ CPU_FP32: frozenset[str] = frozenset(
 
 CPU_PROMOTE: frozenset[str] = frozenset({"stack", "cat", "index_copy"})
 # fmt: on
+
+# --- what later releases changed ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ListChange:
+    """What one torch release changed in one of the tables above."""
+
+    since: str  # the first release with the change, "2.14"
+    table: str  # the name of the table in this module
+    added: frozenset[str] = frozenset()
+    removed: frozenset[str] = frozenset()
+    why: str = ""
+
+
+CHANGES: tuple[ListChange, ...] = (
+    ListChange(
+        "2.14",
+        "CPU_FP32",
+        added=frozenset({"linalg_matrix_sqrth"}),
+        removed=frozenset({"cholesky", "qr"}),
+        why="aten::linalg_matrix_sqrth is new and autocast runs it in float32; aten::cholesky "
+        "and aten::qr, deprecated since 1.9, are gone (torch.cholesky now raises)",
+    ),
+    ListChange(
+        "2.14",
+        "CUDA_FP32_EXTRA",
+        added=frozenset({"linalg_matrix_sqrth"}),
+        why="registered float32 for AutocastCUDA in autocast_mode.cpp, not in the header",
+    ),
+)
+
+TABLES: tuple[str, ...] = (
+    "CUDA_LOWER_PRECISION",
+    "CUDA_LOWER_PRECISION_EXTRA",
+    "CUDA_FP32",
+    "CUDA_FP32_EXTRA",
+    "CUDA_FP32_SET_OPT_DTYPE",
+    "CUDA_PROMOTE",
+    "CUDA_BANNED",
+    "CPU_LOWER_PRECISION",
+    "CPU_FP32",
+    "CPU_PROMOTE",
+)
+_BEFORE_CHANGES: dict[str, frozenset[str]] = {name: globals()[name] for name in TABLES}
+
+
+def tables_for(version: str) -> dict[str, frozenset[str]]:
+    """Every table as torch.autocast of release ``version`` has it (by table name).
+
+    >>> "linalg_matrix_sqrth" in tables_for("2.14.1")["CPU_FP32"]
+    True
+    >>> "qr" in tables_for("2.13.0")["CPU_FP32"]
+    True
+    """
+    tables = dict(_BEFORE_CHANGES)
+    release = TorchVersion(version.split("+")[0])
+    for change in CHANGES:
+        if release >= change.since:
+            tables[change.table] = (tables[change.table] - change.removed) | change.added
+    return tables
+
+
+# The installed torch's tables: what the rest of amp_graph reads.
+_INSTALLED = tables_for(str(torch.__version__))
+CUDA_LOWER_PRECISION = _INSTALLED["CUDA_LOWER_PRECISION"]
+CUDA_LOWER_PRECISION_EXTRA = _INSTALLED["CUDA_LOWER_PRECISION_EXTRA"]
+CUDA_FP32 = _INSTALLED["CUDA_FP32"]
+CUDA_FP32_EXTRA = _INSTALLED["CUDA_FP32_EXTRA"]
+CUDA_FP32_SET_OPT_DTYPE = _INSTALLED["CUDA_FP32_SET_OPT_DTYPE"]
+CUDA_PROMOTE = _INSTALLED["CUDA_PROMOTE"]
+CUDA_BANNED = _INSTALLED["CUDA_BANNED"]
+CPU_LOWER_PRECISION = _INSTALLED["CPU_LOWER_PRECISION"]
+CPU_FP32 = _INSTALLED["CPU_FP32"]
+CPU_PROMOTE = _INSTALLED["CPU_PROMOTE"]
