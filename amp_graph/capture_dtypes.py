@@ -432,12 +432,28 @@ def mark_capture_plans(
 
 def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None:
     """Write each checkpointed node's region to ``meta["checkpoint_region"]`` (by name: the
-    exported graph keeps the tracer's node names)."""
+    exported graph keeps the tracer's node names).
+
+    A call recorded between a region's first and last marked node ran inside that
+    checkpoint (export records in execution order) and is marked too: some calls run no
+    kernel the capture could see, so nothing marked them (on torch 2.15, a dropout with
+    ``p=0`` returns its input as is). Calls inside the spans of two regions (nested
+    checkpoints) are left as they are.
+    """
     if not regions:
         return
-    for node in gm.graph.nodes:
-        if node.name in regions and node.op == "call_function":
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    spans: dict[int, list[int]] = {}
+    for index, node in enumerate(calls):
+        if node.name in regions:
             node.meta[CHECKPOINT_REGION] = regions[node.name]
+            spans.setdefault(regions[node.name], [index, index])[1] = index
+    for index, node in enumerate(calls):
+        if CHECKPOINT_REGION in node.meta:
+            continue
+        around = [r for r, (first, last) in spans.items() if first < index < last]
+        if len(around) == 1:
+            node.meta[CHECKPOINT_REGION] = around[0]
 
 
 class _Slot:
