@@ -7,18 +7,25 @@
   of ``csrc/table_cache.h`` (built once per parameter set, kept while a CUDA graph uses it) and
   the grid-limit cache of ``csrc/launch_cache.h`` (occupancy asked once per device and kernel);
 * ``csrc/amp_kernels.cu`` is compiled for real with ``nvcc -c`` when nvcc exists;
-* ``csrc/binding.cpp`` is compiled (``-fsyntax-only``) against torch's headers.
+* ``csrc/binding.cpp`` is compiled (``-fsyntax-only``) against torch's headers;
+* where torch is a CUDA build (the registry's wheel, even on a machine without a GPU) and
+  nvcc and ninja exist, the whole extension is built and loaded by torch's own
+  ``cpp_extension.load``, as a GPU user's first step builds it.
 
-The three compiles start together (2 cores) and each test waits for its own.
+Every compile uses the C++ standard torch's own extension builds use
+(:func:`amp_graph.kernels.extension.torch_cxx_standard`: C++20 on torch 2.13 to 2.15, whose
+headers need it). The compiles start together (2 cores) and each test waits for its own.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import struct
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -26,7 +33,7 @@ import pytest
 import torch
 
 from amp_graph.kernels import scaler_ops as ops
-from amp_graph.kernels.extension import CSRC_DIR
+from amp_graph.kernels.extension import CSRC_DIR, torch_cxx_standard
 
 pytestmark = pytest.mark.cuda  # CUDA sources: `make gpu-check` runs these too
 
@@ -34,6 +41,7 @@ NVCC = shutil.which("nvcc")
 CXX = shutil.which("g++") or shutil.which("c++")
 HOST_COMPILER = CXX or NVCC
 TIMEOUT = 300
+STD = torch_cxx_standard()
 
 
 def _cuda_include() -> Path | None:
@@ -64,7 +72,7 @@ def _binding_command(stub_dir: Path) -> list[str] | None:
     includes = [*torch_includes, str(stub_dir), sysconfig.get_paths()["include"], str(cuda_include)]
     return [
         CXX,
-        "-std=c++17",
+        f"-std={STD}",
         "-fsyntax-only",
         "-Wall",
         "-Wextra",
@@ -82,7 +90,9 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subproce
     jobs: dict[str, tuple[list[str], Path]] = {}
     if HOST_COMPILER is not None:
         exe = out / "host_selftest"
-        flags = ["-std=c++17", "-O2", "-pthread"] + (["-Wall", "-Wextra", "-Werror"] if CXX else [])
+        flags = [f"-std={STD}", "-O2", "-pthread"] + (
+            ["-Wall", "-Wextra", "-Werror"] if CXX else []
+        )
         src = str(CSRC_DIR / "host_selftest.cpp")
         if CXX is None:  # nvcc compiles a .cpp as host code
             flags = ["-O2", "-x", "cu"]
@@ -94,7 +104,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subproce
         # The flags torch's JIT build adds (they forbid implicit half conversions).
         torch_flags = getattr(cpp_extension, "COMMON_NVCC_FLAGS", [])
         command = [
-            NVCC, "-c", "-std=c++17", "-O3", "-arch=sm_90", "-Werror", "all-warnings",
+            NVCC, "-c", f"-std={STD}", "-O3", "-arch=sm_90", "-Werror", "all-warnings",
             *torch_flags, f"-I{CSRC_DIR}", str(CSRC_DIR / "amp_kernels.cu"), "-o", str(obj),
         ]  # fmt: skip
         jobs["nvcc"] = (command, obj)
@@ -209,3 +219,52 @@ def test_nvcc_compiles_the_kernels(builds) -> None:
 
 def test_binding_compiles_against_torch_headers(builds) -> None:
     _finish(builds, "binding", "no C++ compiler or CUDA headers")
+
+
+# --- the extension, built and loaded by torch's own cpp_extension.load ----------------------
+
+_BUILD_AND_LOAD = """
+import sys, torch
+from torch.utils import cpp_extension
+from amp_graph.kernels.extension import load_arguments
+cpp_extension.load(**load_arguments([(9, 0)]), build_directory=sys.argv[1])
+print(sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("CUDA")
+             if n.startswith("amp_graph::")))
+"""
+
+
+def _why_no_torch_build() -> str | None:
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        return "torch is a CPU build: no CUDA libraries to link the extension against"
+    if NVCC is None or _cuda_include() is None:
+        return "nvcc or the CUDA headers not found"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja): torch's JIT build needs it"
+    release = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+)\.", release)
+    if found is None or found.group(1) != torch.version.cuda.split(".")[0]:
+        return f"nvcc ({release.strip().splitlines()[-1]}) is not CUDA {torch.version.cuda}'s major"
+    return None
+
+
+def test_the_extension_builds_and_loads_with_torchs_own_build(tmp_path: Path) -> None:
+    """What a GPU user's first CUDA step does: cpp_extension.load of our sources with the
+    installed torch (its headers, its flags, our -std): it compiles, links against torch's
+    CUDA libraries, loads, and registers a CUDA kernel for every amp_graph op."""
+    why = _why_no_torch_build()
+    if why is not None:
+        pytest.skip(why)
+    env = {**os.environ, "CUDA_HOME": str(_cuda_include().parent)}
+    run = subprocess.run(
+        [sys.executable, "-c", _BUILD_AND_LOAD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    registered = run.stdout.strip().splitlines()[-1]
+    for op in ops.SCHEMAS:
+        assert f"amp_graph::{op}" in registered, registered

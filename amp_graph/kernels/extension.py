@@ -21,6 +21,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import os
 import re
@@ -39,6 +41,25 @@ NVCC_FLAGS = ("-O3", "-lineinfo")
 CXX_FLAGS = ("-O3",)
 
 Arch = tuple[int, int]  # a compute capability, (9, 0) for sm_90
+
+
+@functools.lru_cache(maxsize=1)
+def torch_cxx_standard() -> str:
+    """The C++ standard the installed torch's extension builds compile with: ``"c++20"`` on
+    torch 2.13 to 2.15 (2.15's headers need it: ``std::bit_width``), ``"c++17"`` where
+    torch passes no standard of its own.
+
+    Read from the flags :mod:`torch.utils.cpp_extension` writes into its build files (the
+    quoted ``'-std=c++NN'`` literals of its source), so that the build here, and the tests
+    that compile the sources by hand, use what torch's headers were written for.
+
+    >>> torch_cxx_standard() in ("c++17", "c++20", "c++23")
+    True
+    """
+    from torch.utils import cpp_extension
+
+    found = re.findall(r"""['"]-std=c\+\+(\d+)['"]""", inspect.getsource(cpp_extension))
+    return f"c++{max(int(n) for n in found)}" if found else "c++17"
 
 
 def build_options(torch_version: str, archs: list[Arch]) -> dict[str, object]:
@@ -62,7 +83,22 @@ def build_options(torch_version: str, archs: list[Arch]) -> dict[str, object]:
         "name": "amp_graph_kernels_torch"
         + re.sub(r"\W", "_", torch_version)
         + "".join(f"_sm{c}" for c in codes),
-        "extra_cuda_cflags": [*NVCC_FLAGS, *gencode],
+        # the standard torch's headers need, said here too so that the nvcc line and the
+        # tests' compiles are the same as torch's (torch adds none once one is given)
+        "extra_cuda_cflags": [*NVCC_FLAGS, f"-std={torch_cxx_standard()}", *gencode],
+    }
+
+
+def load_arguments(archs: list[Arch]) -> dict[str, object]:
+    """The arguments of :func:`torch.utils.cpp_extension.load` that build the extension for
+    GPUs of compute capabilities ``archs`` with the installed torch (the tests build with
+    them too)."""
+    return {
+        **build_options(torch.__version__, archs),
+        "sources": [str(CSRC_DIR / source) for source in SOURCES],
+        "extra_include_paths": [str(CSRC_DIR)],
+        "extra_cflags": [*CXX_FLAGS, f"-std={torch_cxx_standard()}"],
+        "is_python_module": False,  # a plain library: loading it registers the kernels
     }
 
 
@@ -129,12 +165,7 @@ def load_extension() -> bool:
             from torch.utils import cpp_extension
 
             path = cpp_extension.load(
-                **build_options(torch.__version__, visible_archs()),
-                sources=[str(CSRC_DIR / source) for source in SOURCES],
-                extra_include_paths=[str(CSRC_DIR)],
-                extra_cflags=list(CXX_FLAGS),
-                is_python_module=False,  # a plain library: loading it registers the kernels
-                verbose=logger.isEnabledFor(logging.DEBUG),
+                **load_arguments(visible_archs()), verbose=logger.isEnabledFor(logging.DEBUG)
             )
         except Exception as error:  # compiler, ninja or loader errors all mean "use torch ops"
             _status = ExtensionStatus("failed", f"{type(error).__name__}: {error}")
