@@ -18,6 +18,11 @@ buffer placeholder becomes a ``get_attr`` that reads the user's model *at call t
 (``self.model.blocks[0].attn.weight``), so the graph shares the model's tensors, sees
 replacements of them, and never copies one. Graph inputs are the pytree leaves of
 ``(args, kwargs)``; :class:`Captured` keeps the specs that pack and unpack them.
+
+A model may return a plain ``@dataclass`` (anywhere in its output, as torch.compile allows):
+:func:`_register_dataclasses` registers its type as a pytree node
+(``torch.export.register_dataclass``) while export runs the forward, so the graph returns
+its fields and the caller gets an instance of the model's own type back.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -174,17 +179,24 @@ def capture_module(
     # FSDP2: every rank captures its units unsharded with their hooks detached
     # (amp_graph/capture_fsdp.py); the pass fsdp_hooks calls the hooks in the graph
     fsdp = fsdp_units_unsharded(model)
+    # Export flattens the output right after the forward returns: the hook registers the
+    # output's dataclass types before that. Removed after, also when export fails.
+    hook = model.register_forward_hook(_register_output_dataclasses)
     try:
         with fsdp as units, capture_autocast(device_type, autocast_dtype), planned, half:
             program = torch.export.export(
                 model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
             )
+    except CaptureError:
+        raise  # ours (a dataclass output that cannot be rebuilt): it says what to do
     except UnsupportedFSDP as error:
         raise CaptureError(str(error)) from None  # says what to do; the trace adds nothing
     except Exception as error:
         if _raised_by_user_code(error):
             raise  # the model's own assert or check failed: that is the user's error as is
         raise _capture_error(model, error) from error
+    finally:
+        hook.remove()
     if isinstance(planned, capture_under_policy) and planned.reentrant_checkpoint:
         raise CaptureError(
             f"{type(model).__name__} calls torch.utils.checkpoint in its reentrant form "
@@ -210,6 +222,75 @@ def capture_module(
     spec = program.call_spec
     return Captured(
         gm, spec.in_spec, spec.out_spec, _shape_guard(gm, program), time.perf_counter() - start
+    )
+
+
+def _register_dataclasses(tree: Any, owner: str) -> None:
+    """Make the type of every dataclass instance in ``tree`` a pytree node, so that export
+    can return it and ``tree_unflatten`` gives back an instance of that type.
+
+    An unregistered dataclass type is registered with ``torch.export.register_dataclass``
+    (globally, as a user would; it stays registered). The children of every registered node
+    are searched too (dataclass fields, tuples, lists, dicts, HF ``ModelOutput``), so nested
+    dataclasses are found. ``None`` fields and non-tensor fields (ints) come back as they
+    were: the former in the spec, the latter as graph outputs. ``owner`` names the model in
+    errors.
+
+    Raises:
+        CaptureError: a dataclass that ``cls(**fields)`` cannot rebuild (``init=False``
+            fields, an ``__init__`` of other arguments, a ``__post_init__`` that replaces a
+            field) or that torch refuses to register; it names the type and what to do.
+    """
+    if isinstance(tree, torch.Tensor):
+        return
+    if is_dataclass(tree) and not isinstance(tree, type) and pytree.tree_is_leaf(tree):
+        _register_dataclass(tree, owner)
+    if not pytree.tree_is_leaf(tree):
+        children, _ = pytree.tree_flatten(tree, is_leaf=lambda child: child is not tree)
+        for child in children:
+            _register_dataclasses(child, owner)
+
+
+def _register_output_dataclasses(module: nn.Module, args: Any, output: Any) -> None:
+    """The forward hook :func:`capture_module` sets on the model while export runs it."""
+    _register_dataclasses(output, type(module).__name__)
+
+
+def _register_dataclass(value: Any, owner: str) -> None:
+    """Register ``type(value)`` with ``torch.export.register_dataclass``, whose unflatten
+    rebuilds an instance as ``cls(**init_fields)``. That call is tried on ``value`` first, so
+    a type it would rebuild wrongly is refused, never registered."""
+    cls = type(value)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        rebuilt = cls(**{f.name: getattr(value, f.name) for f in fields(cls) if f.init})
+        lost = [f.name for f in fields(cls) if _field(rebuilt, f.name) is not _field(value, f.name)]
+        if not lost:
+            torch.export.register_dataclass(cls, serialized_type_name=name)
+            log.info("amp_graph: registered %s as a pytree node, to return it from a graph", name)
+            return
+        why = (
+            f"the instance it rebuilds has other values in {lost} (init=False fields, or "
+            "fields its __init__ or __post_init__ sets itself)"
+        )
+    except Exception as error:
+        raise CaptureError(
+            _unregistrable(owner, name, f"{type(error).__name__}: {error}")
+        ) from error
+    raise CaptureError(_unregistrable(owner, name, why))
+
+
+def _field(obj: Any, name: str) -> Any:
+    return getattr(obj, name, _field)  # _field itself: the field was never set
+
+
+def _unregistrable(owner: str, name: str, why: str) -> str:
+    return (
+        f"{owner} returns a {name}, a dataclass amp_graph returns by registering it with "
+        "torch.export.register_dataclass, which rebuilds it from its fields as "
+        f"cls(**fields); that fails here: {why}. Register the type yourself with "
+        "torch.utils._pytree.register_pytree_node (saying how to flatten and rebuild it), or "
+        "return a tuple or dict of its fields."
     )
 
 
@@ -453,8 +534,8 @@ _HINTS: tuple[tuple[Callable[[str], bool], str], ...] = (
     (
         lambda text: "not a known type" in text or "register a pytree" in text,
         "The model returns or takes an object that is not a tensor, a tuple, list or dict of "
-        "them, or a registered pytree type; return tensors, or register the type with "
-        "torch.utils._pytree.register_pytree_node.",
+        "them, a returned dataclass, or a registered pytree type; return tensors, or "
+        "register the type with torch.utils._pytree.register_pytree_node.",
     ),
     (
         lambda text: "data-dependent" in text or "guard on data-dependent" in text,
