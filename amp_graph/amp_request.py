@@ -19,6 +19,7 @@ the only place that decides what it means:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -110,9 +111,18 @@ def device_type_of(module: nn.Module | None, inputs: Any = ()) -> str:
 
 
 def resolve(policy: Policy | str, dtype: Any, device_type: str) -> AmpRequest:
-    """The request as the passes take it (see the module doc)."""
+    """The request as the passes take it (see the module doc). On the CPU, the policy also
+    learns which ops this CPU cannot compute in the low dtype (:mod:`amp_graph.cpu_kernels`),
+    so that a plan never asks for a kernel the machine lacks."""
     resolved = resolve_policy(policy, device_type)
-    return AmpRequest(resolved, resolve_dtype(resolved, dtype, device_type), device_type)
+    low = resolve_dtype(resolved, dtype, device_type)
+    if device_type == "cpu":
+        from amp_graph.cpu_kernels import missing_low_kernels
+
+        missing = missing_low_kernels(low)
+        if missing and dict(resolved.missing_kernels) != missing:
+            resolved = dataclasses.replace(resolved, missing_kernels=missing)
+    return AmpRequest(resolved, low, device_type)
 
 
 def validate_module_overrides(

@@ -287,6 +287,9 @@ class Policy:
             whose source outlives the forward anyway (weights, softmax's float32 output):
             the same gradients, bit for bit, without holding the copies from forward to
             backward (``passes.recompute_casts``). False keeps them, as torch.autocast does.
+        missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
+            it in the low dtype (:mod:`amp_graph.cpu_kernels`, filled in by the entry points
+            for CPU models). Such an op computes in float32 whatever else the policy says.
     """
 
     name: str
@@ -304,6 +307,7 @@ class Policy:
     fp8: Fp8Config | None = None
     notes: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
     recompute_casts: bool = True
+    missing_kernels: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
 
     def __post_init__(self) -> None:
         """Validate and normalize every field, however the Policy was built (the
@@ -325,6 +329,7 @@ class Policy:
         object.__setattr__(self, "modules", _checked_names("module path", self.modules))
         object.__setattr__(self, "nodes", _checked_names("node name", self.nodes))
         object.__setattr__(self, "notes", _checked_notes(self.notes, self.nodes))
+        object.__setattr__(self, "missing_kernels", _frozen(dict(self.missing_kernels)))
         if self.master_weights and not self.cast_inputs:
             raise ValueError(
                 "Policy(master_weights=True) keeps float32 masters of parameters stored in the "
@@ -427,7 +432,22 @@ class Policy:
     # ---- lookup ---------------------------------------------------------------------
 
     def decide(self, facts: OpFacts) -> Decision:
-        """The rule for one node, following the documented priority order."""
+        """The rule for one node, following the documented priority order; an op the CPU
+        has no low-precision kernel for (``missing_kernels``) computes in float32."""
+        decision = self._decide_by_priority(facts)
+        missing = next(
+            (base_name(a) for a in facts.aten if base_name(a) in self.missing_kernels), None
+        )
+        if missing is None or decision.rule is not Rule.ALLOW:
+            return decision
+        return Decision(
+            Rule.DENY,
+            "cpu",
+            f"{decision.detail}; but this CPU has no low-precision kernel for aten::{missing} "
+            f"({self.missing_kernels[missing]}), so it computes in float32",
+        )
+
+    def _decide_by_priority(self, facts: OpFacts) -> Decision:
         if facts.node_name in self.nodes:
             rule = self.nodes[facts.node_name]
             note = self.notes.get(facts.node_name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -328,6 +329,7 @@ def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """
     counts: dict[str, int] = {}
     known_types: dict[str, type] = {}
+    kept_float32: list[str] = []
     for node in gm.graph.nodes:
         kind = "state" if node.op == "placeholder" and is_model_state(node) else node.op
         if kind in _STRUCTURAL:
@@ -335,7 +337,17 @@ def classify(gm: fx.GraphModule, policy: Policy) -> PassResult:
             amp = AmpInfo.fixed(role, op, detail)
         else:
             amp = classify_node(node, gm, policy, known_types=known_types)
+            if amp.source == "cpu":
+                kept_float32.append(f"{node.name} ({amp.aten})")
         node.meta[AMP] = amp
         key = f"rule_{amp.rule}"
         counts[key] = counts.get(key, 0) + 1
+    if kept_float32:
+        # the model would otherwise crash at its first step on this CPU: say so, once
+        warnings.warn(
+            f"amp_graph: this CPU has no low-precision kernel for {', '.join(kept_float32)}; "
+            "they compute in float32 instead (amp_graph.explain(compiled, node) says why)",
+            stacklevel=2,
+        )
+        counts["cpu_float32_fallbacks"] = len(kept_float32)
     return PassResult(gm, modified=False, stats=counts)

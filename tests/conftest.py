@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from amp_graph.passes import AMP, Role
 from torch.fx.node import map_aggregate
 
@@ -15,6 +16,56 @@ import amp_graph
 # Tests measure behaviour, not speed: one intra-op thread keeps them fast and repeatable
 # on a 2-core machine that may be running other work (OpenMP spin-waits when oversubscribed).
 torch.set_num_threads(1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--without-cpu-kernel",
+        default="",
+        help="comma-separated aten ops (lstm,gru) whose low-precision CPU kernels amp_graph "
+        "is told are missing, as on an AVX2-only CPU (amp_graph.cpu_kernels), to run the "
+        "suite as such a CPU would plan it",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    missing = [op for op in config.getoption("--without-cpu-kernel").split(",") if op]
+    if missing:
+        from amp_graph import cpu_kernels
+
+        def lacking(op: str) -> Any:
+            def probe(dtype: torch.dtype) -> None:
+                raise RuntimeError(f"{op}: no {dtype} kernel (simulated by --without-cpu-kernel)")
+
+            return probe
+
+        for op in missing:
+            if op not in cpu_kernels.PROBES:
+                raise pytest.UsageError(f"--without-cpu-kernel: {op!r} is not one of PROBES")
+            cpu_kernels.PROBES[op] = lacking(op)
+        cpu_kernels.reprobe()
+
+
+_RECURRENT_OPS = {nn.LSTM: "lstm", nn.GRU: "gru"}
+
+
+def skip_where_cpu_lacks_kernels_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    """Skip where this CPU has no ``dtype`` kernel for a recurrent layer of ``model``
+    (:mod:`amp_graph.cpu_kernels`; AVX2-only CPUs have no bf16 LSTM): torch.autocast cannot
+    run it there to compare, and amp_graph plans it in float32 (tests/test_cpu_kernels.py
+    tests that). ``pytest --without-cpu-kernel=...`` makes this CPU such a CPU."""
+    from amp_graph.cpu_kernels import missing_low_kernels
+
+    missing = missing_low_kernels(dtype)
+    for module in model.modules():
+        op = _RECURRENT_OPS.get(type(module))
+        if isinstance(module, nn.RNN) and type(module) is nn.RNN:
+            op = "rnn_tanh" if module.nonlinearity == "tanh" else "rnn_relu"
+        if op in missing:
+            pytest.skip(
+                f"this CPU has no {dtype} kernel for aten::{op} ({missing[op]}): "
+                "torch.autocast cannot run it to compare; amp_graph plans it float32"
+            )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

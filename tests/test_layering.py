@@ -42,7 +42,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the ops the graphs call and the scaler: they depend on nothing above them
     (
         "ops and scaler",
-        ("amp_graph.fp8", "amp_graph.kernels", "amp_graph.scaler", "amp_graph.recompute"),
+        (
+            "amp_graph.fp8",
+            "amp_graph.kernels",
+            "amp_graph.scaler",
+            "amp_graph.recompute",
+            "amp_graph.cpu_kernels",
+        ),
     ),
     ("passes", ("amp_graph.passes",)),
     (

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from amp_graph.passes import AMP, Role
-from conftest import PlanReference, compile_checked
+from conftest import PlanReference, compile_checked, skip_where_cpu_lacks_kernels_of
 
 import amp_graph
 from amp_graph import models
@@ -95,6 +95,7 @@ def test_gpt_structure():
 
 def test_rnn_structure_casts_recurrent_weights():
     model = models.RecurrentNet()
+    skip_where_cpu_lacks_kernels_of(model)
     compiled = compile_checked(model, "O1", example_inputs=CASES["rnn"][1]())
     rnns = [n for n in compiled.graph.nodes if n.meta[AMP].aten in ("lstm.input", "gru.input")]
     assert len(rnns) == 2  # the LSTM and the GRU, each one aten op with bf16 parameters
@@ -135,6 +136,7 @@ def _loss(out):
 def test_autocast_preset_forward_bitwise_and_gradients_close(name):
     factory, inputs = CASES[name]
     model = factory()
+    skip_where_cpu_lacks_kernels_of(model)
     example = inputs()
     compiled = compile_checked(model, "autocast", example_inputs=example)
     torch.manual_seed(1)

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import skip_where_cpu_lacks_kernels_of
 from op_samples import (
     HEADER,
     SAMPLES,
@@ -405,6 +406,7 @@ KNOWN_DEVIATIONS = {("nn.GRU", FP32): BF16, ("nn.LSTMCell", FP32): BF16}
 def test_autocast_policy_returns_what_cpu_autocast_returns(label: str) -> None:
     fn, make_inputs = CPU_CALLABLES[label]
     model = _Root(fn) if isinstance(fn, nn.Module) else fx.symbolic_trace(fn)
+    skip_where_cpu_lacks_kernels_of(model)
     for given in (FP32, BF16):
         values = make_inputs(given)
         compiled = amp_graph.compile(model, "autocast", BF16, example_inputs=values)
