@@ -2,6 +2,7 @@
 #   make demo   creates .venv, installs amp_graph and runs the demo (about 2 minutes, install
 #               included; make demo-full is the long run)
 #   make test   same venv, runs the test suite
+#   make test-torch-latest   the suite on the newest torch pyproject admits (a venv of its own)
 # and on a machine with an NVIDIA GPU:
 #   make gpu-check   every CUDA test and the GPU benchmarks (< 10 minutes); writes the figures
 #                    into BENCHMARKS.md's GPU table. Fails at once, saying so, without a GPU.
@@ -20,7 +21,7 @@ STAMP := $(VENV)/.installed
 VENV_READY := $(VENV)/.torch
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-full test test-hf-fx lint bench install clean gpu-check
+.PHONY: demo demo-full test test-hf-fx test-torch-latest lint bench install clean gpu-check
 
 # The venv with torch in it (see the top of this file).
 $(VENV_READY):
@@ -67,6 +68,23 @@ test-hf-fx: $(STAMP)
 		echo "import site; site.addsitedir('$$main')" > $$side/main_venv.pth && \
 		$(HF_FX_VENV)/bin/pip install -q --no-deps $(HF_FX_PINS); fi
 	$(HF_FX_VENV)/bin/python -m pytest -q tests/test_hf_fx_tracer.py
+
+# The newest torch release pyproject's range admits (the registry's CUDA wheel; it runs on
+# the CPU), in a venv of its own with amp_graph and the dev tools: the whole suite, as a user
+# who just ran `pip install amp_graph` gets it. These machines cap pip at torch 2.14.1
+# (/etc/xdg/pip); the cap is lifted for this venv's install only. CI runs it.
+LATEST_VENV := $(VENV)/torch-latest
+TORCH_RANGE := $(shell $(PYTHON) -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print(next(d for d in deps if d.startswith('torch')))")
+
+$(LATEST_VENV)/.installed: pyproject.toml
+	@[ -x $(LATEST_VENV)/bin/python ] || $(PYTHON) -m venv $(LATEST_VENV)
+	PIP_CONSTRAINT=/dev/null $(LATEST_VENV)/bin/pip install -q "$(TORCH_RANGE)" -e ".[dev]"
+	@touch $@
+
+test-torch-latest: $(LATEST_VENV)/.installed
+	@$(LATEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__, '(newest in $(TORCH_RANGE))')"
+	@PIP_CONSTRAINT=/dev/null $(LATEST_VENV)/bin/pip index versions torch 2>/dev/null | head -1 || true
+	$(LATEST_VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
