@@ -74,7 +74,7 @@ test-hf-fx: $(STAMP)
 # who just ran `pip install amp_graph` gets it. These machines cap pip at torch 2.14.1
 # (/etc/xdg/pip); the cap is lifted for this venv's install only. CI runs it.
 LATEST_VENV := $(VENV)/torch-latest
-TORCH_RANGE := $(shell $(PYTHON) -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print(next(d for d in deps if d.startswith('torch')))")
+TORCH_RANGE := $(shell sed -n 's/.*"\(torch[<>=!~][^"]*\)".*/\1/p' pyproject.toml | head -1)
 
 $(LATEST_VENV)/.installed: pyproject.toml
 	@[ -x $(LATEST_VENV)/bin/python ] || $(PYTHON) -m venv $(LATEST_VENV)
