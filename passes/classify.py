@@ -197,30 +197,9 @@ def _op_facts(node: fx.Node, paths: tuple[str, ...], types: tuple[type, ...]) ->
     return OpFacts(node.name, display, keys, aten, paths, types)
 
 
-# Dropouts that return their input itself when they drop nothing (p=0, or not training).
-_DROPOUTS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
-
-
-def _drops_nothing(node: fx.Node, aten: str | None) -> bool:
-    """A dropout called with ``p=0`` or ``train=False`` (HF configs' ``attn_pdrop=0.0``)."""
-    if aten not in _DROPOUTS or len(node.args) < 3:
-        return False
-    p, train = node.args[1], node.args[2]
-    return (isinstance(p, (int, float)) and p == 0) or train is False
-
-
 def _refine(decision: Decision, node: fx.Node, facts: OpFacts) -> Decision:
     """The few cases where the table's answer would be wrong for this particular call."""
     aten = facts.aten[0] if facts.aten else None
-    if decision.source in ("table", "default") and _drops_nothing(node, aten):
-        # torch returns the input tensor itself, running no kernel: a cast before it would
-        # be a copy for nothing, and the model's Python sees the input's dtype
-        return Decision(
-            Rule.FOLLOW,
-            "fixed",
-            f"{aten} with p=0 or train=False returns its input unchanged (no kernel runs): "
-            "amp_graph casts nothing for it; its consumers cast",
-        )
     if decision.source == "table" and decision.rule is Rule.DENY and _explicit_dtype(node):
         return Decision(
             Rule.FOLLOW,
