@@ -8,7 +8,8 @@ an overload is written ``name.overload`` only where autocast registers just that
 the dispatcher's ``AutocastCPU``/``AutocastCUDA`` registrations) so that drift shows up.
 
 The lists differ between torch releases. The literal tables below are torch.autocast's as of
-torch 2.11 to 2.13; :data:`CHANGES` records what later releases added and removed, and the
+torch 2.13 (the oldest release amp_graph supports; 2.11's differ: no float32 ``rms_norm``
+on CUDA); :data:`CHANGES` records what later releases added and removed, and the
 module's public tables (``CPU_FP32``, ...) are those of the *installed* torch
 (:func:`tables_for`), so that O1 and ``policy="autocast"`` mean what this torch's autocast
 does. A release that changes them again fails ``tests/test_tables.py`` until a
@@ -366,7 +367,7 @@ TABLES: tuple[str, ...] = (
     "CPU_FP32",
     "CPU_PROMOTE",
 )
-_BEFORE_CHANGES: dict[str, frozenset[str]] = {name: globals()[name] for name in TABLES}
+_BEFORE_CHANGES: dict[str, frozenset[str]] = {name: globals()[name] for name in TABLES}  # 2.13
 
 
 def tables_for(version: str) -> dict[str, frozenset[str]]:
