@@ -120,7 +120,7 @@ def resolve(policy: Policy | str, dtype: Any, device_type: str) -> AmpRequest:
         from amp_graph.cpu_kernels import missing_low_kernels
 
         missing = missing_low_kernels(low)
-        if missing and dict(resolved.missing_kernels) != missing:
+        if missing:
             resolved = dataclasses.replace(resolved, missing_kernels=missing)
     return AmpRequest(resolved, low, device_type)
 

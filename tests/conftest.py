@@ -46,7 +46,11 @@ def pytest_configure(config: pytest.Config) -> None:
         cpu_kernels.reprobe()
 
 
-_RECURRENT_OPS = {nn.LSTM: "lstm", nn.GRU: "gru"}
+def _recurrent_op(module: nn.Module) -> str | None:
+    """The aten op a recurrent layer runs as (the keys of ``cpu_kernels.PROBES``)."""
+    if type(module) is nn.RNN:
+        return "rnn_tanh" if module.nonlinearity == "tanh" else "rnn_relu"
+    return {nn.LSTM: "lstm", nn.GRU: "gru"}.get(type(module))
 
 
 def skip_where_cpu_lacks_kernels_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
@@ -58,9 +62,7 @@ def skip_where_cpu_lacks_kernels_of(model: nn.Module, dtype: torch.dtype = torch
 
     missing = missing_low_kernels(dtype)
     for module in model.modules():
-        op = _RECURRENT_OPS.get(type(module))
-        if isinstance(module, nn.RNN) and type(module) is nn.RNN:
-            op = "rnn_tanh" if module.nonlinearity == "tanh" else "rnn_relu"
+        op = _recurrent_op(module)
         if op in missing:
             pytest.skip(
                 f"this CPU has no {dtype} kernel for aten::{op} ({missing[op]}): "
