@@ -15,6 +15,7 @@ from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.inspect.numerics import NumericsReport, numerics
 from amp_graph.inspect.report import Report, explain, report
+from amp_graph.monitoring import History, Monitor, monitor
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
 from amp_graph.scaler import GradScaler, StaticGradScaler
 
@@ -30,6 +31,8 @@ __all__ = [
     "GradScaler",
     "Graph",
     "GraphConfig",
+    "History",
+    "Monitor",
     "NumericsReport",
     "Policy",
     "Report",
@@ -46,6 +49,7 @@ __all__ = [
     "explain",
     "fp8",
     "inspect",
+    "monitor",
     "numerics",
     "passes",
     "report",

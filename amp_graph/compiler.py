@@ -294,6 +294,8 @@ class CompiledModule(nn.Module):
     :func:`amp_graph.compile_`.
     """
 
+    _monitor: Any = None  # an amp_graph.monitoring.Monitor picks each call's graph
+
     def __init__(
         self,
         model: nn.Module,
@@ -376,6 +378,7 @@ class CompiledModule(nn.Module):
         (they hold fake values and shape symbols tied to this process)."""
         state = self.__dict__.copy()
         state["_cache"], state["_last"] = self._new_cache(), None
+        state.pop("_monitor", None)  # its buffers and files belong to this process
         return state
 
     # ---- calling ---------------------------------------------------------------------
@@ -404,7 +407,9 @@ class CompiledModule(nn.Module):
         return self._run(captured, args, kwargs, leaves)
 
     def _run(self, captured: Captured, args: tuple, kwargs: dict, leaves: list) -> Any:
-        return captured.call(leaves)
+        if self._monitor is None:
+            return captured.call(leaves)
+        return captured.unflatten(self._monitor.graph_for_step(captured.graph_module)(*leaves))
 
     def _warn_autocast(self) -> None:
         if not self._warned_autocast:

@@ -61,6 +61,7 @@ from amp_graph.capture import Captured, capture_module
 from amp_graph.capture_fsdp import fsdp_units
 from amp_graph.compiler import COMPILE_META, CaptureCache, rewrite
 from amp_graph.master_weights import MasterWeights
+from amp_graph.monitoring.core import Monitor
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.policy import Policy, nearest
 from amp_graph.scaler import GradScaler, NonFiniteGuard
@@ -85,6 +86,7 @@ class GraphConfig:
         self.compile = False
         self.compile_options: dict[str, Any] = {}
         self.process_group: dist.ProcessGroup | None = None
+        self.monitor: Monitor | None = None
 
     def enable_amp(
         self, mode: bool = True, *, policy: Policy | str = "O1", dtype: torch.dtype | None = None
@@ -141,6 +143,26 @@ class GraphConfig:
                     f"{list(COMPILE_OPTIONS)}.{nearest(name, COMPILE_OPTIONS)}"
                 )
         self.compile, self.compile_options = bool(mode), dict(options)
+
+    def enable_monitor(self, every: int = 100, **options: Any) -> Monitor:
+        """Measure the build's chosen nodes every ``every`` steps (one call of the graph is a
+        step); ``options`` as :func:`amp_graph.monitor` takes them. Returns the monitor
+        (also ``graph.config.monitor``). Under :meth:`enable_compile` a logging step runs the
+        instrumented build eagerly; the other steps run the compiled one."""
+        self.attach_monitor(Monitor(every, **options))
+        assert self.monitor is not None
+        return self.monitor
+
+    def attach_monitor(self, monitor: Monitor) -> None:
+        """Use ``monitor`` (what :func:`amp_graph.monitor` does for a Graph)."""
+        if self.monitor is not None:
+            raise ValueError("this Graph already has a monitor; call its detach() first")
+        self.monitor = monitor
+
+        def detach() -> None:
+            self.monitor = None
+
+        monitor._detach = detach
 
     def __repr__(self) -> str:
         amp = f"amp={self.amp}" + (f" ({self.policy}, {self.dtype})" if self.amp else "")
@@ -301,10 +323,12 @@ class Graph:
         if id(captured) not in self._steps:
             self._steps[id(captured)] = self._step_graph(captured)
         self._last = self._steps[id(captured)]
+        monitor = self.config.monitor
+        step = self._last if monitor is None else monitor.graph_for_step(self._last)
         if not self.training:
             with torch.no_grad():
-                return self._last(*leaves)
-        out = self._last(*leaves)
+                return step(*leaves)
+        out = step(*leaves)
         self._step += 1
         return out
 

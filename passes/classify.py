@@ -197,6 +197,14 @@ def _op_facts(node: fx.Node, paths: tuple[str, ...], types: tuple[type, ...]) ->
     return OpFacts(node.name, display, keys, aten, paths, types)
 
 
+def op_facts(node: fx.Node, gm: nn.Module, known_types: dict[str, type] | None = None) -> OpFacts:
+    """What a policy looks up for the call ``node``: its keys, aten candidates and enclosing
+    modules (relative to ``gm``, as for :func:`module_stack`). Anything that matches nodes
+    the way a policy does (the monitor's selection) asks this."""
+    paths, types = module_stack(node, gm, known_types)
+    return _op_facts(node, paths, types)
+
+
 def _refine(decision: Decision, node: fx.Node, facts: OpFacts) -> Decision:
     """The few cases where the table's answer would be wrong for this particular call."""
     aten = facts.aten[0] if facts.aten else None

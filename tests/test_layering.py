@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "amp_graph.scaler",
             "amp_graph.recompute",
             "amp_graph.cpu_kernels",
+            "amp_graph.tensor_stats",
         ),
     ),
     ("passes", ("amp_graph.passes",)),
@@ -62,6 +63,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "amp_graph.backend",
         ),
     ),
+    # statistics of chosen nodes while training: over compile's modules, under Graph
+    ("monitoring", ("amp_graph.monitoring",)),
     (
         "training runtime",
         (

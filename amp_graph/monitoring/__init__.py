@@ -1,0 +1,94 @@
+"""Numerics while training: statistics of chosen nodes every N steps, as a graph pass.
+
+>>> import torch, amp_graph
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+>>> compiled = amp_graph.compile(model, policy="O1", dtype=torch.bfloat16)
+>>> monitor = amp_graph.monitor(compiled, every=2)
+>>> for step in range(4):
+...     compiled(torch.randn(8, 4)).sum().backward()
+>>> monitor.history.steps
+[0, 2]
+>>> sorted({row["role"] for row in monitor.history})
+['grad_output', 'grad_weight', 'input', 'output', 'weight']
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from amp_graph.compiler import CompiledModule, _compiled_in_place
+
+from .core import CSV_NAME, JSONL_NAME, Monitor
+from .history import History
+from .selection import DEFAULT_OPS, SELECTOR_FIELDS, NodeSelection
+
+__all__ = [
+    "CSV_NAME",
+    "DEFAULT_OPS",
+    "JSONL_NAME",
+    "SELECTOR_FIELDS",
+    "History",
+    "Monitor",
+    "NodeSelection",
+    "monitor",
+]
+
+
+def monitor(
+    target: Any,
+    every: int = 100,
+    *,
+    nodes: Any = None,
+    stats: Any = None,
+    log_dir: str | Path | None = None,
+    flush_every: int = 1,
+    tensorboard: bool | None = None,
+) -> Monitor:
+    """Measure ``target``'s chosen nodes every ``every`` steps; returns the :class:`Monitor`.
+
+    Args:
+        target: a module from ``amp_graph.compile`` / ``compile_`` (a step is one call) or an
+            ``amp_graph.Graph`` (a step is one call of the graph; the same as
+            ``graph.config.enable_monitor(...)``).
+        every: steps 0, every, 2*every, ... are logging steps; the others run the graph
+            exactly as without a monitor.
+        nodes: None: every matrix product, convolution and fp8 quantization. Or selectors as
+            a Policy's overrides take them: ``{"modules": ["blocks.*.mlp"], "ops": ["matmul"],
+            "module_types": [nn.Conv2d], "nodes": ["linear_3"]}`` (any match counts).
+        stats: the statistics to compute, from ``amax``, ``zeros``, ``underflow``,
+            ``nonfinite``, ``whatif`` (fp16/bf16/e4m3/e5m2 underflow and overflow); all by
+            default (:mod:`amp_graph.tensor_stats` defines each).
+        log_dir: write ``monitor.jsonl`` and ``monitor.csv`` there (and TensorBoard scalars,
+            where the ``tensorboard`` package is installed), reading the device once every
+            ``flush_every`` logging steps, at the start of the step after.
+        tensorboard: None: where installed and ``log_dir`` is given; True: required.
+    """
+    made = Monitor(
+        every,
+        nodes=nodes,
+        stats=stats,
+        log_dir=log_dir,
+        flush_every=flush_every,
+        tensorboard=tensorboard,
+    )
+    compiled = _compiled_in_place(target) or target
+    if isinstance(compiled, CompiledModule):
+        if compiled._monitor is not None:
+            raise ValueError("this compiled module already has a monitor; call its detach() first")
+        compiled._monitor = made
+
+        def detach() -> None:
+            compiled._monitor = None
+
+        made._detach = detach
+        return made
+    config = getattr(target, "config", None)
+    if callable(getattr(config, "attach_monitor", None)):  # an amp_graph.Graph
+        config.attach_monitor(made)
+        return made
+    raise TypeError(
+        "amp_graph.monitor takes a module made by amp_graph.compile or amp_graph.compile_, or "
+        f"an amp_graph.Graph; got {type(target).__name__}. Compile the model first: "
+        "monitor(amp_graph.compile(model, policy=...))"
+    )

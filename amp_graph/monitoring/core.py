@@ -1,0 +1,260 @@
+"""The monitor: per-step statistics of chosen nodes, off the training step's critical path.
+
+A target (a module from ``compile``/``compile_``, or a ``Graph``) asks
+:meth:`Monitor.graph_for_step` once per step which graph to run. A step that is not a
+logging step gets the graph as it is: the monitor adds no node, hook or branch to it. A
+logging step gets an instrumented copy (``passes.instrument``, made once per graph) whose
+probes add their statistics into one device buffer for that step. Nothing is read on the
+host until the user asks (:attr:`Monitor.history`, :meth:`Monitor.flush`), or, with a
+``log_dir``, once ``flush_every`` logging steps are pending; each read is one transfer of
+every pending buffer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_graph.compiler import copy_graph_module
+from amp_graph.passes.instrument import Probe, _region_graphs, instrument
+from amp_graph.passes.meta import model_root
+from amp_graph.policy import nearest
+from amp_graph.tensor_stats import STAT_GROUPS, STATS, StatsSink
+
+from .history import History, make_row, write_csv, write_jsonl
+from .selection import NodeSelection
+
+log = logging.getLogger(__name__)
+
+JSONL_NAME = "monitor.jsonl"
+CSV_NAME = "monitor.csv"
+
+
+@dataclass
+class _Instrumented:
+    source: weakref.ref[fx.GraphModule]  # the graph it stands in for
+    graph_module: fx.GraphModule  # what a logging step runs
+    probes: tuple[Probe, ...]
+    sink: StatsSink
+    device: torch.device
+
+
+@dataclass
+class _Pending:
+    step: int
+    instrumented: _Instrumented
+    buffer: torch.Tensor
+
+
+def _columns(stats: Any) -> tuple[str, ...]:
+    """The STATS names ``stats=`` switches on, in STATS order (``numel`` always)."""
+    if stats is None:
+        groups = list(STAT_GROUPS)
+    elif isinstance(stats, str) or not hasattr(stats, "__iter__"):
+        raise TypeError(f"monitor stats= is a list of {list(STAT_GROUPS)}; got {stats!r}")
+    else:
+        groups = list(stats)
+    for group in groups:
+        if group not in STAT_GROUPS:
+            raise ValueError(
+                f"monitor stats= has no statistic {group!r}; choose from "
+                f"{list(STAT_GROUPS)}.{nearest(str(group), STAT_GROUPS)}"
+            )
+    wanted = {name for group in groups for name in STAT_GROUPS[group]}
+    return tuple(name for name in STATS if name in wanted)
+
+
+def _device(gm: nn.Module) -> torch.device:
+    for tensor in (*gm.parameters(), *gm.buffers()):
+        return tensor.device
+    for node in gm.graph.nodes if isinstance(gm, fx.GraphModule) else ():
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+class Monitor:
+    """Statistics of chosen nodes every ``every`` steps; made by :func:`amp_graph.monitor`
+    (see there for the arguments)."""
+
+    def __init__(
+        self,
+        every: int = 100,
+        *,
+        nodes: Any = None,
+        stats: Any = None,
+        log_dir: str | Path | None = None,
+        flush_every: int = 1,
+        tensorboard: bool | None = None,
+    ) -> None:
+        for name, value in (("every", every), ("flush_every", flush_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"monitor {name}= is an int >= 1; got {value!r}")
+        self.every = every
+        self.flush_every = flush_every
+        self.selection = NodeSelection(nodes)
+        self.stats = tuple(s for s in _columns(stats) if s != "numel")
+        self._column_ids = frozenset(STATS.index(s) for s in (*self.stats, "numel"))
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._tensorboard = self._tensorboard_writer(tensorboard)
+        self.steps = 0  # steps seen (graph_for_step calls)
+        self._instrumented: dict[int, _Instrumented] = {}
+        self._pending: list[_Pending] = []
+        self._rows: list[dict] = []
+        self._files_started = False
+        self._detach: Any = None  # set by whoever attaches the monitor
+
+    # ---- what a step runs -----------------------------------------------------------------
+
+    def is_logging_step(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def graph_for_step(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """The graph this step runs instead of ``gm``: ``gm`` itself, or on a logging step
+        its instrumented copy, writing into a fresh buffer. Called once per step."""
+        step = self.steps
+        self.steps += 1
+        if self.log_dir is not None and len(self._pending) >= self.flush_every:
+            self.flush()  # the logging steps before this one have finished their backward
+        if not self.is_logging_step(step):
+            return gm
+        instrumented = self._instrumented_for(gm)
+        if instrumented is None:
+            return gm
+        buffer = instrumented.sink.start(instrumented.device)
+        self._pending.append(_Pending(step, instrumented, buffer))
+        return instrumented.graph_module
+
+    def _instrumented_for(self, gm: fx.GraphModule) -> _Instrumented | None:
+        known = self._instrumented.get(id(gm))
+        if known is not None and known.source() is gm:
+            return known
+        build = gm.get_submodule("build") if _is_step_graph(gm) else None
+        inner = gm if build is None else getattr(build, "_orig_mod", build)
+        self._validate(inner)
+        result = instrument(inner, self.selection.predicate(inner), self._column_ids)
+        if not result.probes:
+            warnings.warn(
+                "amp_graph.monitor: the selection measures no node of this graph (it has no "
+                "matrix product, convolution or fp8 quantization, or nodes= matches none); "
+                "its steps run unmonitored",
+                stacklevel=4,
+            )
+        runs = result.graph_module
+        if build is not None:  # a Graph's step: the same step around the instrumented build
+            runs = copy_graph_module(gm)
+            runs.build = result.graph_module
+        made = _Instrumented(weakref.ref(gm), runs, result.probes, result.sink, _device(inner))
+        self._instrumented[id(gm)] = made
+        return made if result.probes else None
+
+    def _validate(self, gm: fx.GraphModule) -> None:
+        names = [n.name for n in gm.graph.nodes]
+        for region in _region_graphs(gm):
+            names += [n.name for n in getattr(gm, region).graph.nodes]
+        paths = [path for path, _ in model_root(gm).named_modules()]
+        self.selection.validate(paths, names)
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Read every pending logging step's buffer (one host transfer), add its rows to
+        :attr:`history`, and write them under ``log_dir``. Call it after the last step's
+        backward: a step still running backward would be read incomplete."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        flat = torch.cat(
+            [p.buffer.flatten().to(torch.device("cpu"), torch.float64) for p in pending]
+        )
+        values = flat.tolist()
+        rows = []
+        offset = 0
+        for entry in pending:
+            width = len(STATS)
+            for probe in entry.instrumented.probes:
+                row = values[offset : offset + width]
+                offset += width
+                if row[STATS.index("numel")]:  # a probe that never ran this step
+                    rows.append(make_row(probe, entry.step, row, self.stats))
+        self._rows.extend(rows)
+        self._write(rows)
+
+    @property
+    def history(self) -> History:
+        """Every row so far (reads what is pending first: one host transfer)."""
+        self.flush()
+        return History(self._rows, self.stats)
+
+    @property
+    def probes(self) -> list[Probe]:
+        """What the logging steps measure, for the graphs instrumented so far."""
+        return [p for made in self._instrumented.values() for p in made.probes]
+
+    def close(self) -> None:
+        """Flush, and close the TensorBoard writer."""
+        self.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def detach(self) -> None:
+        """Stop monitoring: the target runs its own graphs only. Flushes first."""
+        self.close()
+        if self._detach is not None:
+            self._detach()
+            self._detach = None
+
+    def __repr__(self) -> str:
+        where = f", log_dir={str(self.log_dir)!r}" if self.log_dir is not None else ""
+        return (
+            f"amp_graph.Monitor(every={self.every}, steps={self.steps}, "
+            f"probes={len(self.probes)}, rows={len(self._rows)}, pending={len(self._pending)}"
+            f"{where})"
+        )
+
+    # ---- files -----------------------------------------------------------------------------
+
+    def _tensorboard_writer(self, wanted: bool | None) -> Any:
+        if wanted is False or self.log_dir is None:
+            if wanted and self.log_dir is None:
+                raise ValueError("monitor tensorboard=True writes under log_dir: give log_dir=")
+            return None
+        installed = importlib.util.find_spec("tensorboard") is not None
+        if not installed:
+            if wanted:
+                raise ImportError(
+                    "monitor tensorboard=True needs the tensorboard package: "
+                    "pip install 'amp_graph[tensorboard]'"
+                )
+            return None
+        from .tensorboard import TensorBoardLog
+
+        return TensorBoardLog(self.log_dir)
+
+    def _write(self, rows: list[dict]) -> None:
+        if self.log_dir is None or not rows:
+            return
+        columns = History([], self.stats).columns
+        append = self._files_started
+        write_jsonl(self.log_dir / JSONL_NAME, rows, append=append)
+        write_csv(self.log_dir / CSV_NAME, rows, columns, append=append)
+        self._files_started = True
+        if self._tensorboard is not None:
+            self._tensorboard.write(rows, self.stats)
+
+
+def _is_step_graph(gm: fx.GraphModule) -> bool:
+    """A Graph's step graph: it calls its captured build as the submodule ``build``."""
+    return any(n.op == "call_module" and n.target == "build" for n in gm.graph.nodes)

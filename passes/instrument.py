@@ -1,0 +1,323 @@
+"""Pass instrument: a copy of a rewritten graph that measures the chosen nodes' tensors.
+
+For each node the caller selects, the copy measures, with the graph ops of
+:mod:`amp_graph.tensor_stats`:
+
+* forward: each tensor operand (its schema name: ``input``, ``weight``, ``mat2``; a bias or
+  an additive ``self`` is skipped) and the output. An operand that reaches the op through a
+  cast amp_graph inserted is measured *before* the cast, against the dtype the op runs in,
+  so ``underflow`` counts what the cast loses. An fp8 operand is measured against its
+  float8 format at the quantization's scale;
+* backward: the gradient of the output (``grad_output``) and of each operand read from a
+  parameter (``grad_weight``), as backward computes them, by tensor hooks the forward
+  registers.
+
+Reads: ``meta["amp"]`` (role, module path, which casts are amp_graph's), ``meta["val"]``.
+Writes: a new GraphModule over a copy of the graph (and of each activation-checkpoint region
+it calls, instrumented alike), sharing every parameter, buffer and other submodule with the
+input; the probes' nodes carry ``meta["amp"]`` with ``role=RUNTIME``. Guarantees: the input
+GraphModule is not modified; the copy computes the same values (a probe returns nothing and
+changes nothing); row ``i`` of the sink's buffer is ``probes[i]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from amp_graph.recompute import recomputed_quantize
+from amp_graph.tensor_stats import STATS, StatsSink, record_grad_stats, record_stats
+
+from .meta import AMP, VAL, AmpInfo, Role, short
+from .recompute_casts import is_inserted_cast
+
+SINK_ATTR = "amp_monitor"
+
+# operands that are no operand of the product: measured nowhere
+_SKIPPED = {"bias"}
+_ADDITIVE_SELF = {"aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::addmv"}
+# fp8 operand -> (its quantized form, its scale): measured in that format at that scale
+_FP8_OPERANDS: dict[str, dict[str, tuple[str, str]]] = {
+    "amp_graph::fp8_linear": {"x": ("x_fp8", "x_scale"), "weight": ("w_fp8", "w_scale")},
+}
+_ROLE_NAMES = {"self": "input", "x": "input"}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One measured tensor: row ``i`` of the buffer is ``probes[i]``."""
+
+    node: str  # the measured op's node name
+    graph: str  # "" for the graph itself, else the checkpoint region submodule holding it
+    op: str  # the op ("aten.linear.default")
+    module: str  # its module path
+    role: str  # "input", "weight", "output", "grad_output", "grad_weight", ...
+    dtype: torch.dtype  # the measured tensor's dtype (forward) or its value's (backward)
+    run_dtype: torch.dtype  # what "underflow" is counted against
+    weight: bool  # read from a parameter
+    backward: bool  # a gradient
+
+    @property
+    def where(self) -> str:
+        """The node's name, prefixed by its checkpoint region's (``checkpoint_0.linear``)."""
+        return f"{self.graph}.{self.node}" if self.graph else self.node
+
+
+@dataclass
+class InstrumentResult:
+    graph_module: fx.GraphModule
+    probes: tuple[Probe, ...]
+    sink: StatsSink
+
+
+def _schema_name(node: fx.Node) -> str:
+    target = node.target
+    return target._schema.name if isinstance(target, torch._ops.OpOverload) else str(target)
+
+
+def _arg_names(node: fx.Node) -> list[str]:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return [a.name for a in target._schema.arguments]
+    return [f"arg{i}" for i in range(len(node.args))]
+
+
+def _floating(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+
+
+def _dtype_of(node: fx.Node) -> torch.dtype | None:
+    """The floating dtype of ``node``'s value, or None. amp_graph's casts carry no example
+    value: theirs is the dtype they cast to."""
+    if is_inserted_cast(node):
+        source = node.args[0]
+        floating = isinstance(source, fx.Node) and _floating(source.meta.get(VAL))
+        return node.args[1] if floating else None
+    value = node.meta.get(VAL)
+    if value is None:  # a node the passes made after the capture: its planned dtype
+        planned = node.meta[AMP].out_dtype if AMP in node.meta else None
+        return planned if isinstance(planned, torch.dtype) and planned.is_floating_point else None
+    return value.dtype if _floating(value) else None
+
+
+def _reads_parameter(node: fx.Node) -> bool:
+    """Whether ``node`` is a parameter or buffer, or amp_graph's cast of one."""
+    while is_inserted_cast(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    amp = node.meta.get(AMP)
+    return amp is not None and amp.role is Role.PARAM
+
+
+class _Instrumenter:
+    """Inserts the probes of one graph, numbering rows from ``rows`` on."""
+
+    def __init__(self, graph_name: str, probes: list[Probe]) -> None:
+        self.graph_name = graph_name
+        self.probes = probes
+
+    def _row(self, node: fx.Node, **fields: object) -> int:
+        amp = node.meta.get(AMP)
+        self.probes.append(
+            Probe(
+                node=node.name,
+                graph=self.graph_name,
+                op=amp.op if amp is not None and amp.op else str(node.target),
+                module=amp.module_path if amp is not None else "",
+                **fields,  # type: ignore[arg-type]
+            )
+        )
+        return len(self.probes) - 1
+
+    def instrument(self, graph: fx.Graph, selected: Callable[[fx.Node], bool]) -> None:
+        chosen = [n for n in graph.nodes if n.op == "call_function" and selected(n)]
+        if not chosen:
+            return
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            # a plain attribute, not a module or tensor: create_node, as get_attr would warn
+            sink = graph.create_node("get_attr", SINK_ATTR)
+        sink.meta[AMP] = AmpInfo.fixed(Role.RUNTIME, "get_attr", "the monitor's statistics sink")
+        for node in chosen:
+            self._probe_node(graph, node, sink)
+
+    def _call(self, graph: fx.Graph, fn: Callable, args: tuple, name: str) -> None:
+        call = graph.create_node("call_function", fn, args, {}, name=name)
+        call.meta[AMP] = AmpInfo.fixed(Role.RUNTIME, fn.__name__, "the monitor's probe")
+
+    def _probe_quantize(self, graph: fx.Graph, node: fx.Node, sink: fx.Node) -> None:
+        """``(x, scale, dtype)``: x in ``dtype`` at ``scale``, and the float8 result (which
+        needs no gradient: a quantization is detached)."""
+        x, scale, dtype = node.args[:3]
+        role = "weight" if _reads_parameter(x) else "input"
+        with graph.inserting_before(node):
+            row = self._row(
+                node,
+                role=role,
+                dtype=_dtype_of(x),
+                run_dtype=dtype,
+                weight=role == "weight",
+                backward=False,
+            )
+            self._call(
+                graph, record_stats, (x, sink, row, dtype, scale), f"stats_{node.name}_{role}"
+            )
+        with graph.inserting_after(node):
+            row = self._row(
+                node, role="output", dtype=dtype, run_dtype=dtype, weight=False, backward=False
+            )
+            self._call(
+                graph, record_stats, (node, sink, row, dtype, None), f"stats_{node.name}_output"
+            )
+
+    def _probe_node(self, graph: fx.Graph, node: fx.Node, sink: fx.Node) -> None:
+        schema = _schema_name(node)
+        if schema == "amp_graph::fp8_quantize" or node.target is recomputed_quantize:
+            self._probe_quantize(graph, node, sink)
+            return
+        named = dict(zip(_arg_names(node), node.args, strict=False))
+        named.update(node.kwargs)
+        fp8 = _FP8_OPERANDS.get(schema, {})
+        with graph.inserting_before(node):
+            for arg_name, arg in named.items():
+                if arg_name in _SKIPPED or (arg_name == "self" and schema in _ADDITIVE_SELF):
+                    continue
+                if not isinstance(arg, fx.Node) or _dtype_of(arg) is None:
+                    continue
+                if any(arg_name in pair for pair in fp8.values()):
+                    continue  # the quantized form and scale of an operand measured below
+                role = _ROLE_NAMES.get(arg_name, arg_name)
+                weight = _reads_parameter(arg)
+                measured, run_dtype, scale = arg, _dtype_of(arg), None
+                if arg_name in fp8:
+                    quantized, scale_name = fp8[arg_name]
+                    scale = named[scale_name]
+                    run_dtype = _dtype_of(named[quantized])
+                elif is_inserted_cast(arg):
+                    measured = arg.args[0]
+                row = self._row(
+                    node,
+                    role=role,
+                    dtype=_dtype_of(measured),
+                    run_dtype=run_dtype,
+                    weight=weight,
+                    backward=False,
+                )
+                self._call(
+                    graph,
+                    record_stats,
+                    (measured, sink, row, run_dtype, scale),
+                    f"stats_{node.name}_{role}",
+                )
+                if weight:
+                    row = self._row(
+                        node,
+                        role=f"grad_{role}",
+                        dtype=_dtype_of(arg),
+                        run_dtype=_dtype_of(arg),
+                        weight=True,
+                        backward=True,
+                    )
+                    self._call(
+                        graph, record_grad_stats, (arg, sink, row), f"stats_{node.name}_grad_{role}"
+                    )
+        out = node.meta.get(VAL)
+        if not _floating(out):
+            return
+        with graph.inserting_after(node):
+            grad_row = self._row(
+                node,
+                role="grad_output",
+                dtype=out.dtype,
+                run_dtype=out.dtype,
+                weight=False,
+                backward=True,
+            )
+            self._call(
+                graph, record_grad_stats, (node, sink, grad_row), f"stats_{node.name}_grad_output"
+            )
+        with graph.inserting_after(node):
+            row = self._row(
+                node,
+                role="output",
+                dtype=out.dtype,
+                run_dtype=out.dtype,
+                weight=False,
+                backward=False,
+            )
+            self._call(
+                graph,
+                record_stats,
+                (node, sink, row, out.dtype, None),
+                f"stats_{node.name}_output",
+            )
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (nodes keep names and meta) that shares
+    ``gm``'s submodules, parameters and buffers."""
+    graph = fx.Graph(owning_module=None)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph._codegen = gm.graph._codegen
+    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copied.meta.update(getattr(gm, "meta", {}))
+    for name, child in gm.named_children():  # all of them: a step graph reads the build's
+        copied.add_module(name, child)
+    return copied
+
+
+def _region_graphs(gm: fx.GraphModule) -> list[str]:
+    """The activation-checkpoint regions ``gm`` calls (``passes.checkpoints``' submodules)."""
+    return [
+        name
+        for name, child in gm.named_children()
+        if name.startswith("checkpoint_") and isinstance(child, fx.GraphModule)
+    ]
+
+
+def instrument(
+    gm: fx.GraphModule,
+    selected: Callable[[fx.Node], bool],
+    columns: frozenset[int] | None = None,
+) -> InstrumentResult:
+    """The instrumented copy of ``gm`` (see the module), measuring the nodes ``selected``
+    returns True for (in ``gm`` and in its checkpoint regions), computing the
+    :data:`~amp_graph.tensor_stats.STATS` columns ``columns`` (all by default).
+
+    >>> import torch, amp_graph
+    >>> from amp_graph.passes.instrument import instrument
+    >>> c = amp_graph.compile(torch.nn.Linear(2, 2), policy="O1", dtype=torch.bfloat16)
+    >>> gm = c.capture(torch.randn(3, 2))
+    >>> result = instrument(gm, lambda n: n.name == "linear")
+    >>> [p.role for p in result.probes]
+    ['input', 'weight', 'grad_weight', 'grad_output', 'output']
+    """
+    columns = frozenset(range(len(STATS))) if columns is None else columns
+    sink = StatsSink(0, columns)
+    probes: list[Probe] = []
+    copied = _copy(gm)
+    setattr(copied, SINK_ATTR, sink)
+    _Instrumenter("", probes).instrument(copied.graph, selected)
+    instrumented = [copied]
+    for name in _region_graphs(gm):
+        region = _copy(getattr(gm, name))
+        setattr(region, SINK_ATTR, sink)
+        before = len(probes)
+        _Instrumenter(name, probes).instrument(region.graph, selected)
+        if len(probes) > before:
+            setattr(copied, name, region)
+            instrumented.append(region)
+    sink.rows = len(probes)
+    for module in instrumented:
+        module.graph.lint()
+        module.recompile()
+    return InstrumentResult(copied, tuple(probes), sink)
+
+
+def describe(probe: Probe) -> str:
+    """``linear (mlp.fc1) weight bf16 -> e4m3``, for messages."""
+    where = f" ({probe.module})" if probe.module else ""
+    run = f" in {short(probe.run_dtype)}" if probe.run_dtype != probe.dtype else ""
+    return f"{probe.node}{where} {probe.role} {short(probe.dtype)}{run}"
