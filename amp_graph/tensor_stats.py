@@ -30,12 +30,16 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.distributed.tensor
+
+from amp_graph.kernels import cpu_extension
 
 __all__ = [
     "STATS",
     "STAT_GROUPS",
     "WHATIF_FORMATS",
     "StatsSink",
+    "accumulate",
     "measure",
     "record_grad_stats",
     "record_stats",
@@ -159,6 +163,48 @@ def _accumulate(buffer: torch.Tensor, row: int, values: torch.Tensor) -> None:
     target[1:] += values[1:]
 
 
+@functools.cache
+def _format_limits() -> tuple[list[float], list[float]]:
+    """Per :data:`WHATIF_FORMATS`: what rounds to zero, and the largest finite value."""
+    formats = WHATIF_FORMATS.values()
+    return [_zero_threshold(f) for f in formats], [torch.finfo(f).max for f in formats]
+
+
+def _kernel_applies(x: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether the one-pass CPU kernel measures ``x`` (built on first use; see
+    :mod:`amp_graph.kernels.cpu_extension`). A per-row fp8 scale goes to torch ops."""
+    if x.device.type != "cpu" or (scale is not None and scale.numel() != 1):
+        return False
+    if x.dtype not in _KERNEL_DTYPES or isinstance(x, torch.distributed.tensor.DTensor):
+        return False
+    return cpu_extension.load_cpu_extension()
+
+
+_KERNEL_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, *WHATIF_FORMATS.values()}
+)
+
+
+def accumulate(
+    buffer: torch.Tensor,
+    row: int,
+    x: torch.Tensor,
+    run_dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    columns: frozenset[int] | None = None,
+) -> None:
+    """Add ``x``'s statistics (:func:`measure`) into row ``row`` of ``buffer``: on the CPU in
+    one pass of the C++ kernel, elsewhere (or where it is not built) with torch ops."""
+    x = x.detach()
+    if _kernel_applies(x, scale):
+        zero_at, max_of = _format_limits()
+        torch.ops.amp_graph_cpu.tensor_stats_(
+            x, buffer[row], scale, _normal_threshold(run_dtype), zero_at, max_of
+        )
+        return
+    _accumulate(buffer, row, measure(x, run_dtype, scale, columns))
+
+
 def _in_backward() -> bool:
     # a checkpointed region runs its forward again inside backward: count it once
     return torch._C._current_graph_task_id() != -1
@@ -176,7 +222,7 @@ def record_stats(
     if buffer is None or _in_backward():
         return
     with torch.no_grad():
-        _accumulate(buffer, row, measure(x, run_dtype, scale, sink.columns))
+        accumulate(buffer, row, x, run_dtype, scale, sink.columns)
 
 
 def record_grad_stats(x: torch.Tensor, sink: StatsSink, row: int) -> None:
@@ -203,6 +249,6 @@ def _grad_hook(
             return
         fired = True
         with torch.no_grad():
-            _accumulate(buffer, row, measure(grad, grad.dtype, None, columns))
+            accumulate(buffer, row, grad, grad.dtype, None, columns)
 
     return hook

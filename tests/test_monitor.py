@@ -22,9 +22,10 @@ from amp_graph.passes.recompute_casts import is_inserted_cast
 from scaler_helpers import SyncCounter
 
 import amp_graph
+from amp_graph.kernels.cpu_extension import cpu_extension_status, load_cpu_extension
 from amp_graph.models import GPT, ConvNet
 from amp_graph.recompute import recomputed_quantize
-from amp_graph.tensor_stats import STATS, WHATIF_FORMATS, measure
+from amp_graph.tensor_stats import STATS, WHATIF_FORMATS, accumulate, measure
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -79,12 +80,26 @@ def _edge_values() -> torch.Tensor:
     return torch.cat([edges, -edges, wide * signs, special])
 
 
+def _computed(path: str, x: torch.Tensor, run_dtype, scale=None) -> dict:
+    """One row of statistics: by the one-pass CPU kernel, or by torch ops (the fallback)."""
+    if path == "torch ops":
+        return _as_fractions(measure(x, run_dtype, scale))
+    assert load_cpu_extension(), cpu_extension_status()  # ninja and g++ are in the dev setup
+    row = torch.zeros(1, len(STATS), dtype=torch.float64)
+    accumulate(row, 0, x, run_dtype, scale)
+    return _as_fractions(row[0])
+
+
+PATHS = ["kernel", "torch ops"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("run_dtype", [BF16, FP16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("scale", [None, 1.0, 2.0**-20, 2.0**12, 448 / 3.0])
-def test_measure_matches_casts_at_every_boundary(run_dtype, scale) -> None:
+def test_statistics_match_casts_at_every_boundary(path, run_dtype, scale) -> None:
     x = _edge_values()
     scale_t = None if scale is None else torch.tensor(scale)
-    got = _as_fractions(measure(x, run_dtype, scale_t))
+    got = _computed(path, x, run_dtype, scale_t)
     want = by_hand(x, run_dtype, scale_t)
     assert got == pytest.approx(want, rel=0, abs=0), {
         k: (got[k], want[k]) for k in want if got[k] != want[k]
@@ -95,11 +110,26 @@ def test_measure_matches_casts_at_every_boundary(run_dtype, scale) -> None:
         assert all(want[f"{f}_overflow"] > 0 for f in ("fp16", "e4m3", "e5m2"))
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP16, torch.float8_e5m2])
-def test_measure_reads_low_precision_tensors(dtype) -> None:
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "dtype", [BF16, FP16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64]
+)
+def test_statistics_of_every_dtype(path, dtype) -> None:
     x = _edge_values()
-    x = x[torch.isfinite(x) | torch.isnan(x)].to(dtype)
-    assert _as_fractions(measure(x, dtype)) == pytest.approx(by_hand(x, dtype), rel=0, abs=0)
+    x = torch.cat([x, x * 1e-3, x * 1e3]).to(dtype)  # inf and NaN included where dtype has them
+    for run_dtype in (dtype, BF16):
+        want = by_hand(x, run_dtype)
+        assert _computed(path, x, run_dtype) == pytest.approx(want, rel=0, abs=0), run_dtype
+
+
+@pytest.mark.parametrize("numel", [0, 1, 255, 256, 257, 40000])
+def test_kernel_blocks_and_chunks(numel) -> None:
+    """Sizes around the kernel's block (256) and chunk (32768) edges, and an empty tensor."""
+    x = torch.randn(numel) * torch.logspace(-40, 10, numel)
+    row = torch.zeros(1, len(STATS), dtype=torch.float64)
+    accumulate(row, 0, x, BF16)
+    assert torch.equal(row[0], measure(x, BF16))
+    assert row[0, STATS.index("numel")] == numel
 
 
 # ---- the statistics in a graph, against an interpreter with hooks ---------------------------
@@ -264,6 +294,20 @@ def test_training_is_bit_identical_with_the_monitor() -> None:
     for losses, params in runs[1:]:
         assert torch.equal(losses, runs[0][0])
         assert all(torch.equal(a, b) for a, b in zip(params, runs[0][1], strict=True))
+
+
+def test_history_the_same_without_the_kernel(monkeypatch) -> None:
+    """A machine that cannot build the CPU kernel gets the same history from torch ops."""
+    histories = []
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(amp_graph.tensor_stats, "_kernel_applies", lambda x, s: False)
+        torch.manual_seed(0)
+        compiled = amp_graph.compile(GPT(), policy="O1", dtype=BF16)
+        monitor = amp_graph.monitor(compiled, every=1)
+        compiled(torch.randint(0, 64, (2, 32))).float().square().mean().backward()
+        histories.append(monitor.history.rows)
+    assert histories[0] == histories[1]
 
 
 def test_a_non_logging_step_runs_the_graph_as_it_is() -> None:
@@ -508,7 +552,9 @@ def test_bad_arguments_get_specific_errors() -> None:
 def test_docstring_example_runs() -> None:
     import doctest
 
+    import amp_graph.kernels.cpu_extension
     import amp_graph.monitoring
 
-    result = doctest.testmod(amp_graph.monitoring, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0, result
+    for module in (amp_graph.monitoring, amp_graph.kernels.cpu_extension):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, (module.__name__, result)
