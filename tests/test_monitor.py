@@ -237,6 +237,32 @@ def test_gradients_are_measured_at_the_loss_scale() -> None:
     _check_history(monitor, reference)
 
 
+def test_rows_record_the_loss_scale_of_their_step() -> None:
+    """torch's GradScaler over a compiled module (given as scaler=), growing every step: each
+    logging step's rows carry the scale its backward ran at, read in the monitor's one read."""
+    torch.manual_seed(0)
+    compiled = amp_graph.compile(nn.Sequential(nn.Linear(8, 8)), policy="O1", dtype=FP16)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+    monitor = amp_graph.monitor(compiled, every=2, scaler=scaler)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(compiled(x).float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    history = monitor.history
+    assert {r["step"]: r["loss_scale"] for r in history} == {0: 2.0**4, 2: 2.0**6}
+    # d(scale * sum)/d(out) = scale: the gradients were measured at it
+    assert [r["amax"] for r in history.where(role="grad_output")] == [2.0**4, 2.0**6]
+    unscaled = amp_graph.compile(nn.Linear(8, 8), policy="O1", dtype=BF16)
+    plain = amp_graph.monitor(unscaled, every=1)
+    unscaled(x).sum().backward()
+    assert {r["loss_scale"] for r in plain.history} == {None}
+    with pytest.raises(TypeError, match="GradScaler"):
+        amp_graph.monitor(unscaled, scaler=2.0**16)
+
+
 def test_fp8_operands_measured_in_e4m3_at_their_scale() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
@@ -472,6 +498,10 @@ def test_graph_monitor_measures_and_trains_the_same(case) -> None:
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
     history = runs[1][2].history
     assert history.steps == [0, 2]
+    if options.get("scaler"):  # the Graph's own scaler: init_scale, no overflow yet
+        assert {r["loss_scale"] for r in history} == {2.0**10}
+    else:
+        assert {r["loss_scale"] for r in history} == {None}
     roles = {r["role"] for r in history}
     assert {"input", "weight", "output", "grad_output", "grad_weight"} <= roles
     first = next(
@@ -558,3 +588,35 @@ def test_docstring_example_runs() -> None:
     for module in (amp_graph.monitoring, amp_graph.kernels.cpu_extension):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, (module.__name__, result)
+
+
+# ---- the heatmap ------------------------------------------------------------------------------
+
+
+def test_heatmap_names_rows_with_dtypes_and_has_a_legend() -> None:
+    from amp_graph.monitoring.plot import matrix
+
+    torch.manual_seed(0)
+    model = GPT()
+    with torch.no_grad():
+        model.blocks[1].fc.weight.mul_(1e-5)  # a weight that float16 flushes to zero
+    compiled = amp_graph.compile(model, policy="O1", dtype=FP16)
+    monitor = amp_graph.monitor(compiled, every=2)
+    for _ in range(4):
+        compiled(torch.randint(0, 64, (2, 32))).float().square().mean().backward()
+    labels, steps, values = matrix(monitor.history, "fp16_underflow", "module")
+    assert steps == [0, 2]
+    worst = max(range(len(labels)), key=lambda i: values[i][0])
+    assert labels[worst] == "blocks.1.fc · weight (fp32 in fp16)"
+    drawing = monitor.plot("fp16_underflow", by="module")
+    assert drawing.rows == labels and drawing.steps == steps
+    svg = drawing.text
+    for text in ("logging step", "legend (log scale)", "module · role (dtype)", "blocks.1.fc"):
+        assert text in svg, text
+    assert svg.count("<rect") == len(labels) * len(steps) + 20 + 2  # cells, ramp, 0 and blank
+    by_node = monitor.plot("amax")
+    assert len(by_node.rows) == len(monitor.probes)
+    with pytest.raises(ValueError, match="no statistic"):
+        monitor.plot("underflows")
+    with pytest.raises(ValueError, match="by="):
+        monitor.plot(by="layer")

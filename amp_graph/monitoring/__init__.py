@@ -44,6 +44,7 @@ def monitor(
     log_dir: str | Path | None = None,
     flush_every: int = 1,
     tensorboard: bool | None = None,
+    scaler: Any = None,
 ) -> Monitor:
     """Measure ``target``'s chosen nodes every ``every`` steps; returns the :class:`Monitor`.
 
@@ -63,6 +64,9 @@ def monitor(
             where the ``tensorboard`` package is installed), reading the device once every
             ``flush_every`` logging steps, at the start of the step after.
         tensorboard: None: where installed and ``log_dir`` is given; True: required.
+        scaler: the GradScaler (amp_graph's or torch's) that scales a compiled module's
+            losses: each row then records the ``loss_scale`` the step's gradients were
+            measured at. A Graph's own scaler is known without it.
     """
     made = Monitor(
         every,
@@ -71,6 +75,7 @@ def monitor(
         log_dir=log_dir,
         flush_every=flush_every,
         tensorboard=tensorboard,
+        scaler=scaler,
     )
     compiled = _compiled_in_place(target) or target
     if isinstance(compiled, CompiledModule):

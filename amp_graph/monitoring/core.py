@@ -31,6 +31,7 @@ from amp_graph.policy import nearest
 from amp_graph.tensor_stats import STAT_GROUPS, STATS, StatsSink
 
 from .history import History, make_row, write_csv, write_jsonl
+from .plot import Heatmap, heatmap
 from .selection import NodeSelection
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,16 @@ class _Pending:
     step: int
     instrumented: _Instrumented
     buffer: torch.Tensor
+    loss_scale: torch.Tensor | None  # the scale this step's backward ran at (a device copy)
+
+
+def _scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """The loss scale tensor of an amp_graph or torch GradScaler (None before its first
+    ``scale()``, or disabled)."""
+    state = getattr(scaler, "_scale_state", None)  # amp_graph.GradScaler
+    if state is not None:
+        return state.scale if getattr(scaler, "_enabled", True) else None
+    return getattr(scaler, "_scale", None)  # torch.amp.GradScaler
 
 
 def _columns(stats: Any) -> tuple[str, ...]:
@@ -96,12 +107,21 @@ class Monitor:
         log_dir: str | Path | None = None,
         flush_every: int = 1,
         tensorboard: bool | None = None,
+        scaler: Any = None,
     ) -> None:
         for name, value in (("every", every), ("flush_every", flush_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"monitor {name}= is an int >= 1; got {value!r}")
+        if scaler is not None and not (
+            hasattr(scaler, "_scale_state") or hasattr(scaler, "_init_scale")
+        ):
+            raise TypeError(
+                "monitor scaler= is the amp_graph.GradScaler or torch.amp.GradScaler that scales "
+                f"this model's losses; got {type(scaler).__name__}"
+            )
         self.every = every
         self.flush_every = flush_every
+        self.scaler = scaler
         self.selection = NodeSelection(nodes)
         self.stats = tuple(s for s in _columns(stats) if s != "numel")
         self._column_ids = frozenset(STATS.index(s) for s in (*self.stats, "numel"))
@@ -134,8 +154,21 @@ class Monitor:
         if instrumented is None:
             return gm
         buffer = instrumented.sink.start(instrumented.device)
-        self._pending.append(_Pending(step, instrumented, buffer))
+        self._pending.append(_Pending(step, instrumented, buffer, self._loss_scale(gm)))
         return instrumented.graph_module
+
+    def _loss_scale(self, gm: fx.GraphModule) -> torch.Tensor | None:
+        """A copy of the scale this step multiplies its loss by (before the step updates
+        it): the step graph's scaler, or the one given as ``scaler=``. No host read."""
+        scaler = self.scaler if self.scaler is not None else getattr(gm, "scaler", None)
+        if scaler is None:
+            return None
+        scale = _scale_tensor(scaler)
+        if scale is None:  # before the first scale(): it will be created at init_scale
+            init = getattr(getattr(scaler, "_scale_state", None), "init_scale", None)
+            init = getattr(scaler, "_init_scale", init)
+            return None if init is None else torch.tensor(float(init), dtype=torch.float64)
+        return scale.detach().clone()
 
     def _instrumented_for(self, gm: fx.GraphModule) -> _Instrumented | None:
         known = self._instrumented.get(id(gm))
@@ -176,19 +209,25 @@ class Monitor:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        flat = torch.cat(
-            [p.buffer.flatten().to(torch.device("cpu"), torch.float64) for p in pending]
-        )
-        values = flat.tolist()
+        cpu = torch.device("cpu")
+        parts = [p.buffer.flatten().to(cpu, torch.float64) for p in pending]
+        parts += [
+            p.loss_scale.reshape(1).to(cpu, torch.float64)
+            for p in pending
+            if p.loss_scale is not None
+        ]
+        values = torch.cat(parts).tolist()  # the one read
+        scales = iter(values[sum(p.buffer.numel() for p in pending) :])
         rows = []
         offset = 0
         for entry in pending:
             width = len(STATS)
+            loss_scale = next(scales) if entry.loss_scale is not None else None
             for probe in entry.instrumented.probes:
                 row = values[offset : offset + width]
                 offset += width
                 if row[STATS.index("numel")]:  # a probe that never ran this step
-                    rows.append(make_row(probe, entry.step, row, self.stats))
+                    rows.append(make_row(probe, entry.step, row, self.stats, loss_scale))
         self._rows.extend(rows)
         self._write(rows)
 
@@ -197,6 +236,12 @@ class Monitor:
         """Every row so far (reads what is pending first: one host transfer)."""
         self.flush()
         return History(self._rows, self.stats)
+
+    def plot(self, stat: str = "underflow", by: str = "node") -> Heatmap:
+        """A heatmap of ``stat`` per probe (``by="node"``) or per module and role
+        (``by="module"``) over the logging steps: rows labelled with their dtype, a log-scale
+        legend. Reads what is pending (:attr:`history`)."""
+        return heatmap(self.history, stat, by)
 
     @property
     def probes(self) -> list[Probe]:

@@ -19,11 +19,27 @@ from amp_graph.passes.meta import short
 from amp_graph.tensor_stats import STATS
 
 # what names a row, then the statistics in STATS order
-KEY_COLUMNS = ("step", "node", "module", "op", "role", "dtype", "run_dtype", "backward")
+KEY_COLUMNS = (
+    "step",
+    "node",
+    "module",
+    "op",
+    "role",
+    "dtype",
+    "run_dtype",
+    "backward",
+    "loss_scale",  # the scale the step's backward ran at (gradients are measured so); or None
+)
 COUNTS = frozenset({"amax", "nonfinite", "numel"})  # kept as they are, not as fractions
 
 
-def make_row(probe: Any, step: int, values: Sequence[float], stats: Sequence[str]) -> dict:
+def make_row(
+    probe: Any,
+    step: int,
+    values: Sequence[float],
+    stats: Sequence[str],
+    loss_scale: float | None = None,
+) -> dict:
     """A row from a probe (:class:`amp_graph.passes.instrument.Probe`) and its buffer row."""
     numel = values[STATS.index("numel")]
     row: dict[str, Any] = {
@@ -35,6 +51,7 @@ def make_row(probe: Any, step: int, values: Sequence[float], stats: Sequence[str
         "dtype": short(probe.dtype),
         "run_dtype": short(probe.run_dtype),
         "backward": probe.backward,
+        "loss_scale": loss_scale,
     }
     for name in stats:
         value = values[STATS.index(name)]
