@@ -18,6 +18,7 @@ are all far above it. The ranks must agree exactly: they hold one model.
 from __future__ import annotations
 
 import datetime
+import importlib
 import socket
 import time
 import traceback
@@ -564,7 +565,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, scenario: str, port: int, out_dir: str, module: str) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -574,7 +575,7 @@ def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
     )
     torch.set_num_threads(1)
     try:
-        result = SCENARIOS[scenario](rank)
+        result = importlib.import_module(module).SCENARIOS[scenario](rank)
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
@@ -584,10 +585,11 @@ def _worker(rank: int, scenario: str, port: int, out_dir: str) -> None:
     end_rank()
 
 
-def run_ranks(scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
-    """Run ``scenario`` on WORLD processes; fail (not hang) if a rank fails or stalls."""
+def run_ranks(scenario: str, tmp_path: Path, module: str = __name__) -> list[dict[str, Any]]:
+    """Run ``scenario`` (of ``module``'s ``SCENARIOS``) on WORLD processes; fail (not hang)
+    if a rank fails or stalls."""
     context = mp.spawn(
-        _worker, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, join=False
+        _worker, args=(scenario, _free_port(), str(tmp_path), module), nprocs=WORLD, join=False
     )
     deadline = time.monotonic() + JOIN_SECONDS
     try:

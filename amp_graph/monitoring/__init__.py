@@ -45,6 +45,7 @@ def monitor(
     flush_every: int = 1,
     tensorboard: bool | None = None,
     scaler: Any = None,
+    group: Any = None,
 ) -> Monitor:
     """Measure ``target``'s chosen nodes every ``every`` steps; returns the :class:`Monitor`.
 
@@ -67,6 +68,11 @@ def monitor(
         scaler: the GradScaler (amp_graph's or torch's) that scales a compiled module's
             losses: each row then records the ``loss_scale`` the step's gradients were
             measured at. A Graph's own scaler is known without it.
+        group: under DDP or FSDP2 each rank measures its own tensors and its rows are its
+            own (``rank`` says whose). Given a process group, each read reduces the pending
+            steps over it (``amax`` the largest, counts summed): a collective, so every rank
+            of the group must read at the same step (``log_dir`` flushes do). Never the world
+            group unless it is the one given.
     """
     made = Monitor(
         every,
@@ -76,6 +82,7 @@ def monitor(
         flush_every=flush_every,
         tensorboard=tensorboard,
         scaler=scaler,
+        group=group,
     )
     compiled = _compiled_in_place(target) or target
     if isinstance(compiled, CompiledModule):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
@@ -108,6 +109,7 @@ class Monitor:
         flush_every: int = 1,
         tensorboard: bool | None = None,
         scaler: Any = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         for name, value in (("every", every), ("flush_every", flush_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -119,9 +121,17 @@ class Monitor:
                 "monitor scaler= is the amp_graph.GradScaler or torch.amp.GradScaler that scales "
                 f"this model's losses; got {type(scaler).__name__}"
             )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                "monitor group= is a torch.distributed.ProcessGroup (e.g. dist.new_group(ranks) "
+                f"or dist.group.WORLD) over which to reduce the statistics; got {group!r}"
+            )
         self.every = every
         self.flush_every = flush_every
         self.scaler = scaler
+        self.group = group
+        # the rank a row was measured on; None for rows reduced over a group
+        self._rank = None if group is not None else (dist.get_rank() if _distributed() else 0)
         self.selection = NodeSelection(nodes)
         self.stats = tuple(s for s in _columns(stats) if s != "numel")
         self._column_ids = frozenset(STATS.index(s) for s in (*self.stats, "numel"))
@@ -211,6 +221,8 @@ class Monitor:
         pending, self._pending = self._pending, []
         cpu = torch.device("cpu")
         parts = [p.buffer.flatten().to(cpu, torch.float64) for p in pending]
+        if self.group is not None:
+            parts = [_reduced(torch.cat([p.buffer.flatten() for p in pending]), self.group)]
         parts += [
             p.loss_scale.reshape(1).to(cpu, torch.float64)
             for p in pending
@@ -227,7 +239,9 @@ class Monitor:
                 row = values[offset : offset + width]
                 offset += width
                 if row[STATS.index("numel")]:  # a probe that never ran this step
-                    rows.append(make_row(probe, entry.step, row, self.stats, loss_scale))
+                    rows.append(
+                        make_row(probe, entry.step, row, self.stats, loss_scale, self._rank)
+                    )
         self._rows.extend(rows)
         self._write(rows)
 
@@ -298,6 +312,21 @@ class Monitor:
         self._files_started = True
         if self._tensorboard is not None:
             self._tensorboard.write(rows, self.stats)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _reduced(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows of every rank in ``group`` combined: ``amax`` by maximum, the counts summed (a
+    collective: every rank of the group reads at the same step)."""
+    rows = flat.reshape(-1, len(STATS)).clone()
+    amax = rows[:, 0].clone()
+    dist.all_reduce(rows, dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
+    rows[:, 0] = amax
+    return rows.flatten().to(torch.device("cpu"), torch.float64)
 
 
 def _is_step_graph(gm: fx.GraphModule) -> bool:

@@ -29,6 +29,7 @@ KEY_COLUMNS = (
     "run_dtype",
     "backward",
     "loss_scale",  # the scale the step's backward ran at (gradients are measured so); or None
+    "rank",  # the process measured (0 alone); None: reduced over the monitor's group
 )
 COUNTS = frozenset({"amax", "nonfinite", "numel"})  # kept as they are, not as fractions
 
@@ -39,6 +40,7 @@ def make_row(
     values: Sequence[float],
     stats: Sequence[str],
     loss_scale: float | None = None,
+    rank: int | None = 0,
 ) -> dict:
     """A row from a probe (:class:`amp_graph.passes.instrument.Probe`) and its buffer row."""
     numel = values[STATS.index("numel")]
@@ -52,6 +54,7 @@ def make_row(
         "run_dtype": short(probe.run_dtype),
         "backward": probe.backward,
         "loss_scale": loss_scale,
+        "rank": rank,
     }
     for name in stats:
         value = values[STATS.index(name)]
