@@ -155,6 +155,7 @@ def test_docstring_examples_run():
         ".diff",
         ".draw",
         ".modules",
+        ".numerics",
         ".report",
         ".stages",
         ".table_format",

@@ -368,10 +368,44 @@ def test_text_html_and_plot():
     assert html.count("<tr") == len(report.rows) + 1 and "background:#ffd6d6" in html
     svg = report.plot()
     root = ET.fromstring(svg.text)
-    drawn = [e for e in root.iter() if e.tag.rsplit("}", 1)[-1] in ("circle", "g")]
-    assert len(drawn) == len([r for r in report.rows if r.role != "input"])
+    legend = [e for e in root if e.get("class") == "legend"]
+    marks = [e for e in root if e.tag.rsplit("}", 1)[-1] in ("circle", "g") and e not in legend]
+    assert len(marks) == len([r for r in report.rows if r.role != "input"])
     assert "exp" in svg.text
     assert "first non-finite 'exp'" in repr(report)
+
+
+def test_plot_of_hf_gpt2_with_a_hot_mlp_says_what_it_shows():
+    """The plot as a new user meets it (issue 25): HF GPT-2 under O3 fp16 with one MLP
+    scaled until it overflows. The legend names every mark, the first non-finite node is
+    labelled with its module, the modules are named along the x axis, the y axis is named."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(3e4)
+    ids = torch.randint(0, 64, (2, 16))
+    compiled = amp_graph.compile(model, "O3", torch.float16)
+    report = amp_graph.numerics(compiled, input_ids=ids, use_cache=False)
+    first = report.first_nonfinite
+    assert first is not None and first.module.startswith("transformer.h.1.mlp")
+    root = ET.fromstring(report.plot().text)
+    texts = {e.get("class"): e.text for e in root.iter() if e.get("class")}
+    assert texts["first-nonfinite"] == f"first non-finite: {first.node} ({first.module})"
+    legend = next(e for e in root if e.get("class") == "legend")
+    legend_text = " ".join(t.text for t in legend.iter() if t.text)
+    drawn = {_dtype_name(r.dtype) for r in report.rows if r.role != "input"}
+    assert drawn >= {"fp32", "fp16", "other"}  # O3 fp16: layer norms in fp32, int indices
+    assert all(name in legend_text for name in drawn) and "inf/nan" in legend_text
+    modules = [e.text for e in root.iter() if e.get("class") == "module"]
+    assert "transformer.h.1" in " ".join(modules) and len(modules) >= 3
+    assert any("relative error against float32" in (e.text or "") for e in root.iter())
+
+
+def _dtype_name(dtype):
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return names.get(dtype, "other")
 
 
 def test_errors_say_what_to_do():

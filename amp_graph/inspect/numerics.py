@@ -242,9 +242,11 @@ class NumericsReport:
     def _repr_html_(self) -> str:
         return numerics_html(self)
 
-    def plot(self, width: int = 720, height: int = 260) -> SVG:
+    def plot(self, width: int = 720, height: int = 340) -> SVG:
         """Relative error against float32 along the graph (log scale), one dot per node
-        coloured by its dtype; non-finite nodes as red crosses on the top edge."""
+        coloured by its dtype, non-finite nodes as red crosses on the top edge, the first of
+        them labelled with its module; modules as shaded bands, named under the axis; a
+        legend of the marks."""
         return error_plot(self, width, height)
 
 
@@ -285,13 +287,38 @@ def numerics_html(report: NumericsReport) -> str:
     )
 
 
+def module_bands(modules: list[str], limit: int = 24) -> list[tuple[int, int, str]]:
+    """Runs of consecutive rows in one module, ``(first, last, path)``: at the deepest module
+    depth that gives at most ``limit`` runs (so that the labels fit under the axis).
+
+    >>> module_bands(["a.0.x", "a.0.y", "a.1.x", "head"], limit=3)
+    [(0, 1, 'a.0'), (2, 2, 'a.1'), (3, 3, 'head')]
+    """
+    deepest = max((m.count(".") + 1 for m in modules if m), default=1)
+    chosen: list[tuple[int, int, str]] = []
+    for depth in range(1, deepest + 1):
+        runs: list[tuple[int, int, str]] = []
+        for i, module in enumerate(modules):
+            path = ".".join(module.split(".")[:depth]) if module else "<root>"
+            if runs and runs[-1][2] == path:
+                runs[-1] = (runs[-1][0], i, path)
+            else:
+                runs.append((i, i, path))
+        if len(runs) > limit and chosen:
+            break
+        chosen = runs
+    return chosen
+
+
 def error_plot(report: NumericsReport, width: int, height: int) -> SVG:
+    """See :meth:`NumericsReport.plot`."""
     rows = [r for r in report.rows if r.role != "input"]
-    pad_left, pad_bottom, pad_top = 48, 28, 16
-    plot_w, plot_h = width - pad_left - 10, height - pad_bottom - pad_top
+    pad_left, pad_bottom, pad_top, pad_right = 58, 96, 34, 10
+    plot_w, plot_h = width - pad_left - pad_right, height - pad_bottom - pad_top
     finite = [r.rel_error for r in rows if math.isfinite(r.rel_error) and r.rel_error > 0]
     low = math.floor(math.log10(min(finite))) if finite else -8
     high = max(math.ceil(math.log10(max(finite))) if finite else 0, low + 1)
+    bottom = pad_top + plot_h
 
     def x_of(i: int) -> float:
         return pad_left + plot_w * (i + 0.5) / max(len(rows), 1)
@@ -303,38 +330,93 @@ def error_plot(report: NumericsReport, width: int, height: int) -> SVG:
     parts = [
         f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
         "font-family='sans-serif' font-size='10'>",
-        f"<rect x='{pad_left}' y='{pad_top}' width='{plot_w}' height='{plot_h}' "
-        "fill='white' stroke='#999'/>",
     ]
+    # module bands: alternate shading, a label under the axis per band
+    for k, (first, last, path) in enumerate(module_bands([r.module for r in rows])):
+        x0 = pad_left + plot_w * first / max(len(rows), 1)
+        x1 = pad_left + plot_w * (last + 1) / max(len(rows), 1)
+        if k % 2:
+            parts.append(
+                f"<rect class='band' x='{x0:.1f}' y='{pad_top}' width='{x1 - x0:.1f}' "
+                f"height='{plot_h}' fill='#f4f5f7'/>"
+            )
+        mid = (x0 + x1) / 2
+        parts.append(
+            f"<text class='module' x='{mid:.1f}' y='{bottom + 12}' text-anchor='end' "
+            f"transform='rotate(-40 {mid:.1f} {bottom + 12})'>{escape(path)}</text>"
+        )
+    parts.append(
+        f"<rect x='{pad_left}' y='{pad_top}' width='{plot_w}' height='{plot_h}' "
+        "fill='none' stroke='#999'/>"
+    )
     for exponent in range(low, high + 1):
         y = y_of(10.0**exponent)
         parts.append(
             f"<line x1='{pad_left}' x2='{pad_left + plot_w}' y1='{y:.1f}' y2='{y:.1f}' "
-            "stroke='#eee'/>"
+            "stroke='#e5e5e5'/>"
             f"<text x='{pad_left - 4}' y='{y + 3:.1f}' text-anchor='end'>1e{exponent}</text>"
         )
+    first_bad: tuple[float, NumericsRow] | None = None
     for i, row in enumerate(rows):
         x = x_of(i)
         where = f"{row.module or '-'}, {_dtype(row.dtype)}"
         title = escape(f"{row.node} ({where}): {row.rel_error:.3g}")
         if row.forward.new_nonfinite or not math.isfinite(row.rel_error):
-            parts.append(
-                f"<g stroke='#d62728' stroke-width='2'><title>{title}</title>"
-                f"<line x1='{x - 4:.1f}' y1='{pad_top - 4}' x2='{x + 4:.1f}' y2='{pad_top + 4}'/>"
-                f"<line x1='{x - 4:.1f}' y1='{pad_top + 4}' x2='{x + 4:.1f}' y2='{pad_top - 4}'/>"
-                "</g>"
-            )
+            first_bad = first_bad or (x, row)
+            parts.append(_cross(x, pad_top, title))
             continue
         color = DTYPE_COLORS.get(_dtype(row.dtype), DTYPE_COLORS["?"])
         parts.append(
             f"<circle cx='{x:.1f}' cy='{y_of(row.rel_error):.1f}' r='2.5' fill='{color}'>"
             f"<title>{title}</title></circle>"
         )
+    if first_bad is not None:
+        x, row = first_bad
+        anchor = "start" if x < pad_left + plot_w / 2 else "end"
+        parts.append(
+            f"<text class='first-nonfinite' x='{x + (6 if anchor == 'start' else -6):.1f}' "
+            f"y='{pad_top + 14}' text-anchor='{anchor}' fill='#d62728'>first non-finite: "
+            f"{escape(row.node)} ({escape(row.module or '<root>')})</text>"
+        )
+    y_mid = pad_top + plot_h / 2
     parts.append(
-        f"<text x='{pad_left + plot_w / 2}' y='{height - 8}' text-anchor='middle'>nodes in "
-        f"graph order ({len(rows)}); relative error against float32, log scale</text></svg>"
+        f"<text x='12' y='{y_mid:.1f}' text-anchor='middle' transform='rotate(-90 12 "
+        f"{y_mid:.1f})'>relative error against float32 (log)</text>"
     )
+    parts.append(
+        f"<text x='{pad_left + plot_w / 2}' y='{height - 6}' text-anchor='middle'>nodes in "
+        f"graph order ({len(rows)}), grouped by module</text>"
+    )
+    kinds = {_dtype(r.dtype) for r in rows}
+    named = [k for k in DTYPE_COLORS if k in kinds and k != "?"]
+    parts.append(_legend(named + (["other"] if kinds - set(named) else []), pad_left))
+    parts.append("</svg>")
     return SVG("".join(parts), renderer="plot", dot="", nodes=len(rows))
+
+
+def _cross(x: float, y: float, title: str) -> str:
+    return (
+        f"<g stroke='#d62728' stroke-width='2'><title>{title}</title>"
+        f"<line x1='{x - 4:.1f}' y1='{y - 4}' x2='{x + 4:.1f}' y2='{y + 4}'/>"
+        f"<line x1='{x - 4:.1f}' y1='{y + 4}' x2='{x + 4:.1f}' y2='{y - 4}'/></g>"
+    )
+
+
+def _legend(dtypes: list[str], left: float) -> str:
+    """One dot per dtype drawn, and the cross: what each mark means."""
+    items, x = [], left
+    for name in dtypes:
+        color = DTYPE_COLORS.get(name, DTYPE_COLORS["?"])
+        items.append(
+            f"<circle cx='{x + 4}' cy='14' r='3' fill='{color}'/>"
+            f"<text x='{x + 10}' y='17'>{escape(name)}</text>"
+        )
+        x += 16 + 7 * len(name)
+    items.append(
+        _cross(x + 4, 14, "non-finite")
+        + f"<text x='{x + 12}' y='17'>inf/nan where float32 is finite</text>"
+    )
+    return f"<g class='legend'>{''.join(items)}</g>"
 
 
 # ---- the entry point ---------------------------------------------------------------------
