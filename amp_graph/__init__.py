@@ -14,6 +14,7 @@ from amp_graph.compiler import CaptureError, CompiledModule, compile, compile_, 
 from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.inspect.numerics import NumericsReport, numerics
+from amp_graph.inspect.replay import ReplayResult, replay
 from amp_graph.inspect.report import Report, explain, report
 from amp_graph.monitoring import History, Monitor, monitor
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
@@ -35,6 +36,7 @@ __all__ = [
     "Monitor",
     "NumericsReport",
     "Policy",
+    "ReplayResult",
     "Report",
     "Rule",
     "StaticGradScaler",
@@ -52,6 +54,7 @@ __all__ = [
     "monitor",
     "numerics",
     "passes",
+    "replay",
     "report",
     "uncompile",
 ]

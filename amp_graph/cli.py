@@ -391,6 +391,28 @@ def cmd_numerics(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Rerun a repro bundle's skipped step; print whether it is bit for bit, and where it
+    broke."""
+    import amp_graph
+
+    graph = None
+    if args.graph:
+        where, sep, name = args.graph.rpartition(":")
+        if not sep or not where or not name:
+            raise UsageError(
+                f"--graph is FILE.py:factory or package.module:factory; got {args.graph!r}"
+            )
+        factory = getattr(_load_module(where), name, None)
+        if not callable(factory):
+            raise UsageError(f"{where} has no callable {name!r} that builds the training Graph")
+        graph = factory()
+    with quiet_torch(args.debug):
+        result = amp_graph.replay(args.path, graph, numerics=not args.no_numerics)
+    print(result)
+    return 0 if result.reproduced else EXIT_FAILED
+
+
 def run_demo(argv: list[str]) -> int:
     """``amp_graph.demo.main(argv)``, imported only now."""
     try:
@@ -522,6 +544,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="also search for the fewest float32 node overrides that make this input pass",
     )
     numerics_cmd.set_defaults(run=cmd_numerics)
+    replay_cmd = commands.add_parser(
+        "replay",
+        help="rerun the skipped step a monitor's repro bundle recorded; name where it broke",
+        description="Load the bundle amp_graph.monitor(repro_dir=...) wrote for the first "
+        "skipped step into a new Graph of the recorded class, rerun that step on the same "
+        "device, check it bit for bit, and run numerics on it (forward and backward). Exit "
+        "status 0 when the step reran bit for bit.",
+    )
+    replay_cmd.add_argument("path", metavar="PATH", help="the bundle: repro_dir/step_<N>")
+    replay_cmd.add_argument(
+        "--graph",
+        metavar="FILE.py:factory",
+        help="a function that builds the training Graph (default: the recorded class, "
+        "called with no arguments)",
+    )
+    replay_cmd.add_argument("--no-numerics", action="store_true", help="only rerun the step")
+    replay_cmd.add_argument("--debug", action="store_true", help="show tracebacks")
+    replay_cmd.set_defaults(run=cmd_replay)
     demo_cmd = commands.add_parser(
         "demo",
         help="run amp_graph's demo (what `make demo` runs)",

@@ -292,11 +292,55 @@ class Graph:
         return self._guard.skipped_steps
 
     @property
+    def skipped_steps_counter(self) -> torch.Tensor | int:
+        """:attr:`skipped_steps` without a host read: a device copy of the count (an int
+        before the first step)."""
+        if self._scaler_in_use is not None:
+            return self._scaler_in_use.skipped_steps_counter
+        return self._guard.skipped_steps_counter
+
+    @property
+    def registered_modules(self) -> dict[str, nn.Module]:
+        """The modules assigned to the graph (``self.model = model``), by name."""
+        return dict(self._modules)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers added with :meth:`add_optimizer`, in order."""
+        return list(self._optimizers)
+
+    @property
+    def lr_schedulers(self) -> list[Any]:
+        """The LR schedulers added with :meth:`add_optimizer`, in order."""
+        return list(self._schedulers)
+
+    @property
     def steps(self) -> int:
         """Calls made so far (the step counter in state_dict)."""
         return self._step
 
+    def capture(self, *args: Any) -> fx.GraphModule:
+        """Capture and rewrite ``build`` for these inputs now, and return the step graph
+        (nothing is computed, no step is counted). Calling the graph does this on its own."""
+        self._last = self._step_for(args)[0]
+        return self._last
+
     def __call__(self, *args: Any) -> Any:
+        step, leaves = self._step_for(args)
+        self._last = step
+        monitor = self.config.monitor
+        run = step if monitor is None else monitor.graph_for_step(step, owner=self, inputs=args)
+        if not self.training:
+            with torch.no_grad():
+                return run(*leaves)
+        out = run(*leaves)
+        self._step += 1
+        if monitor is not None:
+            monitor.after_step(self, out)
+        return out
+
+    def _step_for(self, args: tuple) -> tuple[fx.GraphModule, list]:
+        """The step graph for these inputs (captured on first sight) and its flat inputs."""
         if not self.__dict__.get("_init_called"):
             raise RuntimeError("call super().__init__() in your Graph's __init__")
         if self._cache is None:
@@ -322,15 +366,7 @@ class Graph:
             leaves = pytree.tree_leaves(args)
         if id(captured) not in self._steps:
             self._steps[id(captured)] = self._step_graph(captured)
-        self._last = self._steps[id(captured)]
-        monitor = self.config.monitor
-        step = self._last if monitor is None else monitor.graph_for_step(self._last)
-        if not self.training:
-            with torch.no_grad():
-                return step(*leaves)
-        out = step(*leaves)
-        self._step += 1
-        return out
+        return self._steps[id(captured)], leaves
 
     def _check_divisible(self, args: tuple) -> None:
         n = self.config.accumulation_steps

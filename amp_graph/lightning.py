@@ -37,7 +37,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess by 
 
 from amp_graph.compiler import CompiledModule
 from amp_graph.compiler import compile as amp_compile
+from amp_graph.monitoring import Monitor, monitor
 from amp_graph.policy import Policy
 from amp_graph.scaler import GradScaler, NonFiniteGuard
 
@@ -98,6 +100,12 @@ class _CompiledCall:
             self.running = False
 
 
+def _compiled_module_of(module: nn.Module) -> nn.Module:
+    """The :class:`~amp_graph.CompiledModule` a child runs through (itself if it is one)."""
+    call = module._compiled_call_impl
+    return module if call is None else call.compiled
+
+
 def _is_compiled(module: nn.Module) -> bool:
     return isinstance(module, CompiledModule) or module._compiled_call_impl is not None
 
@@ -113,6 +121,11 @@ class AmpGraphPrecision(Precision):
             device taken from the first loss). Refused with bfloat16, as by ``MixedPrecision``.
         modules: names of the LightningModule's direct children to compile. Default: every
             child that holds parameters (so metrics and parameterless losses are left alone).
+        monitor: options of :func:`amp_graph.monitor` (``{"every": 100, "log_dir": ...}``)
+            to watch every compiled child's numerics while training; the plugin's scaler is
+            given, and with several children each writes under ``log_dir/<child>``. The
+            monitors are ``plugin.monitors``, by child name. A training step (one call with
+            gradients) is a step; validation runs the graphs as they are.
 
     Raises:
         ValueError: a dtype other than float16/bfloat16, or an unknown name in ``modules``.
@@ -126,6 +139,7 @@ class AmpGraphPrecision(Precision):
         scaler: GradScaler | None = None,
         *,
         modules: Sequence[str] | None = None,
+        monitor: Mapping[str, Any] | None = None,
     ) -> None:
         if dtype not in _PRECISION:
             raise ValueError(
@@ -141,6 +155,13 @@ class AmpGraphPrecision(Precision):
         self.dtype = dtype
         self.precision = _PRECISION[dtype]  # type: ignore[assignment]
         self.modules = None if modules is None else list(modules)
+        if monitor is not None and not isinstance(monitor, Mapping):
+            raise TypeError(
+                "AmpGraphPrecision(monitor=...) takes amp_graph.monitor's options as a dict, "
+                f"e.g. {{'every': 100, 'log_dir': 'runs/amp'}}; got {monitor!r}"
+            )
+        self.monitor_options = None if monitor is None else dict(monitor)
+        self.monitors: dict[str, Monitor] = {}
         self.scaler: GradScaler | None = None
         self.guard: NonFiniteGuard | None = None
         if dtype is torch.float16:
@@ -185,6 +206,12 @@ class AmpGraphPrecision(Precision):
         for name in names:
             if not _is_compiled(children[name]):
                 compile_in_place(children[name], self.policy, self.dtype)
+            if self.monitor_options is not None and name not in self.monitors:
+                options = dict(self.monitor_options)
+                if options.get("log_dir") is not None and len(names) > 1:
+                    options["log_dir"] = Path(options["log_dir"]) / name
+                target = _compiled_module_of(children[name])
+                self.monitors[name] = monitor(target, scaler=self.scaler, **options)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """No torch.autocast: the compiled graphs carry their casts."""

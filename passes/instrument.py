@@ -112,7 +112,8 @@ def _reads_parameter(node: fx.Node) -> bool:
 
 
 class _Instrumenter:
-    """Inserts the probes of one graph, numbering rows from ``rows`` on."""
+    """Inserts the probes of one graph; each probe's row is its index in ``probes``, which
+    the graphs of one instrumentation share (a region's rows follow its caller's)."""
 
     def __init__(self, graph_name: str, probes: list[Probe]) -> None:
         self.graph_name = graph_name

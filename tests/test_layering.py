@@ -76,7 +76,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "inspection and integrations",
-        ("amp_graph.inspect", "amp_graph.shadow", "amp_graph.autopolicy", "amp_graph.lightning"),
+        (
+            "amp_graph.inspect",
+            "amp_graph.shadow",
+            "amp_graph.autopolicy",
+            "amp_graph.lightning",
+        ),
     ),
     (
         "public API and CLI",

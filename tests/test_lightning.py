@@ -289,3 +289,29 @@ def test_manual_optimization_with_a_fused_optimizer_and_validation(tmp_path: Pat
     plain = Regressor()
     plain.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
     assert _same(plain.parameters(), model.parameters())
+
+
+def test_the_monitor_option_watches_the_compiled_children(tmp_path: Path) -> None:
+    """AmpGraphPrecision(monitor=...): one monitor per compiled child, the plugin's scaler
+    known to it, a training step a step; the validation calls (no gradients) are not steps."""
+    plugin = AmpGraphPrecision(
+        policy="O1",
+        dtype=torch.float16,
+        scaler=amp_graph.GradScaler(init_scale=2.0**8),
+        monitor={"every": 2, "log_dir": tmp_path},
+    )
+    model = ManualRegressor()
+    trainer, _ = _fit(model, plugin, epochs=1, clip=None, inf=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.validate(model, _data(inf=False), verbose=False)
+    (monitor,) = plugin.monitors.values()
+    assert list(plugin.monitors) == ["net"]
+    assert monitor.steps == STEPS_PER_EPOCH  # the validation batches counted no step
+    history = monitor.history
+    assert history.steps == [0, 2]
+    assert {r["module"] for r in history} == {"0", "2"}  # net's two linears
+    assert {r["loss_scale"] for r in history} == {2.0**8}
+    assert (tmp_path / "monitor.jsonl").exists()
+    with pytest.raises(TypeError, match="options as a dict"):
+        AmpGraphPrecision(monitor=100)

@@ -46,11 +46,13 @@ def monitor(
     tensorboard: bool | None = None,
     scaler: Any = None,
     group: Any = None,
+    repro_dir: str | Path | None = None,
 ) -> Monitor:
     """Measure ``target``'s chosen nodes every ``every`` steps; returns the :class:`Monitor`.
 
     Args:
-        target: a module from ``amp_graph.compile`` / ``compile_`` (a step is one call) or an
+        target: a module from ``amp_graph.compile`` / ``compile_`` (a step is one call with
+            gradients enabled; an evaluation call under ``torch.no_grad`` is none) or an
             ``amp_graph.Graph`` (a step is one call of the graph; the same as
             ``graph.config.enable_monitor(...)``).
         every: steps 0, every, 2*every, ... are logging steps; the others run the graph
@@ -73,6 +75,10 @@ def monitor(
             steps over it (``amax`` the largest, counts summed): a collective, so every rank
             of the group must read at the same step (``log_dir`` flushes do). Never the world
             group unless it is the one given.
+        repro_dir: (a Graph) when a step is skipped for inf/nan gradients, write what
+            :func:`amp_graph.replay` needs to rerun it bit for bit under
+            ``repro_dir/step_<N>/`` (the first such step; :mod:`amp_graph.monitoring.repro`
+            says what is kept per step, and what it costs).
     """
     made = Monitor(
         every,
@@ -83,9 +89,16 @@ def monitor(
         tensorboard=tensorboard,
         scaler=scaler,
         group=group,
+        repro_dir=repro_dir,
     )
     compiled = _compiled_in_place(target) or target
     if isinstance(compiled, CompiledModule):
+        if repro_dir is not None:
+            raise ValueError(
+                "repro_dir= needs an amp_graph.Graph: its step graph runs the optimizer and "
+                "knows which step it skipped. For a compiled module, train it inside a Graph "
+                "(graph.config.enable_monitor(repro_dir=...)), or drop repro_dir"
+            )
         if compiled._monitor is not None:
             raise ValueError("this compiled module already has a monitor; call its detach() first")
         compiled._monitor = made

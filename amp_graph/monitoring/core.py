@@ -1,13 +1,14 @@
 """The monitor: per-step statistics of chosen nodes, off the training step's critical path.
 
 A target (a module from ``compile``/``compile_``, or a ``Graph``) asks
-:meth:`Monitor.graph_for_step` once per step which graph to run. A step that is not a
-logging step gets the graph as it is: the monitor adds no node, hook or branch to it. A
-logging step gets an instrumented copy (``passes.instrument``, made once per graph) whose
-probes add their statistics into one device buffer for that step. Nothing is read on the
-host until the user asks (:attr:`Monitor.history`, :meth:`Monitor.flush`), or, with a
-``log_dir``, once ``flush_every`` logging steps are pending; each read is one transfer of
-every pending buffer.
+:meth:`Monitor.graph_for_step` once per step which graph to run (a compiled module's call
+under ``torch.no_grad``, an evaluation, is no step: it runs the graph as it is). A step
+that is not a logging step gets the graph as it is: the monitor adds no node, hook or
+branch to it. A logging step gets an instrumented copy (``passes.instrument``, made once
+per graph) whose probes add their statistics into one device buffer for that step. Nothing
+is read on the host until the user asks (:attr:`Monitor.history`, :meth:`Monitor.flush`),
+or, with a ``log_dir``, once ``flush_every`` logging steps are pending; each read is one
+transfer of every pending buffer.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from amp_graph.tensor_stats import STAT_GROUPS, STATS, StatsSink
 
 from .history import History, make_row, write_csv, write_jsonl
 from .plot import Heatmap, heatmap
+from .repro import ReproRecorder
 from .selection import NodeSelection
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class Monitor:
         tensorboard: bool | None = None,
         scaler: Any = None,
         group: dist.ProcessGroup | None = None,
+        repro_dir: str | Path | None = None,
     ) -> None:
         for name, value in (("every", every), ("flush_every", flush_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -130,6 +133,7 @@ class Monitor:
         self.flush_every = flush_every
         self.scaler = scaler
         self.group = group
+        self.repro = None if repro_dir is None else ReproRecorder(repro_dir)
         # the rank a row was measured on; None for rows reduced over a group
         self._rank = None if group is not None else (dist.get_rank() if _distributed() else 0)
         self.selection = NodeSelection(nodes)
@@ -151,11 +155,18 @@ class Monitor:
     def is_logging_step(self, step: int) -> bool:
         return step % self.every == 0
 
-    def graph_for_step(self, gm: fx.GraphModule) -> fx.GraphModule:
+    def graph_for_step(
+        self, gm: fx.GraphModule, *, owner: Any = None, inputs: tuple = ()
+    ) -> fx.GraphModule:
         """The graph this step runs instead of ``gm``: ``gm`` itself, or on a logging step
-        its instrumented copy, writing into a fresh buffer. Called once per step."""
+        its instrumented copy, writing into a fresh buffer. Called once per step; a Graph
+        passes itself and its inputs (``owner``, ``inputs``) for the repro bundle."""
+        if owner is None and not torch.is_grad_enabled():
+            return gm  # a compiled module's evaluation call: not a training step
         step = self.steps
         self.steps += 1
+        if self.repro is not None and owner is not None:
+            self.repro.before(owner, inputs, owner.steps)
         if self.log_dir is not None and len(self._pending) >= self.flush_every:
             self.flush()  # the logging steps before this one have finished their backward
         if not self.is_logging_step(step):
@@ -166,6 +177,21 @@ class Monitor:
         buffer = instrumented.sink.start(instrumented.device)
         self._pending.append(_Pending(step, instrumented, buffer, self._loss_scale(gm)))
         return instrumented.graph_module
+
+    def after_step(self, owner: Any, out: Any) -> None:
+        """A Graph's step has run (``out`` is what it returned): for the repro bundle."""
+        if self.repro is not None:
+            self.repro.after(owner, out)
+
+    @property
+    def repro_path(self) -> Path | None:
+        """The repro bundle of the first skipped step, or None (checks the last step first:
+        a host read of its skip counter)."""
+        if self.repro is None:
+            return None
+        if self.repro.graph is not None:
+            self.repro.resolve(self.repro.graph)
+        return self.repro.written
 
     def _loss_scale(self, gm: fx.GraphModule) -> torch.Tensor | None:
         """A copy of the scale this step multiplies its loss by (before the step updates
@@ -263,8 +289,10 @@ class Monitor:
         return [p for made in self._instrumented.values() for p in made.probes]
 
     def close(self) -> None:
-        """Flush, and close the TensorBoard writer."""
+        """Flush, write the repro bundle if the last step was skipped, and close the
+        TensorBoard writer."""
         self.flush()
+        _ = self.repro_path  # the last step may be the first skipped one
         if self._tensorboard is not None:
             self._tensorboard.close()
 

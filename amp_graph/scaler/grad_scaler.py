@@ -377,6 +377,37 @@ class GradScaler:
         return self._tracker(ops.SKIPPED_STEPS)
 
     @property
+    def skipped_steps_counter(self) -> torch.Tensor | int:
+        """The count behind :attr:`skipped_steps` as it stands: a device tensor (a copy: no
+        host read) or, before the first step (or disabled), the int it starts from."""
+        state = self._scale_state
+        if not self._enabled or state.trackers is None:
+            return int(state.init_trackers[ops.SKIPPED_STEPS]) if self._enabled else 0
+        return state.trackers[ops.SKIPPED_STEPS].clone()
+
+    def pre_step_state(self) -> dict[str, torch.Tensor | None]:
+        """The device tensors :meth:`state_dict` reads (scale, trackers), copied without a
+        host read; None before the first step. :meth:`state_dict_from` turns them back into
+        a state dict: the state of the scaler as it was when they were copied."""
+        state = self._scale_state
+        if not self._enabled or state.scale is None or state.trackers is None:
+            return {"scale": None, "trackers": None}
+        return {"scale": state.scale.clone(), "trackers": state.trackers.clone()}
+
+    def state_dict_from(self, copied: dict[str, torch.Tensor | None]) -> dict[str, Any]:
+        """:meth:`state_dict` with scale and trackers from :meth:`pre_step_state`'s copy."""
+        out = self.state_dict()
+        if copied["scale"] is None or copied["trackers"] is None or not out:
+            return out
+        trackers = copied["trackers"].tolist()
+        out["scale"] = float(copied["scale"].item())
+        out["_growth_tracker"] = int(trackers[ops.GROWTH_TRACKER])
+        out["_hysteresis_tracker"] = int(trackers[ops.HYSTERESIS_TRACKER])
+        out["_skipped_steps"] = int(trackers[ops.SKIPPED_STEPS])
+        out["_consecutive_skips"] = int(trackers[ops.CONSECUTIVE_SKIPS])
+        return out
+
+    @property
     def consecutive_skipped_steps(self) -> int:
         """Overflowing iterations in a row up to the last ``update()``. Synchronizes once."""
         return self._tracker(ops.CONSECUTIVE_SKIPS)

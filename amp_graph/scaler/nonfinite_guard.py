@@ -175,6 +175,12 @@ class NonFiniteGuard:
         return self._last_step_taken
 
     @property
+    def skipped_steps_counter(self) -> torch.Tensor | int:
+        """The count behind :attr:`skipped_steps` as it stands: the device tensor (a copy:
+        no host read) or, before the first step, the int it starts from."""
+        return self._initial_skipped if self._skipped is None else self._skipped.clone()
+
+    @property
     def skipped_steps(self) -> int:
         """Iterations skipped for inf/nan gradients, ever. Reading it synchronizes once."""
         if self._skipped is None:

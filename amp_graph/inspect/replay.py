@@ -1,0 +1,186 @@
+"""``amp_graph.replay``: rerun the skipped step a monitor's repro bundle recorded.
+
+The monitor (``repro_dir=``) writes the bundle (:mod:`amp_graph.monitoring.repro`); this
+loads it into a Graph of the same class, runs the step once on the same device, checks it
+bit for bit against what was recorded, and runs :func:`amp_graph.numerics` on the step's
+build graph to name the first node that went non-finite, forward or backward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import operator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amp_graph.monitoring.repro import META_FILE, buffers_after, gradients
+
+from .numerics import numerics as run_numerics
+
+
+@dataclass
+class ReplayResult:
+    """What :func:`replay` found. ``reproduced``: the step ran bit for bit as recorded (the
+    same output, every gradient and every buffer it wrote, NaNs in the same places);
+    ``mismatches`` names what differs. ``report``: ``amp_graph.numerics`` of the step
+    (forward and backward)."""
+
+    path: Path
+    step: int
+    skipped: bool
+    reproduced: bool
+    mismatches: list[str] = field(default_factory=list)
+    report: Any = None
+    note: str = ""
+
+    @property
+    def first_nonfinite(self) -> str | None:
+        """The first node with inf/nan where float32 is finite, forward then backward."""
+        if self.report is None:
+            return None
+        row = self.report.first_nonfinite
+        if row is not None:
+            return f"forward: '{row.node}' ({row.op} in module '{row.module or '<root>'}')"
+        row = self.report.first_nonfinite_grad
+        if row is not None:
+            return f"backward: '{row.node}' ({row.op} in module '{row.module or '<root>'}')"
+        return None
+
+    def __str__(self) -> str:
+        lines = [
+            f"replayed step {self.step} from {self.path}: "
+            + ("skipped again (inf/nan gradients)" if self.skipped else "NOT skipped this time"),
+            "bit for bit: the output, every gradient and every buffer as recorded"
+            if self.reproduced
+            else f"NOT bit for bit: {', '.join(self.mismatches)} differ",
+        ]
+        first = self.first_nonfinite
+        if first is not None:
+            lines.append(f"first non-finite node: {first}")
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """The same bits: dtype, shape, values, NaNs in the same places (NaN != NaN otherwise)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        a, b = a.detach().cpu(), b.detach().cpu()
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        return torch.equal(nan_a, nan_b) and torch.equal(
+            a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
+        )
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _set_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _graph_from(spec: str) -> Any:
+    module_name, _, qualname = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        obj = operator.attrgetter(qualname)(obj)
+        return obj()
+    except Exception as error:
+        raise TypeError(
+            f"replay could not build the Graph {spec} with no arguments ({type(error).__name__}:"
+            f" {error}); pass graph= (a new instance of the training Graph, built as the "
+            "training script builds it), or --graph FILE.py:factory from the command line"
+        ) from None
+
+
+def _loss_positions(step_graph: Any) -> list[int]:
+    """Where the first micro-batch's losses sit in what build returns (the step graph picks
+    them: ``loss_0_<k> = build_0[position]``)."""
+    return [
+        n.args[1]
+        for n in step_graph.graph.nodes
+        if n.op == "call_function" and n.target is operator.getitem and n.name.startswith("loss_0_")
+    ]
+
+
+def replay(path: str | Path, graph: Any = None, *, numerics: bool = True) -> ReplayResult:
+    """Rerun the skipped step a monitor's repro bundle recorded, and find where it broke.
+
+    ``graph``: a new instance of the training Graph (built as the training script builds
+    it); None builds the recorded class with no arguments. Its state, the batch and the RNG
+    are loaded from the bundle, the step runs once on the same device, and its output and
+    gradients are compared bit for bit with the recorded ones. Then (``numerics=True``)
+    :func:`amp_graph.numerics` runs the step's build graph forward and backward beside a
+    float32 shadow, at the step's loss scale, and the result names the first non-finite
+    node. It runs with the recorded number of CPU threads (a reduction's order depends on
+    it). Prints nothing: ``print(result)``.
+    """
+    path = Path(path)
+    meta_file = path / META_FILE
+    if not meta_file.exists():
+        raise FileNotFoundError(
+            f"{path} is not a repro bundle (no {META_FILE}); the monitor writes them under "
+            "repro_dir/step_<N>/"
+        )
+    meta = json.loads(meta_file.read_text())
+    if meta["device"].startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"step {meta['step']} was recorded on {meta['device']}: replay it on that device"
+        )
+    if graph is None:
+        graph = _graph_from(meta["graph_class"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(meta["threads"])  # the recorded run's reduction order on the CPU
+    try:
+        return _replay(path, meta, graph, numerics)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(path: Path, meta: dict[str, Any], graph: Any, numerics: bool) -> ReplayResult:
+    state = torch.load(path / "state.pt", weights_only=False)
+    inputs = torch.load(path / "batch.pt", weights_only=False)
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    recorded = torch.load(path / "step_result.pt", weights_only=False)
+    graph.load_state_dict(state)
+    graph.capture(*inputs)  # capturing draws random numbers: before the RNG is set
+    graph.load_state_dict(state)  # again: O2's float32 masters exist once captured
+    _set_rng(rng)
+    before = graph.skipped_steps
+    out = graph(*inputs)
+    skipped = graph.skipped_steps > before
+    mismatches = [] if _equal(out, recorded["out"]) else ["output"]
+    for kind, now in (("grads", gradients(graph)), ("buffers", buffers_after(graph))):
+        for name in sorted(set(now) | set(recorded[kind])):
+            ours, theirs = now.get(name), recorded[kind].get(name)
+            if ours is None or theirs is None or not _equal(ours, theirs):
+                mismatches.append(name if kind == "grads" else f"buffer {name}")
+    note = ""
+    if torch.__version__ != meta["torch"]:
+        note = f"recorded with torch {meta['torch']}, replayed with {torch.__version__}"
+    report = None
+    if numerics and meta["micro_batches"] == 1:
+        positions = _loss_positions(graph.step_graph)
+        graph.load_state_dict(state)
+        _set_rng(rng)
+        report = run_numerics(
+            graph.build_graph,
+            *inputs,
+            backward=True,
+            loss_fn=lambda result: sum(result[p] for p in positions),
+            scale=meta["loss_scale"],
+        )
+    elif numerics:
+        note = (note + "; " if note else "") + (
+            "numerics skipped: the step ran in micro-batches (the build graph takes the "
+            "weights cast once per step)"
+        )
+    return ReplayResult(path, meta["step"], skipped, not mismatches, mismatches, report, note)

@@ -1,0 +1,209 @@
+"""The repro bundle of the first skipped step (:func:`amp_graph.replay` reruns it).
+
+With ``repro_dir``, the monitor of an :class:`amp_graph.Graph` keeps, for the step running,
+what it needs to replay it, and when a step is skipped (the loss scaler or the non-finite
+guard found inf/nan gradients) writes ``repro_dir/step_<N>/``:
+
+* ``batch.pt``: the step's inputs; ``rng.pt``: the RNG states it started from;
+* ``state.pt``: ``Graph.state_dict()`` as it was before the step: modules, optimizers,
+  schedulers, scaler, step counter;
+* ``step_result.pt``: what the step returned, the gradients it computed and the buffers it
+  wrote (to check the replay bit for bit);
+* ``policy.txt`` (and ``policy.pt``), ``graph.txt`` (the step graph and the build graph, as
+  printed), ``meta.json``.
+
+What is kept per step, and what is not copied: a skipped step changes no parameter and no
+optimizer state, so those are read after it, not copied before it. Per step the monitor
+keeps a reference to the inputs (not a copy: do not write into a batch in place before the
+next step), the CPU RNG state (5 KB on the host, and each GPU's), a copy of every buffer of
+the graph's modules (what the forward may write: BatchNorm's running statistics), the
+optimizers' hyperparameters and the schedulers' states (the schedulers step even on a
+skipped step), and a device copy of the scale and skip counters. Deciding whether a step
+was skipped reads its skip counter on the host, at the start of the next step: one read
+per step (on a GPU a synchronization, waiting for the step to finish), only with
+``repro_dir``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amp_graph.compiler import COMPILE_META
+
+log = logging.getLogger(__name__)
+
+META_FILE = "meta.json"
+
+
+@dataclass
+class _PreStep:
+    """What one step of a Graph needs to be replayed (see the module)."""
+
+    step: int
+    inputs: tuple
+    rng_cpu: torch.Tensor
+    rng_cuda: list[torch.Tensor] | None
+    buffers: dict[str, dict[str, torch.Tensor]]
+    hyperparameters: list[list[dict[str, Any]]]
+    schedulers: list[dict[str, Any]]
+    scaler: dict[str, torch.Tensor | None] | None
+    skipped_before: torch.Tensor | int
+    out: Any = None
+    skipped_after: torch.Tensor | int | None = None
+
+
+class ReproRecorder:
+    """Keeps the running step's :class:`_PreStep`; writes the bundle of the first one that
+    was skipped (:meth:`resolve`, at the start of the next step, or at the monitor's
+    ``close``)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.written: Path | None = None
+        self.graph: Any = None  # the Graph whose steps it keeps
+        self._last: _PreStep | None = None
+
+    def before(self, graph: Any, inputs: tuple, step: int) -> None:
+        self.graph = graph
+        self.resolve(graph)
+        if self.written is not None:
+            return  # the first skipped step only
+        scaler = graph.grad_scaler
+        self._last = _PreStep(
+            step=step,
+            inputs=inputs,
+            rng_cpu=torch.get_rng_state(),
+            rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+            buffers={
+                name: {k: b.detach().clone() for k, b in module.named_buffers()}
+                for name, module in graph.registered_modules.items()
+            },
+            hyperparameters=[
+                [
+                    copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                    for g in opt.param_groups
+                ]
+                for opt in graph.optimizers
+            ],
+            schedulers=[copy.deepcopy(s.state_dict()) for s in graph.lr_schedulers],
+            scaler=None if scaler is None else scaler.pre_step_state(),
+            skipped_before=graph.skipped_steps_counter,
+        )
+
+    def after(self, graph: Any, out: Any) -> None:
+        if self._last is not None:
+            self._last.out = out
+            self._last.skipped_after = graph.skipped_steps_counter
+
+    def resolve(self, graph: Any) -> Path | None:
+        """If the step kept was skipped, write its bundle (once); the path, or None."""
+        last, self._last = self._last, None
+        if last is None or last.skipped_after is None:
+            return None
+        skipped = torch.as_tensor(last.skipped_after) > torch.as_tensor(last.skipped_before)
+        if not bool(skipped.item()):  # the one host read per step
+            return None
+        self.written = write_bundle(self.directory / f"step_{last.step}", graph, last)
+        log.warning(
+            "amp_graph.monitor: step %d was skipped (inf/nan gradients); its repro bundle is "
+            "in %s: amp_graph.replay(%r) (or amp-graph replay %s) reruns it",
+            last.step,
+            self.written,
+            str(self.written),
+            self.written,
+        )
+        return self.written
+
+
+def _pre_step_state(graph: Any, last: _PreStep) -> dict[str, Any]:
+    """``graph.state_dict()`` as it was before the skipped step ``last``: read now (the skip
+    left parameters and optimizer state as they were), with the buffers, hyperparameters,
+    schedulers, scaler and counters of before the step."""
+    state = graph.state_dict()
+    for name, buffers in last.buffers.items():
+        state["modules"][name].update(buffers)
+    for optimizer_state, groups in zip(state["optimizers"], last.hyperparameters, strict=True):
+        for group, hyperparameters in zip(optimizer_state["param_groups"], groups, strict=True):
+            group.update(hyperparameters)
+    state["schedulers"] = last.schedulers
+    scaler = graph.grad_scaler
+    if scaler is not None and last.scaler is not None:
+        state["scaler"] = scaler.state_dict_from(last.scaler)
+    if scaler is None:
+        state["nonfinite_guard"] = {"skipped_steps": int(torch.as_tensor(last.skipped_before))}
+    state["step"] = last.step
+    return state
+
+
+def buffers_after(graph: Any) -> dict[str, torch.Tensor]:
+    """Every buffer of the graph's modules, copied, by ``<module>.<buffer>``: what the step's
+    forward wrote (BatchNorm's running statistics) stays finite where its inputs were, so it
+    tells two runs of an overflowing step apart where the gradients are all NaN."""
+    return {
+        f"{name}.{key}": b.detach().clone()
+        for name, module in graph.registered_modules.items()
+        for key, b in module.named_buffers()
+    }
+
+
+def gradients(graph: Any) -> dict[str, torch.Tensor]:
+    """Every ``.grad`` of the graph's modules, copied, by ``<module>.<parameter>``."""
+    return {
+        f"{name}.{key}": p.grad.detach().clone()
+        for name, module in graph.registered_modules.items()
+        for key, p in module.named_parameters()
+        if p.grad is not None
+    }
+
+
+def write_bundle(path: Path, graph: Any, last: _PreStep) -> Path:
+    """Write the bundle of the skipped step ``last`` (see the module) into ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    record = graph.build_graph.meta[COMPILE_META]
+    scaler = graph.grad_scaler
+    loss_scale = None
+    if scaler is not None:
+        loss_scale = _pre_step_state(graph, last)["scaler"].get("scale")
+    torch.save(last.inputs, path / "batch.pt")
+    torch.save({"cpu": last.rng_cpu, "cuda": last.rng_cuda}, path / "rng.pt")
+    torch.save(_pre_step_state(graph, last), path / "state.pt")
+    out = last.out.detach() if isinstance(last.out, torch.Tensor) else last.out
+    result = {"out": out, "grads": gradients(graph), "buffers": buffers_after(graph)}
+    torch.save(result, path / "step_result.pt")
+    (path / "policy.txt").write_text(f"{record.policy!r}\ndtype: {record.dtype}\n")
+    try:
+        torch.save(record.policy, path / "policy.pt")
+    except Exception as error:  # a policy keyed by a local class cannot be pickled
+        log.info("amp_graph: the policy could not be pickled (%s); policy.txt has it", error)
+    (path / "graph.txt").write_text(
+        f"# the step graph\n{graph.step_graph.code}\n\n# build\n{graph.build_graph.code}\n"
+    )
+    cls = type(graph)
+    meta = {
+        "step": last.step,
+        "graph_class": f"{cls.__module__}:{cls.__qualname__}",
+        "skipped_by": "scaler" if scaler is not None else "nonfinite guard",
+        "loss_scale": loss_scale,
+        "dtype": str(record.dtype),
+        "policy": record.policy.name,
+        "device": str(_device_of(graph)),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),  # a CPU reduction's order depends on it
+        "micro_batches": graph.config.accumulation_steps,
+    }
+    (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def _device_of(graph: Any) -> torch.device:
+    for _, module in graph.registered_modules.items():
+        for p in module.parameters():
+            return p.device
+    return torch.device("cpu")
