@@ -38,7 +38,7 @@ class Net(nn.Module):
 class TrainStep(amp_graph.Graph):
     """Built with no arguments, as replay() builds the recorded class."""
 
-    def __init__(self, accumulation: int = 1) -> None:
+    def __init__(self, accumulation: int = 1, dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = Net()
@@ -46,8 +46,9 @@ class TrainStep(amp_graph.Graph):
             self.model.fc1.weight.mul_(4.0)
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.add_optimizer(opt, lr_sch=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
-        self.config.enable_amp(True, policy="O1", dtype=torch.float16)
-        self.set_grad_scaler(amp_graph.GradScaler(init_scale=2.0**8))
+        self.config.enable_amp(True, policy="O1", dtype=dtype)
+        if dtype == torch.float16:
+            self.set_grad_scaler(amp_graph.GradScaler(init_scale=2.0**8))
         if accumulation > 1:
             self.config.set_gradient_accumulation_steps(accumulation)
 
@@ -173,3 +174,26 @@ def test_no_bundle_without_a_skip_and_errors(tmp_path) -> None:
         amp_graph.monitor(compiled, repro_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match="not a repro bundle"):
         amp_graph.replay(tmp_path)
+
+
+class GuardedStep(TrainStep):
+    """bfloat16: no loss scale; the non-finite guard skips the step instead."""
+
+    def __init__(self) -> None:
+        super().__init__(dtype=torch.bfloat16)
+
+
+def test_the_bf16_guards_skip_writes_a_bundle_too(tmp_path) -> None:
+    graph = GuardedStep()
+    monitor = graph.config.enable_monitor(every=5, repro_dir=tmp_path)
+    for step, (x, y) in enumerate(batches()):
+        if step == HOT_STEP:
+            x = x.clone()
+            x[0, 0] = 3.4e38  # finite in float32, rounds to inf in bfloat16
+        graph(x, y)
+    assert graph.skipped_steps == 1 and graph.grad_scaler is None
+    meta = json.loads((monitor.repro_path / "meta.json").read_text())
+    assert meta["skipped_by"] == "nonfinite guard" and meta["loss_scale"] is None
+    result = amp_graph.replay(monitor.repro_path, GuardedStep())
+    assert result.skipped and result.reproduced, result.mismatches
+    assert result.first_nonfinite == "forward: 'x_bf16' (cast in module '<root>')"
