@@ -80,12 +80,16 @@ Counts count_range(const scalar_t* data, int64_t begin, int64_t end, acc_t scale
   constexpr int kLanes = 8;
   Counts c;
   acc_t lane_max[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  acc_t m[kBlock], s[kBlock];
+  acc_t m[kBlock], s_buffer[kBlock];
+  const bool scaled = scale != acc_t(1);
+  const acc_t* s = scaled ? s_buffer : m;  // the scaled magnitudes (scale 1: themselves)
   for (int64_t start = begin; start < end; start += kBlock) {
     const int64_t n = std::min(kBlock, end - start);
     const scalar_t* block = data + start;
     magnitudes(block, m, n);
-    for (int64_t j = 0; j < n; ++j) s[j] = m[j] * scale;
+    if (scaled) {
+      for (int64_t j = 0; j < n; ++j) s_buffer[j] = m[j] * scale;
+    }
     // the largest finite magnitude, one maximum per lane (so the loop vectorizes without
     // reordering a float reduction); inf and NaN count as 0
     for (int64_t j = n; j < kBlock; ++j) m[j] = 0;
