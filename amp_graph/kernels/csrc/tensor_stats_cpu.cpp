@@ -99,14 +99,15 @@ Counts count_range(const scalar_t* data, int64_t begin, int64_t end, acc_t scale
         lane_max[k] = lane_max[k] > v ? lane_max[k] : v;
       }
     }
-    int32_t inside = 0;  // NaN compares false: outside
-    for (int64_t j = 0; j < n; ++j) inside += (s[j] >= low) & (s[j] <= high);
-    if (inside == n) continue;
-    int32_t zeros = 0, underflow = 0, nonfinite = 0;
-    for (int64_t j = 0; j < n; ++j) nonfinite += !(m[j] <= kLargest);  // inf, NaN
+    // a zero is in range for every format (ReLU's outputs are half zeros): counted here
+    int32_t zeros = 0, inside = 0;  // NaN compares false: outside
     for (int64_t j = 0; j < n; ++j) zeros += m[j] == 0;
-    for (int64_t j = 0; j < n; ++j) underflow += (m[j] > 0) & (s[j] < run_threshold);
+    for (int64_t j = 0; j < n; ++j) inside += ((s[j] >= low) & (s[j] <= high)) | (m[j] == 0);
     c.zeros += zeros;
+    if (inside == n) continue;
+    int32_t underflow = 0, nonfinite = 0;
+    for (int64_t j = 0; j < n; ++j) nonfinite += !(m[j] <= kLargest);  // inf, NaN
+    for (int64_t j = 0; j < n; ++j) underflow += (m[j] > 0) & (s[j] < run_threshold);
     c.underflow += underflow;
     c.nonfinite += nonfinite;
     for (int f = 0; f < kFormats; ++f) {
