@@ -120,8 +120,10 @@ class Captured:
         """Whether these flat inputs have sizes the graph was captured for."""
         return self.guard is None or self.guard.accepts(leaves)
 
-    def call(self, leaves: Sequence[Any]) -> Any:
-        return self.unflatten(self.graph_module(*leaves))
+    def call(self, leaves: Sequence[Any], choose: Callable[[Any], Any] | None = None) -> Any:
+        """Run the graph (or the one ``choose`` picks for it: a monitor's) on flat inputs."""
+        graph = self.graph_module if choose is None else choose(self.graph_module)
+        return self.unflatten(graph(*leaves))
 
     def unflatten(self, out: Any) -> Any:
         """The model's output structure from what the graph returns (its flat leaves)."""

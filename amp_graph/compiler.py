@@ -294,8 +294,6 @@ class CompiledModule(nn.Module):
     :func:`amp_graph.compile_`.
     """
 
-    _monitor: Any = None  # an amp_graph.monitoring.Monitor picks each call's graph
-
     def __init__(
         self,
         model: nn.Module,
@@ -308,10 +306,10 @@ class CompiledModule(nn.Module):
         super().__init__()
         self._orig_mod = model
         self.policy, self.dtype, self.device_type = policy, dtype, device_type
-        self.check_each_pass = check_each_pass
+        self.check_each_pass, self._warned_autocast = check_each_pass, False
         self._cache = self._new_cache()
         self._last: Captured | None = None
-        self._warned_autocast = False
+        self._monitor: Any = None  # an amp_graph.monitoring.Monitor picks each call's graph
         self._in_place = False  # set by compile_: capture the class's forward
         self.forward = _SignedForward(self._call, _forward_signature(model))
 
@@ -377,8 +375,7 @@ class CompiledModule(nn.Module):
         """Pickle the model and the policy; the graphs are captured again after loading
         (they hold fake values and shape symbols tied to this process)."""
         state = self.__dict__.copy()
-        state["_cache"], state["_last"] = self._new_cache(), None
-        state.pop("_monitor", None)  # its buffers and files belong to this process
+        state["_cache"], state["_last"], state["_monitor"] = self._new_cache(), None, None
         return state
 
     # ---- calling ---------------------------------------------------------------------
@@ -407,9 +404,7 @@ class CompiledModule(nn.Module):
         return self._run(captured, args, kwargs, leaves)
 
     def _run(self, captured: Captured, args: tuple, kwargs: dict, leaves: list) -> Any:
-        if self._monitor is None:
-            return captured.call(leaves)
-        return captured.unflatten(self._monitor.graph_for_step(captured.graph_module)(*leaves))
+        return captured.call(leaves, self._monitor and self._monitor.graph_for_step)
 
     def _warn_autocast(self) -> None:
         if not self._warned_autocast:
