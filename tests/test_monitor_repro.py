@@ -95,6 +95,9 @@ def test_the_bundle_holds_the_state_before_the_skipped_step(tmp_path) -> None:
     graph = TrainStep()
     monitor, before_hot = train(tmp_path, graph)
     assert graph.skipped_steps == 1
+    # after the first step only the buffers the step writes are copied per step
+    norm = {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
+    assert monitor.repro._written == {("model", key) for key in norm}
     path = monitor.repro_path
     assert path == tmp_path / "repro" / f"step_{HOT_STEP}"
     names = {"batch.pt", "rng.pt", "state.pt", "step_result.pt", "policy.txt", "graph.txt"}

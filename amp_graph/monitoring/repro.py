@@ -15,13 +15,14 @@ guard found inf/nan gradients) writes ``repro_dir/step_<N>/``:
 What is kept per step, and what is not copied: a skipped step changes no parameter and no
 optimizer state, so those are read after it, not copied before it. Per step the monitor
 keeps a reference to the inputs (not a copy: do not write into a batch in place before the
-next step), the CPU RNG state (5 KB on the host, and each GPU's), a copy of every buffer of
-the graph's modules (what the forward may write: BatchNorm's running statistics), the
-optimizers' hyperparameters and the schedulers' states (the schedulers step even on a
-skipped step), and a device copy of the scale and skip counters. Deciding whether a step
-was skipped reads its skip counter on the host, at the start of the next step: one read
-per step (on a GPU a synchronization, waiting for the step to finish), only with
-``repro_dir``.
+next step), the CPU RNG state (5 KB on the host, and each GPU's), a copy of the buffers the
+steps write (BatchNorm's running statistics: two values per channel; none in a model
+without such buffers: before the first step every buffer is copied, and compared after it
+to learn which the steps write), the optimizers' hyperparameters and the schedulers' states (the
+schedulers step even on a skipped step), and a device copy of the scale and skip
+counters. Deciding whether a step was skipped reads its skip counter on the host, at the
+start of the next step: one read per step (on a GPU a synchronization, waiting for the
+step to finish), only with ``repro_dir``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class ReproRecorder:
         self.written: Path | None = None
         self.graph: Any = None  # the Graph whose steps it keeps
         self._last: _PreStep | None = None
+        self._written: set[tuple[str, str]] | None = None  # (module, buffer) a step writes
 
     def before(self, graph: Any, inputs: tuple, step: int) -> None:
         self.graph = graph
@@ -81,10 +83,7 @@ class ReproRecorder:
             inputs=inputs,
             rng_cpu=torch.get_rng_state(),
             rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-            buffers={
-                name: {k: b.detach().clone() for k, b in module.named_buffers()}
-                for name, module in graph.registered_modules.items()
-            },
+            buffers=self._buffers_to_keep(graph),
             hyperparameters=[
                 [
                     copy.deepcopy({k: v for k, v in g.items() if k != "params"})
@@ -97,7 +96,25 @@ class ReproRecorder:
             skipped_before=graph.skipped_steps_counter,
         )
 
+    def _buffers_to_keep(self, graph: Any) -> dict[str, dict[str, torch.Tensor]]:
+        """Copies of the buffers the steps write: every buffer before the first step, whose
+        end shows which it wrote (:meth:`after`); those alone after it."""
+        kept: dict[str, dict[str, torch.Tensor]] = {}
+        for name, module in graph.registered_modules.items():
+            for key, buffer in module.named_buffers():
+                if self._written is None or (name, key) in self._written:
+                    kept.setdefault(name, {})[key] = buffer.detach().clone()
+        return kept
+
     def after(self, graph: Any, out: Any) -> None:
+        if self._written is None and self._last is not None:  # the first step: which changed
+            modules = graph.registered_modules
+            self._written = {
+                (name, key)
+                for name, copies in self._last.buffers.items()
+                for key, before in copies.items()
+                if not _same(before, modules[name].get_buffer(key))
+            }
         if self._last is not None:
             self._last.out = out
             self._last.skipped_after = graph.skipped_steps_counter
@@ -120,6 +137,16 @@ class ReproRecorder:
             self.written,
         )
         return self.written
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same values, NaNs in the same places (a host read: once, after the first step)."""
+    if a.shape != b.shape:
+        return False
+    nan_a, nan_b = a.isnan(), b.isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(
+        a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
+    )
 
 
 def _pre_step_state(graph: Any, last: _PreStep) -> dict[str, Any]:
