@@ -119,19 +119,6 @@ class _Instrumenter:
         self.graph_name = graph_name
         self.probes = probes
 
-    def _row(self, node: fx.Node, **fields: object) -> int:
-        amp = node.meta.get(AMP)
-        self.probes.append(
-            Probe(
-                node=node.name,
-                graph=self.graph_name,
-                op=amp.op if amp is not None and amp.op else str(node.target),
-                module=amp.module_path if amp is not None else "",
-                **fields,  # type: ignore[arg-type]
-            )
-        )
-        return len(self.probes) - 1
-
     def instrument(self, graph: fx.Graph, selected: Callable[[fx.Node], bool]) -> None:
         chosen = [n for n in graph.nodes if n.op == "call_function" and selected(n)]
         if not chosen:
@@ -144,34 +131,55 @@ class _Instrumenter:
         for node in chosen:
             self._probe_node(graph, node, sink)
 
-    def _call(self, graph: fx.Graph, fn: Callable, args: tuple, name: str) -> None:
-        call = graph.create_node("call_function", fn, args, {}, name=name)
+    def _probe(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        sink: fx.Node,
+        value: fx.Node,
+        role: str,
+        run_dtype: torch.dtype,
+        *,
+        weight: bool = False,
+        scale: fx.Node | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """One probe of ``node``: ``value``'s statistics (forward), or with a ``grad_`` role
+        those of its gradient (a hook the forward registers), at the insertion point."""
+        amp = node.meta.get(AMP)
+        backward = role.startswith("grad_")
+        self.probes.append(
+            Probe(
+                node=node.name,
+                graph=self.graph_name,
+                op=amp.op if amp is not None and amp.op else str(node.target),
+                module=amp.module_path if amp is not None else "",
+                role=role,
+                dtype=dtype or _dtype_of(value),  # type: ignore[arg-type]
+                run_dtype=run_dtype,
+                weight=weight,
+                backward=backward,
+            )
+        )
+        row = len(self.probes) - 1
+        fn, args = (
+            (record_grad_stats, (value, sink, row))
+            if backward
+            else (record_stats, (value, sink, row, run_dtype, scale))
+        )
+        call = graph.create_node("call_function", fn, args, {}, name=f"stats_{node.name}_{role}")
         call.meta[AMP] = AmpInfo.fixed(Role.RUNTIME, fn.__name__, "the monitor's probe")
 
     def _probe_quantize(self, graph: fx.Graph, node: fx.Node, sink: fx.Node) -> None:
         """``(x, scale, dtype)``: x in ``dtype`` at ``scale``, and the float8 result (which
         needs no gradient: a quantization is detached)."""
         x, scale, dtype = node.args[:3]
-        role = "weight" if _reads_parameter(x) else "input"
+        weight = _reads_parameter(x)
         with graph.inserting_before(node):
-            row = self._row(
-                node,
-                role=role,
-                dtype=_dtype_of(x),
-                run_dtype=dtype,
-                weight=role == "weight",
-                backward=False,
-            )
-            self._call(
-                graph, record_stats, (x, sink, row, dtype, scale), f"stats_{node.name}_{role}"
-            )
+            role = "weight" if weight else "input"
+            self._probe(graph, node, sink, x, role, dtype, weight=weight, scale=scale)
         with graph.inserting_after(node):
-            row = self._row(
-                node, role="output", dtype=dtype, run_dtype=dtype, weight=False, backward=False
-            )
-            self._call(
-                graph, record_stats, (node, sink, row, dtype, None), f"stats_{node.name}_output"
-            )
+            self._probe(graph, node, sink, node, "output", dtype, dtype=dtype)
 
     def _probe_node(self, graph: fx.Graph, node: fx.Node, sink: fx.Node) -> None:
         schema = _schema_name(node)
@@ -194,66 +202,24 @@ class _Instrumenter:
                 measured, run_dtype, scale = arg, _dtype_of(arg), None
                 if arg_name in fp8:
                     quantized, scale_name = fp8[arg_name]
-                    scale = named[scale_name]
-                    run_dtype = _dtype_of(named[quantized])
+                    scale, run_dtype = named[scale_name], _dtype_of(named[quantized])
                 elif is_inserted_cast(arg):
                     measured = arg.args[0]
-                row = self._row(
-                    node,
-                    role=role,
-                    dtype=_dtype_of(measured),
-                    run_dtype=run_dtype,
-                    weight=weight,
-                    backward=False,
+                assert run_dtype is not None
+                self._probe(
+                    graph, node, sink, measured, role, run_dtype, weight=weight, scale=scale
                 )
-                self._call(
-                    graph,
-                    record_stats,
-                    (measured, sink, row, run_dtype, scale),
-                    f"stats_{node.name}_{role}",
-                )
-                if weight:
-                    row = self._row(
-                        node,
-                        role=f"grad_{role}",
-                        dtype=_dtype_of(arg),
-                        run_dtype=_dtype_of(arg),
-                        weight=True,
-                        backward=True,
-                    )
-                    self._call(
-                        graph, record_grad_stats, (arg, sink, row), f"stats_{node.name}_grad_{role}"
-                    )
+                if weight:  # the gradient of the operand as the op reads it: its dtype
+                    grad_dtype = _dtype_of(arg)
+                    assert grad_dtype is not None
+                    self._probe(graph, node, sink, arg, f"grad_{role}", grad_dtype, weight=True)
         out = node.meta.get(VAL)
         if not _floating(out):
             return
+        with graph.inserting_after(node):  # each goes right after the node: last made first
+            self._probe(graph, node, sink, node, "grad_output", out.dtype)
         with graph.inserting_after(node):
-            grad_row = self._row(
-                node,
-                role="grad_output",
-                dtype=out.dtype,
-                run_dtype=out.dtype,
-                weight=False,
-                backward=True,
-            )
-            self._call(
-                graph, record_grad_stats, (node, sink, grad_row), f"stats_{node.name}_grad_output"
-            )
-        with graph.inserting_after(node):
-            row = self._row(
-                node,
-                role="output",
-                dtype=out.dtype,
-                run_dtype=out.dtype,
-                weight=False,
-                backward=False,
-            )
-            self._call(
-                graph,
-                record_stats,
-                (node, sink, row, out.dtype, None),
-                f"stats_{node.name}_output",
-            )
+            self._probe(graph, node, sink, node, "output", out.dtype)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
