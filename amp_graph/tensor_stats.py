@@ -97,7 +97,8 @@ class StatsSink:
 
     ``buffer`` is ``[probes, len(STATS)]`` float64 on the model's device, or None (the
     probes then do nothing). ``columns``: the :data:`STATS` indices to compute (the others
-    stay 0). The monitor swaps ``buffer`` per logging step.
+    stay 0). The monitor installs a new ``buffer`` per logging step; a gradient hook keeps
+    writing into the buffer of the step that registered it.
     """
 
     def __init__(self, rows: int, columns: frozenset[int]) -> None:
@@ -111,11 +112,6 @@ class StatsSink:
         self.clear_leaf_hooks()
         self.buffer = torch.zeros(self.rows, len(STATS), dtype=torch.float64, device=device)
         return self.buffer
-
-    def stop(self) -> None:
-        """No buffer: probes write nothing until the next :meth:`start`. Gradient hooks
-        already on tensors keep writing into the buffer they were given (their step's)."""
-        self.buffer = None
 
     def clear_leaf_hooks(self) -> None:
         """Remove the hooks left on leaf tensors whose backward never ran (an eval call)."""

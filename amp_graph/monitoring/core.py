@@ -70,7 +70,7 @@ def _scale_tensor(scaler: Any) -> torch.Tensor | None:
 
 
 def _columns(stats: Any) -> tuple[str, ...]:
-    """The STATS names ``stats=`` switches on, in STATS order (``numel`` always)."""
+    """The STATS names ``stats=`` switches on, in STATS order."""
     if stats is None:
         groups = list(STAT_GROUPS)
     elif isinstance(stats, str) or not hasattr(stats, "__iter__"):
@@ -137,7 +137,7 @@ class Monitor:
         # the rank a row was measured on; None for rows reduced over a group
         self._rank = None if group is not None else (dist.get_rank() if _distributed() else 0)
         self.selection = NodeSelection(nodes)
-        self.stats = tuple(s for s in _columns(stats) if s != "numel")
+        self.stats = _columns(stats)
         self._column_ids = frozenset(STATS.index(s) for s in (*self.stats, "numel"))
         self.log_dir = None if log_dir is None else Path(log_dir)
         if self.log_dir is not None:
@@ -246,20 +246,20 @@ class Monitor:
             return
         pending, self._pending = self._pending, []
         cpu = torch.device("cpu")
-        parts = [p.buffer.flatten().to(cpu, torch.float64) for p in pending]
+        buffers = torch.cat([p.buffer.flatten() for p in pending])
         if self.group is not None:
-            parts = [_reduced(torch.cat([p.buffer.flatten() for p in pending]), self.group)]
+            buffers = _reduced(buffers, self.group)
+        parts = [buffers.to(cpu, torch.float64)]
         parts += [
             p.loss_scale.reshape(1).to(cpu, torch.float64)
             for p in pending
             if p.loss_scale is not None
         ]
         values = torch.cat(parts).tolist()  # the one read
-        scales = iter(values[sum(p.buffer.numel() for p in pending) :])
+        scales = iter(values[buffers.numel() :])
         rows = []
-        offset = 0
+        offset, width = 0, len(STATS)
         for entry in pending:
-            width = len(STATS)
             loss_scale = next(scales) if entry.loss_scale is not None else None
             for probe in entry.instrumented.probes:
                 row = values[offset : offset + width]
@@ -354,7 +354,7 @@ def _reduced(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     dist.all_reduce(rows, dist.ReduceOp.SUM, group=group)
     dist.all_reduce(amax, dist.ReduceOp.MAX, group=group)
     rows[:, 0] = amax
-    return rows.flatten().to(torch.device("cpu"), torch.float64)
+    return rows.flatten()
 
 
 def _is_step_graph(gm: fx.GraphModule) -> bool:

@@ -195,12 +195,11 @@ def write_bundle(path: Path, graph: Any, last: _PreStep) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     record = graph.build_graph.meta[COMPILE_META]
     scaler = graph.grad_scaler
-    loss_scale = None
-    if scaler is not None:
-        loss_scale = _pre_step_state(graph, last)["scaler"].get("scale")
+    state = _pre_step_state(graph, last)
+    loss_scale = None if scaler is None else state["scaler"].get("scale")
     torch.save(last.inputs, path / "batch.pt")
     torch.save({"cpu": last.rng_cpu, "cuda": last.rng_cuda}, path / "rng.pt")
-    torch.save(_pre_step_state(graph, last), path / "state.pt")
+    torch.save(state, path / "state.pt")
     out = last.out.detach() if isinstance(last.out, torch.Tensor) else last.out
     result = {"out": out, "grads": gradients(graph), "buffers": buffers_after(graph)}
     torch.save(result, path / "step_result.pt")
