@@ -155,14 +155,7 @@ class GraphConfig:
 
     def attach_monitor(self, monitor: Monitor) -> None:
         """Use ``monitor`` (what :func:`amp_graph.monitor` does for a Graph)."""
-        if self.monitor is not None:
-            raise ValueError("this Graph already has a monitor; call its detach() first")
-        self.monitor = monitor
-
-        def detach() -> None:
-            self.monitor = None
-
-        monitor._detach = detach
+        monitor.attach(self, "monitor", "Graph")
 
     def __repr__(self) -> str:
         amp = f"amp={self.amp}" + (f" ({self.policy}, {self.dtype})" if self.amp else "")

@@ -99,15 +99,7 @@ def monitor(
                 "knows which step it skipped. For a compiled module, train it inside a Graph "
                 "(graph.config.enable_monitor(repro_dir=...)), or drop repro_dir"
             )
-        if compiled._monitor is not None:
-            raise ValueError("this compiled module already has a monitor; call its detach() first")
-        compiled._monitor = made
-
-        def detach() -> None:
-            compiled._monitor = None
-
-        made._detach = detach
-        return made
+        return made.attach(compiled, "_monitor", "compiled module")
     config = getattr(target, "config", None)
     if callable(getattr(config, "attach_monitor", None)):  # an amp_graph.Graph
         config.attach_monitor(made)

@@ -148,7 +148,7 @@ class Monitor:
         self._pending: list[_Pending] = []
         self._rows: list[dict] = []
         self._files_started = False
-        self._detach: Any = None  # set by whoever attaches the monitor
+        self._slot: tuple[Any, str] | None = None  # (target, attribute) it is attached as
 
     # ---- what a step runs -----------------------------------------------------------------
 
@@ -296,12 +296,21 @@ class Monitor:
         if self._tensorboard is not None:
             self._tensorboard.close()
 
+    def attach(self, holder: Any, attribute: str, what: str) -> Monitor:
+        """Become ``holder.<attribute>``, the slot a target asks for its step's graph (a
+        compiled module's ``_monitor``, a Graph config's ``monitor``); returns ``self``."""
+        if getattr(holder, attribute) is not None:
+            raise ValueError(f"this {what} already has a monitor; call its detach() first")
+        setattr(holder, attribute, self)
+        self._slot = (holder, attribute)
+        return self
+
     def detach(self) -> None:
         """Stop monitoring: the target runs its own graphs only. Flushes first."""
         self.close()
-        if self._detach is not None:
-            self._detach()
-            self._detach = None
+        if self._slot is not None:
+            setattr(*self._slot, None)
+            self._slot = None
 
     def __repr__(self) -> str:
         where = f", log_dir={str(self.log_dir)!r}" if self.log_dir is not None else ""
