@@ -37,6 +37,7 @@ from amp_graph.amp_request import (
 from amp_graph.capture import Captured, CaptureError, capture_module
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.classify import normalize_module_path
+from amp_graph.passes.graph_copy import copy_graph, copy_graph_module, graph_module_over
 from amp_graph.passes.meta import short
 from amp_graph.policy import Policy
 
@@ -65,7 +66,7 @@ class CompileRecord:
         """The graph as captured, before the passes (a GraphModule sharing the model's state)."""
         if isinstance(self._original, tuple):
             graph, root = self._original
-            self._original = _graph_module_over(root, graph)
+            self._original = graph_module_over(root, graph)
         return self._original
 
 
@@ -75,27 +76,6 @@ def drop_string_annotations(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if isinstance(node.type, str):
             node.type = None
-
-
-def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    graph = fx.Graph(owning_module=None)
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    return graph
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over a copy of ``gm``'s graph, sharing its submodules and tensors."""
-    return _graph_module_over(gm, _copy_graph(gm))
-
-
-def _graph_module_over(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
-    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    copied.meta.update(getattr(gm, "meta", {}))
-    for name, child in gm.named_children():  # read the same modules, not copies of parts
-        if hasattr(copied, name):
-            setattr(copied, name, child)
-    return copied
 
 
 _copy_graph_module = copy_graph_module  # the name the inspection modules import
@@ -121,7 +101,7 @@ def rewrite(
     # the captured form the passes and the diffs read: the model's blocks flat
     inlined = inline_regions(gm)
     inlined_seconds = time.perf_counter() - start
-    original = (_copy_graph(gm), gm)
+    original = (copy_graph(gm), gm)
     result = run_passes(gm, policy, dtype, check_each=check_each_pass)
     record = CompileRecord(
         policy,

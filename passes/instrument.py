@@ -31,6 +31,7 @@ import torch.fx as fx
 from amp_graph.recompute import recomputed_quantize
 from amp_graph.tensor_stats import STATS, StatsSink, record_grad_stats, record_stats
 
+from .graph_copy import copy_graph_module
 from .meta import AMP, VAL, AmpInfo, Role, short
 from .recompute_casts import is_inserted_cast
 
@@ -222,19 +223,6 @@ class _Instrumenter:
             self._probe(graph, node, sink, node, "output", out.dtype)
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule over a copy of ``gm``'s graph (nodes keep names and meta) that shares
-    ``gm``'s submodules, parameters and buffers."""
-    graph = fx.Graph(owning_module=None)
-    graph.output(graph.graph_copy(gm.graph, {}))
-    graph._codegen = gm.graph._codegen
-    copied = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    copied.meta.update(getattr(gm, "meta", {}))
-    for name, child in gm.named_children():  # all of them: a step graph reads the build's
-        copied.add_module(name, child)
-    return copied
-
-
 def _region_graphs(gm: fx.GraphModule) -> list[str]:
     """The activation-checkpoint regions ``gm`` calls (``passes.checkpoints``' submodules)."""
     return [
@@ -264,12 +252,12 @@ def instrument(
     columns = frozenset(range(len(STATS))) if columns is None else columns
     sink = StatsSink(0, columns)
     probes: list[Probe] = []
-    copied = _copy(gm)
+    copied = copy_graph_module(gm)
     setattr(copied, SINK_ATTR, sink)
     _Instrumenter("", probes).instrument(copied.graph, selected)
     instrumented = [copied]
     for name in _region_graphs(gm):
-        region = _copy(getattr(gm, name))
+        region = copy_graph_module(getattr(gm, name))
         setattr(region, SINK_ATTR, sink)
         before = len(probes)
         _Instrumenter(name, probes).instrument(region.graph, selected)
