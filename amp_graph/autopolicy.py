@@ -214,8 +214,12 @@ class _SharedCaptures(CompiledModule):
         return replace(base, graph_module=copy_graph_module(base.graph_module))
 
 
-def _as_args(sample: Any) -> tuple:
-    return tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+def _as_call(sample: Any) -> tuple[tuple, dict]:
+    """A sample's (args, kwargs): a dict is keyword arguments, a tuple or list positional
+    ones, anything else the one positional argument."""
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    return (tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)), {}
 
 
 class _Search:
@@ -250,9 +254,14 @@ class _Search:
         compiled = _SharedCaptures(
             self.model, self.policy(demoted), self.dtype, self.device_type, self.captures
         )
-        for i, args in enumerate(self.samples):
+        for i, (args, kwargs) in enumerate(self.samples):
             result = shadow_run(
-                compiled, args, backward=self.backward, loss_fn=self.loss_fn, scale=self.scale
+                compiled,
+                args,
+                kwargs,
+                backward=self.backward,
+                loss_fn=self.loss_fn,
+                scale=self.scale,
             )
             finding = _forward_finding(result, i, self.tol)
             if finding is None and self.backward:
@@ -280,8 +289,8 @@ def autopolicy(
     Args:
         model: the model (an ``nn.Module``; a :class:`CompiledModule` gives its model).
         policy, dtype: where to start, as for :func:`amp_graph.compile`.
-        sample_inputs: a list of forward arguments, each a tuple (``[(x,), (x2,)]``) or a
-            single tensor.
+        sample_inputs: a list of forward arguments, each a tuple (``[(x,), (x2,)]``), a
+            single tensor, or a dict of keyword arguments (``[{"input_ids": ids}]``).
         tol: the largest relative error (L2) of outputs (and, with ``backward``, of every
             parameter's gradient) against float32. Default: 10 x the dtype's epsilon
             (about 1e-2 for float16, 8e-2 for bfloat16).
@@ -307,7 +316,7 @@ def autopolicy(
         raise ValueError(
             "sample_inputs is a non-empty list of forward arguments, e.g. [(x,), (x2,)]"
         )
-    samples = [_as_args(s) for s in sample_inputs]
+    samples = [_as_call(s) for s in sample_inputs]
     check_request(policy, dtype)
     request = resolve(policy, dtype, device_type_of(model, samples[0]))
     base, dtype, device_type = request.policy, request.dtype, request.device_type

@@ -68,6 +68,19 @@ from amp_graph.policy import Policy
 log = logging.getLogger(__name__)
 
 MODEL_ATTR = "model"
+# gm.meta key: what torch.export said of the captured program beyond its graph (its shape
+# symbols' ranges, its call signature, its verifier), for amp_graph.deploy to make an
+# ExportedProgram of the rewritten graph without tracing it again
+EXPORT_FACTS = "amp_graph.export_facts"
+
+
+@dataclass(frozen=True)
+class ExportFacts:
+    range_constraints: dict
+    module_call_graph: list
+    verifiers: list
+
+
 """The attribute of a captured GraphModule that holds the user's model itself."""
 
 
@@ -132,6 +145,18 @@ class Captured:
         return pytree.tree_unflatten(list(out), self.out_spec)
 
 
+def export_refused(model: str) -> RuntimeError:
+    """What ``torch.export.export`` of an amp_graph compiled module raises."""
+    return RuntimeError(
+        f"torch.export.export cannot export an amp_graph compiled module ({model}): amp_graph "
+        "captures and rewrites the model itself, per input signature. For an inference "
+        "program (eval mode, every cast explicit, weights stored in the low dtype) call "
+        f"amp_graph.export(model, args, policy=..., dtype=...) (it also takes the compiled "
+        "module); for the training graph as it is, export compiled.graph_module with the "
+        "flat inputs"
+    )
+
+
 def capture_autocast(
     device_type: str, dtype: torch.dtype | None
 ) -> contextlib.AbstractContextManager:
@@ -152,11 +177,13 @@ def capture_module(
     model_attr: str | None = MODEL_ATTR,
     policy: Policy | None = None,
     low_dtype: torch.dtype | None = None,
+    dynamic_shapes: Any = None,
 ) -> Captured:
     """Export ``model(*args, **kwargs)`` and unlift it into a GraphModule over ``model``.
 
     ``dynamic=True`` lets export keep the sizes of tensor inputs symbolic where the model
-    allows (``Dim.AUTO``), so one graph serves every batch size and sequence length.
+    allows (``Dim.AUTO``), so one graph serves every batch size and sequence length;
+    ``dynamic_shapes`` (torch.export's argument) says which sizes exactly, instead.
     ``model_attr`` is the GraphModule attribute the model is read through (None: its
     children become the GraphModule's). With a ``policy`` (and its ``low_dtype``), the
     model's Python sees the dtypes that policy gives each value
@@ -166,7 +193,8 @@ def capture_module(
         CaptureError: naming the failing construct (file, line, code) and what to do.
     """
     start = time.perf_counter()
-    dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs) if dynamic else None
+    if dynamic_shapes is None and dynamic:
+        dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs)
     low = low_dtype or autocast_dtype or torch.bfloat16
     planned = (
         capture_under_policy(model, policy, low) if policy is not None else contextlib.nullcontext()
@@ -209,6 +237,9 @@ def capture_module(
             "{'use_reentrant': False})); amp_graph then recomputes the block in backward."
         )
     gm = _graph_module(program, model, model_attr)
+    gm.meta[EXPORT_FACTS] = ExportFacts(
+        dict(program.range_constraints), list(program.module_call_graph), list(program.verifiers)
+    )
     if isinstance(planned, capture_under_policy):
         if planned.widening_casts:
             strip_widening_casts(gm, planned.widening_casts)

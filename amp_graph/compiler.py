@@ -34,10 +34,10 @@ from amp_graph.amp_request import (
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.capture import Captured, CaptureError, capture_module
+from amp_graph.capture import Captured, CaptureError, capture_module, export_refused
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.classify import normalize_module_path
-from amp_graph.passes.graph_copy import copy_graph, copy_graph_module, graph_module_over
+from amp_graph.passes.graph_copy import copy_graph, copy_graph_module, graph_module_over  # noqa: F401 (re-exported)
 from amp_graph.passes.meta import short
 from amp_graph.policy import Policy
 
@@ -76,9 +76,6 @@ def drop_string_annotations(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if isinstance(node.type, str):
             node.type = None
-
-
-_copy_graph_module = copy_graph_module  # the name the inspection modules import
 
 
 def rewrite(
@@ -238,7 +235,7 @@ class _SignedForward:
     ``copy.deepcopy`` rebinds ``run`` to the copy."""
 
     def __init__(self, run: Callable[..., Any], signature: inspect.Signature | None) -> None:
-        self.run = run
+        self.run, self.__code__ = run, run.__code__  # torch.export reads forward.__code__
         if signature is not None:
             self.__signature__ = signature
 
@@ -376,6 +373,8 @@ class CompiledModule(nn.Module):
         return self._call(*args, **kwargs)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_exporting():
+            raise export_refused(type(self._orig_mod).__name__)
         captured, leaves = self._captured_for(args, kwargs)
         if torch.is_autocast_enabled(self.device_type):
             self._warn_autocast()
@@ -710,7 +709,6 @@ def _compiled_in_place(model: Any) -> CompiledModule | None:
 
 def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """A clear error for example inputs the forward cannot take (before any tracing)."""
-
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError):

@@ -1,0 +1,323 @@
+"""``amp_graph.export``: the mixed-precision inference program of a model, as a
+``torch.export.ExportedProgram``.
+
+The model is captured and rewritten exactly as :func:`amp_graph.compile` does in eval mode
+(the same capture, policy and passes), then made an ExportedProgram directly from the
+rewritten graph (:mod:`amp_graph.deploy.lift`): every cast is an aten ``_to_copy`` in the
+graph, and every parameter or buffer that only low-precision ops read is stored in the low
+dtype. So the program computes what ``amp_graph.compile(model.eval())`` computes under
+``torch.no_grad()``, bit for bit, from about half the bytes of state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from amp_graph.amp_request import (
+    check_request,
+    device_type_of,
+    resolve,
+    validate_module_overrides,
+    validate_node_overrides,
+)
+from amp_graph.autopolicy import autopolicy
+from amp_graph.capture import capture_module
+from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
+from amp_graph.passes.aten_casts import aten_casts
+from amp_graph.passes.meta import AMP, Role, short
+from amp_graph.passes.state_casts import state_casts
+from amp_graph.policy import Policy
+
+from .lift import exported_program
+
+INFO = "amp_graph.export"  # ep.graph_module.meta key of the ExportInfo
+
+
+@dataclass(frozen=True)
+class Island:
+    """An op the program computes in float32, and why."""
+
+    node: str
+    op: str
+    module_path: str
+    why: str
+
+
+@dataclass
+class ExportInfo:
+    """What :func:`export` decided: read it with :func:`export_info`.
+
+    ``demoted``: the nodes calibration kept in float32, each with its evidence;
+    ``stored_low``: each parameter or buffer stored in the low dtype, and that dtype;
+    ``islands``: every op computed in float32 and why; ``casts``: the casts in the program;
+    ``seconds``: the capture, the passes and the lifting.
+    """
+
+    policy: Policy
+    dtype: torch.dtype
+    demoted: dict[str, str] = field(default_factory=dict)
+    stored_low: dict[str, torch.dtype] = field(default_factory=dict)
+    islands: list[Island] = field(default_factory=list)
+    casts: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        by_dtype: dict[str, int] = {}
+        for dtype in self.stored_low.values():
+            by_dtype[short(dtype)] = by_dtype.get(short(dtype), 0) + 1
+        stored = ", ".join(f"{n} in {d}" for d, n in by_dtype.items()) or "none low"
+        lines = [
+            f"policy {self.policy.name}, dtype {short(self.dtype)}: {self.casts} casts, "
+            f"state stored {stored}, {len(self.islands)} float32 ops"
+        ]
+        lines += [f"  demoted by calibration: {n}: {why}" for n, why in self.demoted.items()]
+        return "\n".join(lines)
+
+
+def export_info(program: ExportedProgram) -> ExportInfo:
+    """The :class:`ExportInfo` of a program :func:`export` made (in this process)."""
+    info = program.graph_module.meta.get(INFO)
+    if info is None:
+        raise ValueError(
+            "this ExportedProgram was not made by amp_graph.export in this process (a loaded "
+            "program keeps its record in the file: amp_graph.deploy.load_info(path))"
+        )
+    return info
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode, its modules' own flags restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _as_call(value: Any) -> tuple[tuple, dict]:
+    if isinstance(value, dict):
+        return (), dict(value)
+    return (tuple(value) if isinstance(value, (tuple, list)) else (value,)), {}
+
+
+def _structure(args: tuple, kwargs: dict) -> pytree.TreeSpec:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    kinds = ["Tensor" if isinstance(v, torch.Tensor) else type(v).__name__ for v in leaves]
+    return spec, kinds  # type: ignore[return-value]
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"Tensor{list(value.shape)} {short(value.dtype)}"
+        if isinstance(value, (tuple, list)):
+            return f"({', '.join(one(v) for v in value)})"
+        return type(value).__name__
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return f"({', '.join(parts)})"
+
+
+def calibration_samples(
+    model: nn.Module, calibration: Iterable[Any], args: tuple, kwargs: dict
+) -> list[tuple[tuple, dict]]:
+    """The calibration samples as (args, kwargs), each checked against the forward's
+    signature and the structure of the export's example inputs.
+
+    Raises:
+        TypeError: naming the sample, what it is, and the signature it must fit.
+    """
+    if isinstance(calibration, (torch.Tensor, dict)) or not isinstance(calibration, Iterable):
+        raise TypeError(
+            "calibration is an iterable of sample inputs (a list of tuples of forward "
+            f"arguments, or of dicts of keyword arguments); got {type(calibration).__name__}"
+        )
+    signature = inspect.signature(model.forward)
+    expected = _structure(args, kwargs)
+    where = f"{type(model).__name__}.forward{signature}"
+    samples = []
+    for i, sample in enumerate(calibration):
+        call = _as_call(sample)
+        try:
+            signature.bind(*call[0], **call[1])
+        except TypeError as error:
+            raise TypeError(
+                f"calibration sample {i} {_describe(*call)} does not fit {where}: {error}. "
+                "Each sample is a tuple of positional arguments or a dict of keyword "
+                "arguments, as the example inputs are"
+            ) from None
+        if _structure(*call) != expected:
+            raise TypeError(
+                f"calibration sample {i} is {_describe(*call)}, but the model is exported "
+                f"with {_describe(args, kwargs)} for {where}: every sample must have the "
+                "example inputs' structure (the same arguments, tensors where they have "
+                "tensors), since calibration picks nodes of that one graph"
+            )
+        samples.append(call)
+    if not samples:
+        raise ValueError("calibration is empty: pass at least one sample input, or None")
+    return samples
+
+
+def export(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    policy: Policy | str | None = None,
+    dtype: torch.dtype | None = None,
+    dynamic_shapes: Any = None,
+    calibration: Iterable[Any] | None = None,
+    tol: float | None = None,
+) -> ExportedProgram:
+    """Export ``model`` for inference in mixed precision: a ``torch.export.ExportedProgram``.
+
+    The program is the model in eval mode (dropout off, batch norm on its running
+    statistics, whatever mode the model was in; its own flags are restored after), without
+    autograd, computing each op at the dtype ``policy`` gives it, with every cast an aten op
+    in the graph. Each parameter and buffer that only low-precision ops read is stored in
+    the low dtype (``program.state_dict``), so the program's state is about half the
+    float32 model's and casting weights costs nothing at run time.
+
+    Args:
+        model: the model (an ``nn.Module``); a module from :func:`amp_graph.compile`
+            gives its model, policy and dtype.
+        args / kwargs: example inputs, as for ``torch.export.export`` (a single tensor is
+            taken as ``(tensor,)``).
+        policy / dtype: as for :func:`amp_graph.compile` (default ``"O1"`` and the device's
+            autocast dtype).
+        dynamic_shapes: as ``torch.export.export`` takes it (``{"x": {0: Dim("batch")}}``).
+        calibration: sample inputs (tuples of forward arguments, or dicts of keyword
+            arguments, with the example inputs' structure). When given,
+            :func:`amp_graph.autopolicy` runs on them and keeps in float32 the nodes whose
+            low precision puts the outputs further than ``tol`` from float32 (or
+            non-finite); :func:`export_info` says which and why.
+        tol: calibration's tolerance (default: autopolicy's, 10 x the dtype's epsilon).
+
+    Returns:
+        The ExportedProgram: ``program.module()(*args)`` equals
+        ``amp_graph.compile(model.eval(), policy, dtype)(*args)`` under ``torch.no_grad()``,
+        bit for bit. Save it with ``torch.export.save`` (or :func:`amp_graph.deploy.save`,
+        which also keeps the :class:`ExportInfo`); compile it with AOTInductor, or export it
+        to ONNX (:mod:`amp_graph.deploy.targets`).
+
+    Raises:
+        TypeError: bad model, inputs or calibration samples (naming the signature).
+        ValueError / NotImplementedError: a policy or dtype that cannot be exported.
+        CaptureError: the model could not be captured.
+    """
+    in_place = None if isinstance(model, CompiledModule) else _compiled_in_place(model)
+    compiled = model if isinstance(model, CompiledModule) else in_place
+    if compiled is not None:
+        policy = compiled.policy if policy is None else policy
+        dtype = compiled.dtype if dtype is None else dtype
+        model = compiled.model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"amp_graph.export takes an nn.Module; got {type(model).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs is a dict of keyword arguments; got {type(kwargs).__name__}")
+    args, kwargs = _as_call(args)[0], dict(kwargs or {})
+    policy = "O1" if policy is None else policy
+    check_request(policy, dtype)
+    request = resolve(policy, dtype, device_type_of(model, (args, kwargs)))
+    base, dtype = request.policy, request.dtype
+    if base.fp8 is not None:
+        raise NotImplementedError(
+            f"amp_graph.export does not export the fp8 policy {base.name!r} yet: its float8 "
+            "linears are amp_graph ops that torch.export.load, AOTInductor and ONNX do not "
+            "know. Export with policy='O1'/'O2' and dtype=torch.bfloat16 or torch.float16"
+        )
+    validate_module_overrides(base, [name for name, _ in model.named_modules()])
+    seconds: dict[str, float] = {}
+    # a model compile_ compiled in place is captured through its class's forward
+    own_forward = _class_forward(model) if in_place is not None else contextlib.nullcontext()
+    with eval_mode(model), torch.no_grad(), own_forward:
+        demoted: dict[str, str] = {}
+        if calibration is not None:
+            samples = calibration_samples(model, calibration, args, kwargs)
+            start = time.perf_counter()
+            calibrated = autopolicy(
+                model,
+                base,
+                dtype,
+                sample_inputs=[s[1] or s[0] for s in samples],
+                tol=tol,
+                backward=False,
+            )
+            seconds["calibration"] = time.perf_counter() - start
+            demoted = {n: calibrated.notes.get(n, "") for n in calibrated.nodes}
+            demoted = {n: d for n, d in demoted.items() if n not in base.nodes}
+            base = calibrated
+        # no backward: nothing to recast in it
+        inference = dataclasses.replace(base, recompute_casts=False)
+        start = time.perf_counter()
+        captured = capture_module(
+            model,
+            args,
+            kwargs,
+            device_type=request.device_type,
+            autocast_dtype=None if inference.casts_nothing else dtype,
+            policy=inference,
+            low_dtype=dtype,
+            dynamic_shapes=dynamic_shapes,
+        )
+        seconds["capture"] = time.perf_counter() - start
+        gm = captured.graph_module
+        validate_node_overrides(inference, [n.name for n in gm.graph.nodes])
+        record = rewrite(gm, inference, dtype, request.device_type)
+        seconds["passes"] = sum(record.seconds.values()) - record.seconds.get("capture", 0.0)
+        start = time.perf_counter()
+        islands = _islands(gm, inference)
+        aten_casts(gm)
+        stored = state_casts(gm)
+        program = exported_program(gm, stored.dtypes, _example(args, kwargs))
+        seconds["lift"] = time.perf_counter() - start
+    prefix = f"{gm.meta.get('amp_graph.model_root', '')}."
+    info = ExportInfo(
+        base,
+        dtype,
+        demoted,
+        {t.removeprefix(prefix): d for t, d in stored.dtypes.items()},
+        islands,
+        _count_casts(program),
+        seconds,
+    )
+    program.graph_module.meta[INFO] = info
+    return program
+
+
+def _example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def detached(value: Any) -> Any:
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
+    return pytree.tree_map(detached, (args, kwargs))
+
+
+def _islands(gm: torch.fx.GraphModule, policy: Policy) -> list[Island]:
+    found = []
+    for node in gm.graph.nodes:
+        amp = node.meta.get(AMP)
+        if amp is None or amp.role is not Role.OP or amp.compute_dtype != torch.float32:
+            continue
+        why = policy.notes.get(node.name) or amp.detail or amp.source
+        found.append(Island(node.name, amp.op, amp.module_path, why))
+    return found
+
+
+def _count_casts(program: ExportedProgram) -> int:
+    casts = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
+    return sum(n.op == "call_function" and n.target in casts for n in program.graph.nodes)
