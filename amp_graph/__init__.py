@@ -7,10 +7,11 @@
 torch.float32
 """
 
-from amp_graph import fp8, inspect, passes
+from amp_graph import deploy, fp8, inspect, passes
 from amp_graph.autopolicy import AutopolicyError, autopolicy
 from amp_graph.backend import AmpGraphBackend, backend, captured_graphs
 from amp_graph.compiler import CaptureError, CompiledModule, compile, compile_, uncompile
+from amp_graph.deploy import export, export_info
 from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.inspect.numerics import NumericsReport, numerics
@@ -46,9 +47,12 @@ __all__ = [
     "compile",
     "compile_",
     "dataflow",
+    "deploy",
     "diff",
     "draw",
     "explain",
+    "export",
+    "export_info",
     "fp8",
     "inspect",
     "monitor",

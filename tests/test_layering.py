@@ -83,6 +83,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "amp_graph.lightning",
         ),
     ),
+    # inference programs from the front ends' graphs (with autopolicy's calibration)
+    ("deployment", ("amp_graph.deploy",)),
     (
         "public API and CLI",
         (
