@@ -3,24 +3,21 @@ AOTInductor package, and ONNX run by onnxruntime; each written by :func:`save` a
 :func:`load`, which takes the model's own arguments.
 
 ONNX needs the ``onnx`` extra (``pip install amp_graph[onnx]``: onnx, onnxscript,
-onnxruntime), imported only here and only when asked for. A runtime that lacks a kernel
-for a low-precision op (onnxruntime's CPU provider has no bfloat16 ``MatMul``) is a
-:class:`TargetError` naming the op, the dtype and the target, raised when the file is
-written (``check=True``) or loaded: never a silent change of dtype.
+onnxruntime), in :mod:`amp_graph.deploy.onnx_target`, imported only when asked for. A
+runtime that lacks a kernel for a low-precision op (onnxruntime's CPU provider has no
+bfloat16 ``MatMul``) is a :class:`TargetError` naming the op, the dtype and the target,
+raised when the file is written (``check=True``) or loaded: never a silent change of dtype.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from amp_graph.passes.meta import short
@@ -29,11 +26,6 @@ from .program import INFO, ExportInfo
 
 FORMATS = ("pt2", "aoti", "onnx")
 INFO_FILE = "amp_graph.json"  # the ExportInfo, in a .pt2's extra files and ONNX metadata
-ONNX_PROVIDER = "CPUExecutionProvider"
-
-
-class TargetError(RuntimeError):
-    """The target cannot run what the program computes (an op at a dtype)."""
 
 
 def check_format(format: str) -> str:
@@ -77,10 +69,9 @@ def save(
             raise ValueError(f"an AOTInductor package is a .pt2 file; got {str(path)!r}")
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
     else:
-        onnx_program(program).save(str(path), external_data=False)
-        _add_onnx_info(path, info_json(program))
-        if check:
-            _onnx_session(path)
+        from .onnx_target import write_onnx
+
+        write_onnx(program, path, info_json(program), check=check)
     return path
 
 
@@ -91,6 +82,8 @@ def load(path: str | Path, format: str = "pt2") -> Callable[..., Any]:
         return torch.export.load(str(path)).module()
     if format == "aoti":
         return torch._inductor.aoti_load_package(str(path))
+    from .onnx_target import OnnxRunner
+
     return OnnxRunner(path)
 
 
@@ -102,131 +95,7 @@ def load_info(path: str | Path, format: str = "pt2") -> dict[str, Any]:
         torch.export.load(str(path), extra_files=extra)
         return json.loads(extra[INFO_FILE] or "{}")
     if format == "onnx":
-        onnx = _require_onnx()
-        model = onnx.load(str(path), load_external_data=False)
-        props = {p.key: p.value for p in model.metadata_props}
-        return json.loads(props.get(INFO_FILE, "{}"))
+        from .onnx_target import onnx_metadata
+
+        return json.loads(onnx_metadata(path).get(INFO_FILE, "{}"))
     raise ValueError("an AOTInductor package keeps no ExportInfo: read it from the .pt2")
-
-
-# ---- ONNX ----------------------------------------------------------------------------
-
-
-def _require_onnx() -> Any:
-    try:
-        import onnx
-    except ImportError:
-        raise ImportError(
-            "the ONNX target needs the onnx extra: pip install 'amp_graph[onnx]' "
-            "(onnx, onnxscript, onnxruntime)"
-        ) from None
-    return onnx
-
-
-def onnx_program(program: ExportedProgram) -> Any:
-    """``torch.onnx.export`` of the program (its dynamic sizes kept): an ``ONNXProgram``."""
-    _require_onnx()
-    return torch.onnx.export(program, dynamo=True, verbose=False)
-
-
-def _add_onnx_info(path: Path, info: str) -> None:
-    onnx = _require_onnx()
-    model = onnx.load(str(path))
-    entry = model.metadata_props.add()
-    entry.key, entry.value = INFO_FILE, info
-    onnx.save(model, str(path))
-
-
-@dataclass(frozen=True)
-class OnnxStats:
-    """What an ONNX file holds: ``casts`` (Cast nodes), ``initializers`` (count per dtype
-    name: low-precision weights stay low rather than float32 plus a Cast)."""
-
-    casts: int
-    nodes: int
-    initializers: dict[str, int]
-
-
-def onnx_stats(path: str | Path) -> OnnxStats:
-    onnx = _require_onnx()
-    model = onnx.load(str(path))
-    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
-    kinds = Counter(names[i.data_type] for i in model.graph.initializer)
-    casts = sum(n.op_type == "Cast" for n in model.graph.node)
-    return OnnxStats(casts, len(model.graph.node), dict(kinds))
-
-
-_MISSING = re.compile(r"implementation for (\w+)\((\d+)\) node with name '([^']*)'")
-# ONNX's own operator schemas: bfloat16 is not among Conv's types, for one
-_INVALID_TYPE = re.compile(
-    r"Type 'tensor\((\w+)\)' of input parameter \(.*?\) of operator \((\w+)\) in node "
-    r"\(([^)]*)\) is invalid"
-)
-
-
-def _onnx_session(path: Path) -> Any:
-    """An onnxruntime session on the CPU provider; a missing kernel is a TargetError naming
-    the op, its input dtype and the node."""
-    _require_onnx()
-    import onnxruntime
-
-    try:
-        return onnxruntime.InferenceSession(str(path), providers=[ONNX_PROVIDER])
-    except Exception as error:  # onnxruntime raises its own classes, per build
-        if invalid := _INVALID_TYPE.search(str(error)):
-            dtype, op, node = invalid.groups()
-            raise TargetError(
-                f"ONNX's {op} does not take {dtype} inputs (node {node!r}): this {dtype} "
-                f"program cannot be run in format 'onnx'. Export with dtype=torch.float16, "
-                f"keep {op} in float32 (a policy override), or use format 'pt2' or 'aoti'"
-            ) from None
-        found = _MISSING.search(str(error))
-        if found is None:
-            raise
-        op, _, node = found.groups()
-        dtype = _onnx_input_dtype(path, node)
-        raise TargetError(
-            f"onnxruntime's {ONNX_PROVIDER} has no {dtype} kernel for {op} (ONNX node "
-            f"{node!r}): it cannot run this {dtype} program in format 'onnx'. Export with "
-            "dtype=torch.float16 (its CPU kernels cover float16), keep that op in float32 "
-            "(a policy override), use format 'pt2' or 'aoti', or run the file on a provider "
-            "with those kernels (save(..., check=False) writes it unchecked)"
-        ) from None
-
-
-def _onnx_input_dtype(path: Path, node_name: str) -> str:
-    onnx = _require_onnx()
-    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
-    graph = model.graph
-    types = {
-        v.name: v.type.tensor_type.elem_type
-        for v in [*graph.value_info, *graph.input, *graph.output]
-    }
-    types.update({i.name: i.data_type for i in graph.initializer})
-    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
-    node = next((n for n in graph.node if n.name == node_name), None)
-    if node is None:
-        return "low-precision"
-    found = [names.get(types[i], "?") for i in node.input if i in types]
-    return found[0] if found else "low-precision"
-
-
-class OnnxRunner:
-    """An ONNX file run by onnxruntime on the CPU, called with the model's arguments (their
-    tensors, in order, are the ONNX inputs) and returning torch tensors."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.session = _onnx_session(Path(path))
-        self.inputs = [i.name for i in self.session.get_inputs()]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-        if len(tensors) != len(self.inputs):
-            raise TypeError(
-                f"the ONNX model takes {len(self.inputs)} tensors ({', '.join(self.inputs)}); "
-                f"got {len(tensors)}"
-            )
-        pairs = zip(self.inputs, tensors, strict=True)
-        feed = {name: t.detach().cpu().numpy() for name, t in pairs}
-        outputs = [torch.from_numpy(o) for o in self.session.run(None, feed)]
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)

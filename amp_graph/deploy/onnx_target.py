@@ -1,0 +1,160 @@
+"""The ONNX target: ``torch.onnx.export`` of an exported program, its file's statistics,
+and onnxruntime running it on the CPU (the ``onnx`` extra: onnx, onnxscript, onnxruntime;
+this module is imported only when a program is written to or read from ONNX).
+
+A missing kernel or an op type ONNX does not define for a low dtype is a
+:class:`TargetError` naming the op, the dtype and the node, never a silent change of dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from .onnx_errors import TargetError
+
+ONNX_PROVIDER = "CPUExecutionProvider"
+INFO_KEY = "amp_graph.json"
+
+
+def write_onnx(program: ExportedProgram, path: Path, info: str, *, check: bool) -> None:
+    """``program`` as one ONNX file (weights inside) with ``info`` in its metadata; with
+    ``check``, opened by onnxruntime's CPU provider (a :class:`TargetError` where it cannot
+    run it)."""
+    onnx_program(program).save(str(path), external_data=False)
+    _add_onnx_info(path, info)
+    if check:
+        _onnx_session(path)
+
+
+def onnx_metadata(path: str | Path) -> dict[str, str]:
+    onnx = _require_onnx()
+    model = onnx.load(str(path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def _require_onnx() -> Any:
+    try:
+        import onnx
+    except ImportError:
+        raise ImportError(
+            "the ONNX target needs the onnx extra: pip install 'amp_graph[onnx]' "
+            "(onnx, onnxscript, onnxruntime)"
+        ) from None
+    return onnx
+
+
+def onnx_program(program: ExportedProgram) -> Any:
+    """``torch.onnx.export`` of the program (its dynamic sizes kept): an ``ONNXProgram``."""
+    _require_onnx()
+    return torch.onnx.export(program, dynamo=True, verbose=False)
+
+
+def _add_onnx_info(path: Path, info: str) -> None:
+    onnx = _require_onnx()
+    model = onnx.load(str(path))
+    entry = model.metadata_props.add()
+    entry.key, entry.value = INFO_KEY, info
+    onnx.save(model, str(path))
+
+
+@dataclass(frozen=True)
+class OnnxStats:
+    """What an ONNX file holds: ``casts`` (Cast nodes), ``initializers`` (count per dtype
+    name: low-precision weights stay low rather than float32 plus a Cast)."""
+
+    casts: int
+    nodes: int
+    initializers: dict[str, int]
+
+
+def onnx_stats(path: str | Path) -> OnnxStats:
+    onnx = _require_onnx()
+    model = onnx.load(str(path))
+    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+    kinds = Counter(names[i.data_type] for i in model.graph.initializer)
+    casts = sum(n.op_type == "Cast" for n in model.graph.node)
+    return OnnxStats(casts, len(model.graph.node), dict(kinds))
+
+
+_MISSING = re.compile(r"implementation for (\w+)\((\d+)\) node with name '([^']*)'")
+# ONNX's own operator schemas: bfloat16 is not among Conv's types, for one
+_INVALID_TYPE = re.compile(
+    r"Type 'tensor\((\w+)\)' of input parameter \(.*?\) of operator \((\w+)\) in node "
+    r"\(([^)]*)\) is invalid"
+)
+
+
+def _onnx_session(path: Path) -> Any:
+    """An onnxruntime session on the CPU provider; a missing kernel is a TargetError naming
+    the op, its input dtype and the node."""
+    _require_onnx()
+    import onnxruntime
+
+    try:
+        return onnxruntime.InferenceSession(str(path), providers=[ONNX_PROVIDER])
+    except Exception as error:  # onnxruntime raises its own classes, per build
+        if invalid := _INVALID_TYPE.search(str(error)):
+            dtype, op, node = invalid.groups()
+            raise TargetError(
+                f"ONNX's {op} does not take {dtype} inputs (node {node!r}): this {dtype} "
+                f"program cannot be run in format 'onnx'. Export with dtype=torch.float16, "
+                f"keep {op} in float32 (a policy override), or use format 'pt2' or 'aoti'"
+            ) from None
+        found = _MISSING.search(str(error))
+        if found is None:
+            raise
+        op, _, node = found.groups()
+        dtype = _onnx_input_dtype(path, node)
+        raise TargetError(
+            f"onnxruntime's {ONNX_PROVIDER} has no {dtype} kernel for {op} (ONNX node "
+            f"{node!r}): it cannot run this {dtype} program in format 'onnx'. Export with "
+            "dtype=torch.float16 (its CPU kernels cover float16), keep that op in float32 "
+            "(a policy override), use format 'pt2' or 'aoti', or run the file on a provider "
+            "with those kernels (save(..., check=False) writes it unchecked)"
+        ) from None
+
+
+def _onnx_input_dtype(path: Path, node_name: str) -> str:
+    onnx = _require_onnx()
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    graph = model.graph
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in [*graph.value_info, *graph.input, *graph.output]
+    }
+    types.update({i.name: i.data_type for i in graph.initializer})
+    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+    node = next((n for n in graph.node if n.name == node_name), None)
+    if node is None:
+        return "low-precision"
+    found = [names.get(types[i], "?") for i in node.input if i in types]
+    return found[0] if found else "low-precision"
+
+
+class OnnxRunner:
+    """An ONNX file run by onnxruntime on the CPU, called with the model's arguments (their
+    tensors, in order, are the ONNX inputs) and returning torch tensors."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.session = _onnx_session(Path(path))
+        self.inputs = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        if len(tensors) != len(self.inputs):
+            raise TypeError(
+                f"the ONNX model takes {len(self.inputs)} tensors ({', '.join(self.inputs)}); "
+                f"got {len(tensors)}"
+            )
+        pairs = zip(self.inputs, tensors, strict=True)
+        feed = {name: t.detach().cpu().numpy() for name, t in pairs}
+        outputs = [torch.from_numpy(o) for o in self.session.run(None, feed)]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
