@@ -108,7 +108,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _as_call(value: Any) -> tuple[tuple, dict]:
+def as_call(value: Any) -> tuple[tuple, dict]:
     if isinstance(value, dict):
         return (), dict(value)
     return (tuple(value) if isinstance(value, (tuple, list)) else (value,)), {}
@@ -151,7 +151,7 @@ def calibration_samples(
     where = f"{type(model).__name__}.forward{signature}"
     samples = []
     for i, sample in enumerate(calibration):
-        call = _as_call(sample)
+        call = as_call(sample)
         try:
             signature.bind(*call[0], **call[1])
         except TypeError as error:
@@ -230,7 +230,7 @@ def export(
         raise TypeError(f"amp_graph.export takes an nn.Module; got {type(model).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs is a dict of keyword arguments; got {type(kwargs).__name__}")
-    args, kwargs = _as_call(args)[0], dict(kwargs or {})
+    args, kwargs = as_call(args)[0], dict(kwargs or {})
     policy = "O1" if policy is None else policy
     check_request(policy, dtype)
     request = resolve(policy, dtype, device_type_of(model, (args, kwargs)))
