@@ -5,6 +5,8 @@
     amp-graph inspect MODEL --input-shape 8,3,32,32 [--dtype bf16] [--policy O1]
                       [--html out.html] [--svg out.svg]
     amp-graph explain MODEL --input-shape 8,3,32,32 NODE
+    amp-graph export MODEL --input-shape 8,3,32,32 [--policy O2] [--dtype fp16]
+                     [--calibrate samples.pt] [--dynamic-batch] --format pt2|aoti|onnx -o OUT
     amp-graph demo [ARGS...]
 
 ``MODEL`` is ``path/to/file.py:Name`` or ``package.module:Name``, where ``Name`` is an
@@ -413,6 +415,53 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if result.reproduced else EXIT_FAILED
 
 
+def load_samples(path: str) -> list[Any]:
+    """The calibration samples ``torch.save`` wrote: a list of tensors, tuples or dicts."""
+    import torch
+
+    if not Path(path).is_file():
+        raise UsageError(f"no such file: {path}")
+    try:
+        samples = torch.load(path, weights_only=True)
+    except Exception as error:
+        raise UsageError(f"cannot read {path} with torch.load: {error}") from error
+    if not isinstance(samples, (list, tuple)) or not samples:
+        raise UsageError(
+            f"{path} holds a {type(samples).__name__}; --calibrate takes a file written by "
+            "torch.save(samples, path), samples being a non-empty list of inputs (each a "
+            "tensor, a tuple of the forward's arguments, or a dict of keyword arguments)"
+        )
+    return list(samples)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    import amp_graph
+    from amp_graph.deploy import save
+    from amp_graph.deploy.report import deploy_report, float32_program
+
+    model = load_model(args.model)
+    inputs = example_inputs(args.input_shape, args.input_dtype)
+    check_runs(model, inputs)
+    policy = build_policy(args, model)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    samples = load_samples(args.calibrate) if args.calibrate else None
+    batch = torch.export.Dim("batch")
+    dynamic = tuple({0: batch} for _ in inputs) if args.dynamic_batch else None
+    with quiet_torch(args.debug):
+        program = amp_graph.export(
+            model, inputs, policy=policy, dtype=dtype, dynamic_shapes=dynamic, calibration=samples
+        )
+        path = save(program, args.output, args.format)
+        float32 = float32_program(model, inputs, {}, dynamic)
+        report = deploy_report(model, program, path, args.format, samples or [inputs], float32)
+    print(f"wrote {path}")
+    print(amp_graph.export_info(program).summary().splitlines()[0])
+    print("\n".join(report.lines()))
+    return 0
+
+
 def run_demo(argv: list[str]) -> int:
     """``amp_graph.demo.main(argv)``, imported only now."""
     try:
@@ -544,6 +593,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="also search for the fewest float32 node overrides that make this input pass",
     )
     numerics_cmd.set_defaults(run=cmd_numerics)
+    export_cmd = commands.add_parser(
+        "export",
+        help="export the model for inference in mixed precision: .pt2, AOTInductor or ONNX",
+        description="Export MODEL with amp_graph.export (eval mode, every cast explicit, "
+        "weights only low-precision ops read stored in the low dtype), write it in FORMAT, "
+        "and print its size against the float32 export's, its casts, its float32 islands "
+        "and why, and its maximum error against the float32 model on the calibration inputs "
+        "(the example inputs without --calibrate).",
+    )
+    _model_arguments(export_cmd)
+    export_cmd.add_argument(
+        "--calibrate",
+        metavar="SAMPLES.pt",
+        help="torch.save'd list of sample inputs: autopolicy keeps in float32 the nodes "
+        "that break on them",
+    )
+    export_cmd.add_argument(
+        "--dynamic-batch", action="store_true", help="one program for every batch size"
+    )
+    export_cmd.add_argument("--format", choices=("pt2", "aoti", "onnx"), default="pt2")
+    export_cmd.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
+    export_cmd.set_defaults(run=cmd_export)
     replay_cmd = commands.add_parser(
         "replay",
         help="rerun the skipped step a monitor's repro bundle recorded; name where it broke",

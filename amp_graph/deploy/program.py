@@ -318,6 +318,14 @@ def _islands(gm: torch.fx.GraphModule, policy: Policy) -> list[Island]:
     return found
 
 
+# what a program's casts are: amp_graph's (aten_casts) and the model's own ``x.to(dtype)``
+CAST_OPS = (
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.to.dtype,
+    torch.ops.aten.to.dtype_layout,
+    torch.ops.prims.convert_element_type.default,
+)
+
+
 def _count_casts(program: ExportedProgram) -> int:
-    casts = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
-    return sum(n.op == "call_function" and n.target in casts for n in program.graph.nodes)
+    return sum(n.op == "call_function" and n.target in CAST_OPS for n in program.graph.nodes)

@@ -73,9 +73,15 @@ def error_against_float32(
 
 
 def state_bytes(program: ExportedProgram) -> int:
-    """Bytes of the program's parameters, buffers and constant tensors."""
+    """Bytes of the program's parameters, buffers and constant tensors, each storage once
+    (tied weights are two names of one tensor)."""
     tensors = [*program.state_dict.values(), *program.constants.values()]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    storages = {
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(nbytes for _, nbytes in storages)
 
 
 def file_bytes(program: ExportedProgram, format: str) -> int:
