@@ -8,6 +8,7 @@ A missing kernel or an op type ONNX does not define for a low dtype is a
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from .onnx_errors import TargetError
+
+log = logging.getLogger(__name__)
 
 ONNX_PROVIDER = "CPUExecutionProvider"
 INFO_KEY = "amp_graph.json"
@@ -52,9 +55,23 @@ def _require_onnx() -> Any:
 
 
 def onnx_program(program: ExportedProgram) -> Any:
-    """``torch.onnx.export`` of the program (its dynamic sizes kept): an ``ONNXProgram``."""
-    _require_onnx()
-    return torch.onnx.export(program, dynamo=True, verbose=False)
+    """``torch.onnx.export`` of the program (its dynamic sizes kept): an ``ONNXProgram``.
+
+    torch.onnx optimizes the ONNX graph it writes, and one of its rewrites is wrong for
+    mixed precision: it folds a batch norm whose parameters are float32 into the float16
+    convolution before it, giving the ``Conv`` a float32 bias, which no runtime accepts
+    (ONNX binds one type to all of Conv's inputs). Where ONNX's own checker finds the
+    optimized graph ill-typed, the program is exported again without that optimization
+    (the same ops and dtypes as the program; more nodes), and the log says so.
+    """
+    onnx = _require_onnx()
+    exported = torch.onnx.export(program, dynamo=True, verbose=False)
+    try:
+        onnx.checker.check_model(exported.model_proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        log.info("torch.onnx's optimized graph is ill-typed (%s); exporting it unoptimized", error)
+        return torch.onnx.export(program, dynamo=True, verbose=False, optimize=False)
+    return exported
 
 
 def _add_onnx_info(path: Path, info: str) -> None:
