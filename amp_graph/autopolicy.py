@@ -38,7 +38,8 @@ from amp_graph.amp_request import (
     validate_module_overrides,
 )
 from amp_graph.capture import Captured
-from amp_graph.compiler import CompiledModule, copy_graph_module
+from amp_graph.compiler import CompiledModule
+from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.policy import Policy
 from amp_graph.shadow import NumericsRow, ShadowResult, scale_text, shadow_run
 

@@ -43,9 +43,10 @@ import torch.fx as fx
 from amp_graph import recompute
 from amp_graph.amp_request import check_request, device_type_of, resolve
 from amp_graph.capture import capture_graph
-from amp_graph.compiler import CompileRecord, copy_graph_module, rewrite
+from amp_graph.compiler import CompileRecord, rewrite
 from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
+from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.meta import VAL, short
 from amp_graph.policy import Policy, nearest
 

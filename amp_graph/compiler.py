@@ -37,7 +37,7 @@ from amp_graph.amp_request import (
 from amp_graph.capture import Captured, CaptureError, capture_module, export_refused
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.classify import normalize_module_path
-from amp_graph.passes.graph_copy import copy_graph, copy_graph_module, graph_module_over  # noqa: F401 (re-exported)
+from amp_graph.passes.graph_copy import copy_graph, graph_module_over
 from amp_graph.passes.meta import short
 from amp_graph.policy import Policy
 
@@ -230,17 +230,20 @@ class CaptureCache:
 
 class _SignedForward:
     """A ``forward`` set as an instance attribute: calls ``run`` and shows the model's
-    signature to ``inspect.signature`` (HF ``Trainer`` picks dataset columns from it,
-    ``generate`` its keyword arguments). A callable object rather than a closure, so that
-    ``copy.deepcopy`` rebinds ``run`` to the copy."""
+    signature to ``inspect.signature`` (HF ``Trainer``, ``generate``) and ``run``'s code to
+    torch.export. A callable object, not a closure: ``copy.deepcopy`` rebinds ``run``."""
 
     def __init__(self, run: Callable[..., Any], signature: inspect.Signature | None) -> None:
-        self.run, self.__code__ = run, run.__code__  # torch.export reads forward.__code__
+        self.run = run
         if signature is not None:
             self.__signature__ = signature
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(*args, **kwargs)
+
+    @property
+    def __code__(self) -> Any:  # torch.export reads it, then meets _call's refusal
+        return self.run.__code__
 
 
 def _forward_signature(model: nn.Module) -> inspect.Signature | None:
@@ -701,9 +704,8 @@ def uncompile(model: nn.Module) -> nn.Module:
 def _compiled_in_place(model: Any) -> CompiledModule | None:
     """The :class:`CompiledModule` behind a model :func:`compile_` compiled, or None; also
     through wrappers set over its forward with ``functools.wraps`` (accelerate's autocast)."""
-    forward = getattr(model, "__dict__", {}).get("forward")
-    if forward is not None:
-        forward = inspect.unwrap(forward, stop=lambda f: isinstance(f, _InplaceForward))
+    forward = getattr(model, "__dict__", {}).get("forward")  # unwrap(None) is None
+    forward = inspect.unwrap(forward, stop=lambda f: isinstance(f, _InplaceForward))
     return forward.compiled if isinstance(forward, _InplaceForward) else None
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_graph.compiler import copy_graph_module
+from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.instrument import Probe, _region_graphs, instrument
 from amp_graph.passes.meta import model_root
 from amp_graph.policy import nearest
