@@ -37,7 +37,7 @@ from amp_graph.amp_request import (
     resolve,
     validate_module_overrides,
 )
-from amp_graph.capture import Captured
+from amp_graph.capture import Captured, capture_module
 from amp_graph.compiler import CompiledModule
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.policy import Policy
@@ -187,30 +187,58 @@ def _backward_finding(result: ShadowResult, sample: int, tol: float) -> Finding 
     return Finding((best.node,) if best is not None else (), reason)
 
 
+AUTO = "auto"  # autopolicy's dynamic_shapes default: capture as compile does
+
+
 class _SharedCaptures(CompiledModule):
     """A CompiledModule whose captures come from a store the search's policies share: the
     model is captured once per input signature, and each policy rewrites its own copy (a
-    policy's overrides change the passes' decisions, never what is captured)."""
+    policy's overrides change the passes' decisions, never what is captured).
+
+    ``dynamic_shapes``: :data:`AUTO` captures as compile does (the first sizes static, then
+    symbolic); None captures every sample with static sizes; a ``torch.export`` spec
+    captures every sample with it. Node names depend on the capture (symbolic sizes add
+    nodes), so a search whose demotions serve another capture must capture as it does."""
 
     def __init__(
-        self, model: nn.Module, policy: Policy, dtype: torch.dtype, device_type: str, store: dict
+        self,
+        model: nn.Module,
+        policy: Policy,
+        dtype: torch.dtype,
+        device_type: str,
+        store: dict,
+        dynamic_shapes: Any = AUTO,
     ) -> None:
         super().__init__(model, policy, dtype, device_type)
-        self._store = store
+        self._store, self._dynamic_shapes = store, dynamic_shapes
 
     def _capture_graph(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        shapes = self._dynamic_shapes
         key = (
             spec,
             tuple(
                 (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v)
                 for v in leaves
             ),
-            dynamic,
+            dynamic if isinstance(shapes, str) else None,
             self.policy.casts_nothing,
         )
         if key not in self._store:
-            self._store[key] = super()._capture_graph(args, kwargs, dynamic)
+            self._store[key] = (
+                super()._capture_graph(args, kwargs, dynamic)
+                if isinstance(shapes, str)
+                else capture_module(
+                    self.model,
+                    args,
+                    kwargs,
+                    device_type=self.device_type,
+                    autocast_dtype=None if self.policy.casts_nothing else self.dtype,
+                    policy=self.policy,
+                    low_dtype=self.dtype,
+                    dynamic_shapes=shapes,
+                )
+            )
         base = self._store[key]
         return replace(base, graph_module=copy_graph_module(base.graph_module))
 
@@ -235,12 +263,14 @@ class _Search:
         backward: bool,
         loss_fn: Callable[[Any], torch.Tensor] | None,
         scale: float | None,
+        dynamic_shapes: Any,
     ) -> None:
         self.model, self.base, self.dtype = model, base, dtype
         self.samples, self.tol = samples, tol
         self.backward, self.loss_fn, self.scale = backward, loss_fn, scale
         self.device_type = device_type
         self.captures: dict = {}  # one capture per input signature, for every policy tried
+        self.dynamic_shapes = dynamic_shapes
 
     def policy(self, demoted: dict[str, str]) -> Policy:
         if not demoted:
@@ -253,7 +283,12 @@ class _Search:
 
     def failure(self, demoted: dict[str, str]) -> Finding | None:
         compiled = _SharedCaptures(
-            self.model, self.policy(demoted), self.dtype, self.device_type, self.captures
+            self.model,
+            self.policy(demoted),
+            self.dtype,
+            self.device_type,
+            self.captures,
+            self.dynamic_shapes,
         )
         for i, (args, kwargs) in enumerate(self.samples):
             result = shadow_run(
@@ -284,6 +319,7 @@ def autopolicy(
     scale: float | None = None,
     max_demotions: int = 32,
     give_back: bool = True,
+    dynamic_shapes: Any = AUTO,
 ) -> Policy:
     """``policy`` plus float32 overrides for as few nodes as the samples show need them.
 
@@ -300,6 +336,11 @@ def autopolicy(
             times ``scale`` (default 2**16 for float16, as GradScaler starts).
         max_demotions: stop and raise after this many.
         give_back: after every sample passes, drop each demotion that is not needed.
+        dynamic_shapes: how the samples are captured. Node names depend on it (symbolic
+            sizes add nodes), and the policy's overrides name nodes: search with the capture
+            the policy will serve. ``"auto"`` (the default) captures as
+            :func:`amp_graph.compile` does; None with static sizes for every sample; a
+            ``torch.export`` spec with that spec (as :func:`amp_graph.export` captures).
 
     Returns:
         A :class:`Policy`: ``policy`` itself when nothing needs float32, else ``policy``
@@ -324,7 +365,9 @@ def autopolicy(
     validate_module_overrides(base, [name for name, _ in model.named_modules()])
     tol = 10 * torch.finfo(dtype).eps if tol is None else float(tol)
     backward = loss_fn is not None if backward is None else backward
-    search = _Search(model, base, dtype, device_type, samples, tol, backward, loss_fn, scale)
+    search = _Search(
+        model, base, dtype, device_type, samples, tol, backward, loss_fn, scale, dynamic_shapes
+    )
     demoted: dict[str, str] = {}
     while (finding := search.failure(demoted)) is not None:
         new = [n for n in finding.nodes if n not in demoted]

@@ -155,7 +155,10 @@ def test_program_is_bit_equal_to_the_compiled_model_in_eval_without_grad(name, p
     assert not [n for n in graph.nodes if n.op == "call_method"]
     state = {s.arg.name for s in program.graph_signature.input_specs if s.kind.name != "USER_INPUT"}
     casts = [n for n in graph.nodes if n.target in CAST_OPS]
-    assert len(casts) == info.casts
+    assert info.casts == sum(
+        n.meta["val"].dtype.is_floating_point and n.args[0].meta["val"].dtype.is_floating_point
+        for n in casts
+    )
     for cast in casts:
         source = cast.args[0]
         if source.name in state:
@@ -168,6 +171,27 @@ def test_program_is_bit_equal_to_the_compiled_model_in_eval_without_grad(name, p
     for fqn, tensor in model.state_dict().items():
         if fqn in stored and fqn not in info.stored_low:
             assert stored[fqn].dtype == tensor.dtype
+
+
+def test_islands_are_every_op_computing_in_float32_and_say_why():
+    """A residual add of a float32 input and a float16 linear follows its inputs into
+    float32: an island too, beside the policy's float32 ops."""
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(x + self.fc(x), -1).reshape(-1)
+
+    program = amp_graph.export(Residual(), (torch.randn(2, 8),), dtype=FP16)
+    islands = {i.node: i.why for i in amp_graph.export_info(program).islands}
+    values = {n.name: n.meta["val"] for n in program.graph.nodes if n.op == "call_function"}
+    assert set(islands) == {"add", "softmax"}  # not the view (reshape), not the casts
+    assert all(values[name].dtype == torch.float32 for name in islands)
+    assert islands["add"].endswith("its inputs are float32")
+    assert "deny table" in islands["softmax"]
 
 
 def test_o2_program_state_is_about_half_the_float32_programs():
@@ -388,6 +412,42 @@ def test_calibration_keeps_the_overflowing_node_in_float32_and_names_it():
         _assert_bit_equal(
             program.module()(x), amp_graph.compile(model.eval(), info.policy, FP16)(x)
         )
+
+
+class ShapeArithmetic(nn.Module):
+    """Python on the input's sizes (``b * t``): under symbolic sizes the capture computes it
+    in a node of the graph, which shifts the numbering of the node names after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        big = x.reshape(b * t, d) * 1000.0  # beyond float16's range
+        return self.lin(big * 0.001)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_calibration_names_nodes_of_the_graph_it_exports(dynamic):
+    """Calibration captures as the export does (the same dynamic shapes), so the nodes it
+    demotes are the exported graph's, with a dynamic batch too."""
+    torch.manual_seed(0)
+    model = ShapeArithmetic().eval()
+    samples = [(100 * torch.randn(2, 4, 8),) for _ in range(2)]
+    (x,) = samples[0]
+    shapes = {"x": {0: torch.export.Dim("batch", max=64)}} if dynamic else None
+    program = amp_graph.export(
+        model, (x,), policy="O2", dtype=FP16, dynamic_shapes=shapes, calibration=samples
+    )
+    info = amp_graph.export_info(program)
+    assert info.demoted
+    products = {n.name for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor}
+    float_products = {i.node for i in info.islands if i.op == "aten.mul.Tensor"}
+    assert set(info.demoted) == float_products == products  # both scalings, nothing else
+    with torch.no_grad():
+        for batch in (2, 5) if dynamic else (2,):
+            assert torch.isfinite(program.module()(100 * torch.randn(batch, 4, 8))).all()
 
 
 def test_calibration_samples_of_the_wrong_structure_name_the_signature():

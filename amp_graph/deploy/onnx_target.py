@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +86,15 @@ def _add_onnx_info(path: Path, info: str) -> None:
 @dataclass(frozen=True)
 class OnnxStats:
     """What an ONNX file holds: ``casts`` (Cast nodes), ``initializers`` (count per dtype
-    name: low-precision weights stay low rather than float32 plus a Cast)."""
+    name: low-precision weights stay low rather than float32 plus a Cast), and
+    ``runtime_casts``: the Cast nodes of the graph onnxruntime's CPU provider runs, which
+    casts to float32 and back, itself, around each float16 op it has no kernel for (x86's
+    ``MatMul``, for one): more than ``casts`` means it computes some in float32."""
 
     casts: int
     nodes: int
     initializers: dict[str, int]
+    runtime_casts: int
 
 
 def onnx_stats(path: str | Path) -> OnnxStats:
@@ -97,8 +102,23 @@ def onnx_stats(path: str | Path) -> OnnxStats:
     model = onnx.load(str(path))
     names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
     kinds = Counter(names[i.data_type] for i in model.graph.initializer)
-    casts = sum(n.op_type == "Cast" for n in model.graph.node)
-    return OnnxStats(casts, len(model.graph.node), dict(kinds))
+    return OnnxStats(_casts(model), len(model.graph.node), dict(kinds), _runtime_casts(path))
+
+
+def _casts(model: Any) -> int:
+    return sum(n.op_type == "Cast" for n in model.graph.node)
+
+
+def _runtime_casts(path: str | Path) -> int:
+    """The Cast nodes of the graph onnxruntime's CPU provider runs (its optimized model)."""
+    onnx = _require_onnx()
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    with tempfile.TemporaryDirectory() as folder:
+        options.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
+        onnxruntime.InferenceSession(str(path), options, providers=[ONNX_PROVIDER])
+        return _casts(onnx.load(options.optimized_model_filepath))
 
 
 _MISSING = re.compile(r"implementation for (\w+)\((\d+)\) node with name '([^']*)'")
@@ -133,9 +153,11 @@ def _onnx_session(path: Path) -> Any:
         raise TargetError(
             f"onnxruntime's {ONNX_PROVIDER} has no {dtype} kernel for {op} (ONNX node "
             f"{node!r}): it cannot run this {dtype} program in format 'onnx'. Export with "
-            "dtype=torch.float16 (its CPU kernels cover float16), keep that op in float32 "
-            "(a policy override), use format 'pt2' or 'aoti', or run the file on a provider "
-            "with those kernels (save(..., check=False) writes it unchecked)"
+            "dtype=torch.float16 (it runs float16 files, computing in float32, with casts "
+            "of its own, the ops it has no float16 kernel for: onnx_stats(path).runtime_casts "
+            "counts them), keep that op in float32 (a policy override), use format 'pt2' or "
+            "'aoti', or run the file on a provider with those kernels (save(..., "
+            "check=False) writes it unchecked)"
         ) from None
 
 

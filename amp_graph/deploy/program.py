@@ -37,7 +37,7 @@ from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_plac
 from amp_graph.passes.aten_casts import aten_casts
 from amp_graph.passes.meta import AMP, Role, short
 from amp_graph.passes.state_casts import state_casts
-from amp_graph.policy import Policy
+from amp_graph.policy import Policy, Rule
 
 from .lift import exported_program
 
@@ -257,6 +257,7 @@ def export(
                 sample_inputs=[s[1] or s[0] for s in samples],
                 tol=tol,
                 backward=False,
+                dynamic_shapes=dynamic_shapes,  # the export's capture: the same node names
             )
             seconds["calibration"] = time.perf_counter() - start
             demoted = {n: calibrated.notes.get(n, "") for n in calibrated.nodes}
@@ -308,12 +309,19 @@ def _example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _islands(gm: torch.fx.GraphModule, policy: Policy) -> list[Island]:
+    """Every op the graph computes in float32 (views aside: they compute nothing), and why:
+    the policy's table or override, calibration's evidence, a kernel this CPU lacks, or,
+    for ops that follow or promote their inputs, float32 inputs."""
     found = []
     for node in gm.graph.nodes:
         amp = node.meta.get(AMP)
-        if amp is None or amp.role is not Role.OP or amp.compute_dtype != torch.float32:
+        if amp is None or amp.role is not Role.OP or amp.source == "fixed":
+            continue
+        if amp.out_dtype != torch.float32 and amp.compute_dtype != torch.float32:
             continue
         why = policy.notes.get(node.name) or amp.detail or amp.source
+        if amp.rule in (Rule.FOLLOW, Rule.PROMOTE) and node.name not in policy.notes:
+            why = f"{why}; its inputs are float32"
         found.append(Island(node.name, amp.op, amp.module_path, why))
     return found
 
@@ -328,4 +336,16 @@ CAST_OPS = (
 
 
 def _count_casts(program: ExportedProgram) -> int:
-    return sum(n.op == "call_function" and n.target in CAST_OPS for n in program.graph.nodes)
+    """The casts between floating dtypes (not the model's own ``mask.to(torch.bool)``)."""
+
+    def floating(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+
+    return sum(
+        n.op == "call_function"
+        and n.target in CAST_OPS
+        and floating(n.meta.get("val"))
+        and isinstance(n.args[0], torch.fx.Node)
+        and floating(n.args[0].meta.get("val"))
+        for n in program.graph.nodes
+    )

@@ -109,6 +109,7 @@ class DeployReport:
     float32_state_bytes: int
     error: OutputError
     onnx_casts: int | None = None
+    onnx_runtime_casts: int | None = None
     onnx_initializers: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -128,6 +129,11 @@ class DeployReport:
         if self.onnx_casts is not None:
             inits = ", ".join(f"{n} {k}" for k, n in sorted(self.onnx_initializers.items()))
             out.append(f"ONNX: {self.onnx_casts} Cast nodes; initializers: {inits}")
+            if self.onnx_runtime_casts and self.onnx_runtime_casts > self.onnx_casts:
+                out.append(
+                    f"onnxruntime's CPU provider runs {self.onnx_runtime_casts} Casts: it "
+                    "computes in float32 the low-precision ops it has no kernel for"
+                )
         out.append(f"float32 islands: {len(info.islands)}")
         for island in info.islands:
             where = f" in {island.module_path}" if island.module_path else ""
@@ -166,4 +172,5 @@ def deploy_report(
 
         stats = onnx_stats(path)
         report.onnx_casts, report.onnx_initializers = stats.casts, stats.initializers
+        report.onnx_runtime_casts = stats.runtime_casts
     return report
