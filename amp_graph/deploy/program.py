@@ -35,7 +35,7 @@ from amp_graph.autopolicy import autopolicy
 from amp_graph.capture import capture_module
 from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
 from amp_graph.passes.aten_casts import aten_casts
-from amp_graph.passes.meta import AMP, Role, short
+from amp_graph.passes.meta import AMP, VAL, Role, short
 from amp_graph.passes.state_casts import state_casts
 from amp_graph.policy import Policy, Rule
 
@@ -321,7 +321,8 @@ def _islands(gm: torch.fx.GraphModule, policy: Policy) -> list[Island]:
             continue
         why = policy.notes.get(node.name) or amp.detail or amp.source
         if amp.rule in (Rule.FOLLOW, Rule.PROMOTE) and node.name not in policy.notes:
-            why = f"{why}; its inputs are float32"
+            floating = any(_floating(n.meta.get(VAL)) for n in node.all_input_nodes)
+            why += "; its inputs are float32" if floating else "; made in float32 (no input)"
         found.append(Island(node.name, amp.op, amp.module_path, why))
     return found
 
@@ -335,17 +336,17 @@ CAST_OPS = (
 )
 
 
+def _floating(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+
+
 def _count_casts(program: ExportedProgram) -> int:
     """The casts between floating dtypes (not the model's own ``mask.to(torch.bool)``)."""
-
-    def floating(value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
-
     return sum(
         n.op == "call_function"
         and n.target in CAST_OPS
-        and floating(n.meta.get("val"))
+        and _floating(n.meta.get(VAL))
         and isinstance(n.args[0], torch.fx.Node)
-        and floating(n.args[0].meta.get("val"))
+        and _floating(n.args[0].meta.get(VAL))
         for n in program.graph.nodes
     )
