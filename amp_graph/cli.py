@@ -439,7 +439,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     import amp_graph
     from amp_graph.deploy import save
-    from amp_graph.deploy.report import deploy_report, float32_program
+    from amp_graph.deploy.against_float32 import deploy_report, float32_program
 
     model = load_model(args.model)
     inputs = example_inputs(args.input_shape, args.input_dtype)

@@ -16,9 +16,9 @@ import torch.utils._pytree as pytree
 
 import amp_graph
 from amp_graph import deploy, models
+from amp_graph.deploy.against_float32 import error_against_float32, float32_program, state_bytes
 from amp_graph.deploy.lift import LiftError
 from amp_graph.deploy.program import CAST_OPS
-from amp_graph.deploy.report import error_against_float32, float32_program, state_bytes
 
 BF16, FP16 = torch.bfloat16, torch.float16
 TO_COPY = torch.ops.aten._to_copy.default

@@ -115,6 +115,7 @@ def _runtime_casts(path: str | Path) -> int:
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # not its warning that the saved graph is this CPU's
     with tempfile.TemporaryDirectory() as folder:
         options.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
         onnxruntime.InferenceSession(str(path), options, providers=[ONNX_PROVIDER])
