@@ -247,6 +247,7 @@ def export(
     own_forward = _class_forward(model) if in_place is not None else contextlib.nullcontext()
     with eval_mode(model), torch.no_grad(), own_forward:
         demoted: dict[str, str] = {}
+        table_name = base.name  # "O2", also after calibration adds its overrides
         if calibration is not None:
             samples = calibration_samples(model, calibration, args, kwargs)
             start = time.perf_counter()
@@ -263,8 +264,9 @@ def export(
             demoted = {n: calibrated.notes.get(n, "") for n in calibrated.nodes}
             demoted = {n: d for n, d in demoted.items() if n not in base.nodes}
             base = calibrated
-        # no backward: nothing to recast in it
-        inference = dataclasses.replace(base, recompute_casts=False)
+        # no backward: nothing to recast in it. Named as the preset, whose tables the
+        # islands quote ("in O2's deny table")
+        inference = dataclasses.replace(base, recompute_casts=False, name=table_name)
         start = time.perf_counter()
         captured = capture_module(
             model,
