@@ -17,7 +17,9 @@ Blame, in order:
    gradient error.
 
 A blamed cast inserted by amp_graph stands for its consumers: the value is out of the low
-dtype's range there, so the ops reading it are demoted.
+dtype's range there, so the ops reading it are demoted. A blamed view or getitem (whose
+dtype is its input's: no override changes it) stands for the nearest low-precision ops
+upstream.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ class _Blame:
         self.low = result.dtype
 
     def runs_low(self, row: NumericsRow) -> bool:
-        return row.role == "op" and row.forward.dtype == self.low
+        """An op computing in the low dtype whose dtype an override decides (a view or a
+        getitem of a low value is neither: its producer is)."""
+        return row.role == "op" and row.decided and row.forward.dtype == self.low
 
     def demotable(self, row: NumericsRow) -> tuple[str, ...]:
         """The node itself when it is a low-precision op; a cast's low-precision consumers;

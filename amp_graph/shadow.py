@@ -215,6 +215,9 @@ class NumericsRow:
     grad: Measure | None = None  # backward=True: the gradient arriving at its output
     inputs: tuple[str, ...] = ()  # the nodes it reads (for local-error attribution)
     users: tuple[str, ...] = ()
+    # whether a policy decides its dtype: not for a view or a getitem, which take their
+    # input's (an override of one changes nothing)
+    decided: bool = True
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -583,6 +586,7 @@ def shadow_run(
                 forward=Measure.of(dtype, rows),
                 inputs=tuple(names[a] for a in node.all_input_nodes),
                 users=tuple(names[u] for u in node.users),
+                decided=node.meta[AMP].source != "fixed",
             )
         )
     if grads is not None:

@@ -414,6 +414,21 @@ def test_calibration_keeps_the_overflowing_node_in_float32_and_names_it():
         )
 
 
+def test_a_calibrated_program_is_checked_on_the_samples_it_ships_with():
+    """What calibration promises is checked on the program itself: one that misses tol on
+    a sample is an error, never a program returned as calibrated."""
+    from amp_graph.deploy.program import _check_calibrated
+
+    torch.manual_seed(0)
+    model, x = HotMLP(), torch.randn(4, 16)
+    plain = amp_graph.export(model, (x,), policy="O1", dtype=FP16)
+    with pytest.raises(amp_graph.AutopolicyError, match=r"misses tol=.* on calibration sample 0"):
+        _check_calibrated(plain, model, [((x,), {})], FP16, None, amp_graph.export_info(plain))
+    program = amp_graph.export(model, (x,), policy="O1", dtype=FP16, calibration=[(x,)])
+    error = amp_graph.export_info(program).calibration_error
+    assert error is not None and error.rel_l2 <= 10 * torch.finfo(FP16).eps
+
+
 class ShapeArithmetic(nn.Module):
     """Python on the input's sizes (``b * t``): under symbolic sizes the capture computes it
     in a node of the graph, which shifts the numbering of the node names after it."""

@@ -31,7 +31,7 @@ from amp_graph.amp_request import (
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.autopolicy import autopolicy
+from amp_graph.autopolicy import AutopolicyError, autopolicy
 from amp_graph.capture import capture_module
 from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
 from amp_graph.passes.aten_casts import aten_casts
@@ -40,6 +40,7 @@ from amp_graph.passes.state_casts import state_casts
 from amp_graph.policy import Policy, Rule
 
 from .lift import exported_program
+from .output_error import OutputError, output_error
 
 INFO = "amp_graph.export"  # ep.graph_module.meta key of the ExportInfo
 
@@ -71,6 +72,9 @@ class ExportInfo:
     islands: list[Island] = field(default_factory=list)
     casts: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    # with calibration: the program's worst output error against the float32 model on the
+    # samples (checked to be within tol)
+    calibration_error: OutputError | None = None
 
     def summary(self) -> str:
         by_dtype: dict[str, int] = {}
@@ -300,7 +304,39 @@ def export(
         seconds,
     )
     program.graph_module.meta[INFO] = info
+    if calibration is not None:
+        info.calibration_error = _check_calibrated(program, model, samples, dtype, tol, info)
     return program
+
+
+def _check_calibrated(
+    program: ExportedProgram,
+    model: nn.Module,
+    samples: list[tuple[tuple, dict]],
+    dtype: torch.dtype,
+    tol: float | None,
+    info: ExportInfo,
+) -> OutputError:
+    """The program itself, run on the calibration samples against the float32 model: what
+    calibration promises is checked on what is shipped, not only on autopolicy's graphs."""
+    tol = 10 * torch.finfo(dtype).eps if tol is None else float(tol)
+    run = program.module()
+    worst = OutputError(0.0, 0.0)
+    with eval_mode(model), torch.no_grad():
+        for i, (args, kwargs) in enumerate(samples):
+            error = output_error(run(*args, **kwargs), model(*args, **kwargs))
+            if not error.rel_l2 <= tol:
+                raise AutopolicyError(
+                    f"the calibrated program misses tol={tol:g} on calibration sample {i}: "
+                    f"relative error {error.rel_l2:.3g} against float32 (max |error| "
+                    f"{error.max_abs:.3g}), with {len(info.demoted)} nodes in float32 "
+                    f"({', '.join(info.demoted) or 'none'}). Raise tol, start from a policy with "
+                    "more float32 (e.g. 'O1'), or keep the modules involved in float32 with "
+                    "policy overrides",
+                    info.policy,
+                )
+            worst = OutputError.worst([worst, error])
+    return worst
 
 
 def _example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
