@@ -350,6 +350,10 @@ def test_onnx_names_the_op_and_dtype_its_cpu_runtime_cannot_run(name, op, tmp_pa
     assert unchecked.exists()  # written for a runtime with those kernels, when asked
     with pytest.raises(deploy.TargetError, match="bfloat16"):
         deploy.load(unchecked, "onnx")
+    from amp_graph.deploy.onnx_target import onnx_stats
+
+    with pytest.raises(deploy.TargetError, match="bfloat16"):
+        onnx_stats(unchecked)  # it opens the file in onnxruntime too
 
 
 def test_bad_formats_and_paths(tmp_path):

@@ -118,7 +118,7 @@ def _runtime_casts(path: str | Path) -> int:
     options.log_severity_level = 3  # not its warning that the saved graph is this CPU's
     with tempfile.TemporaryDirectory() as folder:
         options.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
-        onnxruntime.InferenceSession(str(path), options, providers=[ONNX_PROVIDER])
+        _onnx_session(Path(path), options)
         return _casts(onnx.load(options.optimized_model_filepath))
 
 
@@ -130,14 +130,14 @@ _INVALID_TYPE = re.compile(
 )
 
 
-def _onnx_session(path: Path) -> Any:
+def _onnx_session(path: Path, options: Any = None) -> Any:
     """An onnxruntime session on the CPU provider; a missing kernel is a TargetError naming
     the op, its input dtype and the node."""
     _require_onnx()
     import onnxruntime
 
     try:
-        return onnxruntime.InferenceSession(str(path), providers=[ONNX_PROVIDER])
+        return onnxruntime.InferenceSession(str(path), options, providers=[ONNX_PROVIDER])
     except Exception as error:  # onnxruntime raises its own classes, per build
         if invalid := _INVALID_TYPE.search(str(error)):
             dtype, op, node = invalid.groups()
