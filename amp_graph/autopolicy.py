@@ -247,12 +247,17 @@ class _SharedCaptures(CompiledModule):
         return replace(base, graph_module=copy_graph_module(base.graph_module))
 
 
-def _as_call(sample: Any) -> tuple[tuple, dict]:
+def as_call(sample: Any) -> tuple[tuple, dict]:
     """A sample's (args, kwargs): a dict is keyword arguments, a tuple or list positional
     ones, anything else the one positional argument."""
     if isinstance(sample, dict):
         return (), dict(sample)
     return (tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)), {}
+
+
+def default_tol(dtype: torch.dtype) -> float:
+    """autopolicy's tolerance unless given: 10 x the dtype's epsilon (relative L2)."""
+    return 10 * torch.finfo(dtype).eps
 
 
 class _Search:
@@ -362,12 +367,12 @@ def autopolicy(
         raise ValueError(
             "sample_inputs is a non-empty list of forward arguments, e.g. [(x,), (x2,)]"
         )
-    samples = [_as_call(s) for s in sample_inputs]
+    samples = [as_call(s) for s in sample_inputs]
     check_request(policy, dtype)
     request = resolve(policy, dtype, device_type_of(model, samples[0]))
     base, dtype, device_type = request.policy, request.dtype, request.device_type
     validate_module_overrides(base, [name for name, _ in model.named_modules()])
-    tol = 10 * torch.finfo(dtype).eps if tol is None else float(tol)
+    tol = default_tol(dtype) if tol is None else float(tol)
     backward = loss_fn is not None if backward is None else backward
     search = _Search(
         model, base, dtype, device_type, samples, tol, backward, loss_fn, scale, dynamic_shapes

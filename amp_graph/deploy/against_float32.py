@@ -16,8 +16,10 @@ import torch
 import torch.nn as nn
 from torch.export import ExportedProgram
 
-from .output_error import OutputError, output_error
-from .program import ExportInfo, as_call, eval_mode, export_info
+from amp_graph.autopolicy import as_call
+
+from .output_error import OutputError
+from .program import ExportInfo, eval_mode, export_info, sample_errors
 from .targets import load, save
 
 
@@ -27,12 +29,7 @@ def error_against_float32(
     """The worst :func:`output_error` of ``run`` against ``model`` in float32 (eval mode,
     no autograd) over ``samples`` (tuples of arguments, dicts of keyword arguments, or
     tensors)."""
-    errors = []
-    with eval_mode(model), torch.no_grad():
-        for sample in samples:
-            args, kwargs = as_call(sample)
-            errors.append(output_error(run(*args, **kwargs), model(*args, **kwargs)))
-    return OutputError.worst(errors)
+    return OutputError.worst(sample_errors(run, model, [as_call(s) for s in samples]))
 
 
 def state_bytes(program: ExportedProgram) -> int:

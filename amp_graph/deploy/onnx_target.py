@@ -100,9 +100,14 @@ class OnnxStats:
 def onnx_stats(path: str | Path) -> OnnxStats:
     onnx = _require_onnx()
     model = onnx.load(str(path))
-    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+    names = _dtype_names(onnx)
     kinds = Counter(names[i.data_type] for i in model.graph.initializer)
     return OnnxStats(_casts(model), len(model.graph.node), dict(kinds), _runtime_casts(path))
+
+
+def _dtype_names(onnx: Any) -> dict[int, str]:
+    """ONNX's element types by number: ``{10: "float16", 16: "bfloat16", ...}``."""
+    return {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
 
 
 def _casts(model: Any) -> int:
@@ -171,7 +176,7 @@ def _onnx_input_dtype(path: Path, node_name: str) -> str:
         for v in [*graph.value_info, *graph.input, *graph.output]
     }
     types.update({i.name: i.data_type for i in graph.initializer})
-    names = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+    names = _dtype_names(onnx)
     node = next((n for n in graph.node if n.name == node_name), None)
     if node is None:
         return "low-precision"

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import inspect
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +31,11 @@ from amp_graph.amp_request import (
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.autopolicy import AutopolicyError, autopolicy
+from amp_graph.autopolicy import AutopolicyError, as_call, autopolicy, default_tol
 from amp_graph.capture import capture_module
 from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
 from amp_graph.passes.aten_casts import aten_casts
-from amp_graph.passes.meta import AMP, VAL, Role, short
+from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL, Role, short
 from amp_graph.passes.state_casts import state_casts
 from amp_graph.policy import Policy, Rule
 
@@ -110,12 +110,6 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, training in flags:
             module.training = training
-
-
-def as_call(value: Any) -> tuple[tuple, dict]:
-    if isinstance(value, dict):
-        return (), dict(value)
-    return (tuple(value) if isinstance(value, (tuple, list)) else (value,)), {}
 
 
 def _structure(args: tuple, kwargs: dict) -> pytree.TreeSpec:
@@ -293,7 +287,7 @@ def export(
         stored = state_casts(gm)
         program = exported_program(gm, stored.dtypes, _example(args, kwargs))
         seconds["lift"] = time.perf_counter() - start
-    prefix = f"{gm.meta.get('amp_graph.model_root', '')}."
+    prefix = f"{gm.meta.get(MODEL_ROOT, '')}."
     info = ExportInfo(
         base,
         dtype,
@@ -309,6 +303,15 @@ def export(
     return program
 
 
+def sample_errors(
+    run: Callable[..., Any], model: nn.Module, calls: Iterable[tuple[tuple, dict]]
+) -> list[OutputError]:
+    """:func:`output_error` of ``run`` against ``model`` in float32 (eval mode, no
+    autograd), per call ``(args, kwargs)``."""
+    with eval_mode(model), torch.no_grad():
+        return [output_error(run(*a, **k), model(*a, **k)) for a, k in calls]
+
+
 def _check_calibrated(
     program: ExportedProgram,
     model: nn.Module,
@@ -319,24 +322,20 @@ def _check_calibrated(
 ) -> OutputError:
     """The program itself, run on the calibration samples against the float32 model: what
     calibration promises is checked on what is shipped, not only on autopolicy's graphs."""
-    tol = 10 * torch.finfo(dtype).eps if tol is None else float(tol)
-    run = program.module()
-    worst = OutputError(0.0, 0.0)
-    with eval_mode(model), torch.no_grad():
-        for i, (args, kwargs) in enumerate(samples):
-            error = output_error(run(*args, **kwargs), model(*args, **kwargs))
-            if not error.rel_l2 <= tol:
-                raise AutopolicyError(
-                    f"the calibrated program misses tol={tol:g} on calibration sample {i}: "
-                    f"relative error {error.rel_l2:.3g} against float32 (max |error| "
-                    f"{error.max_abs:.3g}), with {len(info.demoted)} nodes in float32 "
-                    f"({', '.join(info.demoted) or 'none'}). Raise tol, start from a policy with "
-                    "more float32 (e.g. 'O1'), or keep the modules involved in float32 with "
-                    "policy overrides",
-                    info.policy,
-                )
-            worst = OutputError.worst([worst, error])
-    return worst
+    tol = default_tol(dtype) if tol is None else float(tol)
+    errors = sample_errors(program.module(), model, samples)
+    for i, error in enumerate(errors):
+        if not error.rel_l2 <= tol:
+            raise AutopolicyError(
+                f"the calibrated program misses tol={tol:g} on calibration sample {i}: "
+                f"relative error {error.rel_l2:.3g} against float32 (max |error| "
+                f"{error.max_abs:.3g}), with {len(info.demoted)} nodes in float32 "
+                f"({', '.join(info.demoted) or 'none'}). Raise tol, start from a policy with "
+                "more float32 (e.g. 'O1'), or keep the modules involved in float32 with "
+                "policy overrides",
+                info.policy,
+            )
+    return OutputError.worst(errors)
 
 
 def _example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
