@@ -9,9 +9,18 @@ passes it tries to give each demotion back, keeping only those still needed.
 Blame, in order:
 
 1. the first node, in graph order, with a non-finite value where float32 is finite;
-2. with finite values but outputs too far from float32: the low-precision node whose
-   relative error grows most over its inputs' (its own rounding, not inherited error);
-3. with ``backward``: the first node, in backward order, whose output gradient is
+2. with finite values but outputs too far from float32: the op whose relative error grows
+   most over its inputs' (its own rounding, not inherited error) when it runs in the low
+   dtype; when it already runs in float32 it amplifies its inputs' rounding (a softmax of
+   scores too large for the low dtype's precision), and the nearest low-precision ops
+   upstream are blamed;
+3. with the graph within ``tol`` of its float32 shadow but not of the float32 model itself
+   (checked where the model's forward is deterministic): the graph holds constants the
+   model's Python derived from a low dtype while it was captured (a
+   ``torch.finfo(x.dtype).min`` mask, ``.to(x.dtype)``), which the shadow shares. The
+   low-precision ops whose dtype the Python read (:data:`passes.meta.DTYPE_READ`) are
+   blamed: captured with them in float32, the model builds those constants in float32;
+4. with ``backward``: the first node, in backward order, whose output gradient is
    non-finite, else the one nearest the loss whose gradient underflows (zero or subnormal
    in the low dtype at the loss scale, nonzero in float32), else the largest growth of
    gradient error.
@@ -24,6 +33,7 @@ upstream.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -40,8 +50,10 @@ from amp_graph.amp_request import (
     validate_module_overrides,
 )
 from amp_graph.capture import Captured, capture_module
-from amp_graph.compiler import CompiledModule
+from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place
+from amp_graph.output_error import output_error
 from amp_graph.passes.graph_copy import copy_graph_module
+from amp_graph.passes.meta import DTYPE_READ
 from amp_graph.policy import Policy
 from amp_graph.shadow import NumericsRow, ShadowResult, scale_text, shadow_run
 
@@ -128,7 +140,9 @@ def _forward_finding(result: ShadowResult, sample: int, tol: float) -> Finding |
         return None
     best, growth = None, -math.inf
     for row in result.nodes:
-        if not blame.runs_low(row):
+        # float32 ops too: one that amplifies its inputs' rounding (softmax of huge scores)
+        # cannot be demoted, but the low-precision ops feeding it can
+        if row.role != "op" or not row.decided:
             continue
         inherited = max(
             (blame.rows[a].forward.rel_error for a in row.inputs if a in blame.rows), default=0.0
@@ -137,10 +151,39 @@ def _forward_finding(result: ShadowResult, sample: int, tol: float) -> Finding |
             best, growth = row, row.forward.rel_error - inherited
     if best is None:
         return Finding((), f"output error {output_error:.2g} > tol {tol:.2g}")
-    return Finding(
-        (best.node,),
+    measured = (
         f"relative error {best.forward.rel_error:.2g} against float32, {growth:.2g} more than "
-        f"its inputs'; output error {output_error:.2g} > tol {tol:.2g} on sample {sample}",
+        f"its inputs'; output error {output_error:.2g} > tol {tol:.2g} on sample {sample}"
+    )
+    if blame.runs_low(best):
+        return Finding((best.node,), measured)
+    return Finding(
+        blame.demotable(best),
+        f"'{best.node}' ({best.op}, {_name(best.forward.dtype)}) amplifies the rounding of "
+        f"its low-precision inputs: {measured}",
+    )
+
+
+def _model_finding(result: ShadowResult, reference: Any, sample: int, tol: float) -> Finding | None:
+    """The graph's outputs against the float32 model's (``reference``), where its float32
+    shadow found them close: blame the low-precision values whose dtype the model's Python
+    read while captured."""
+    error = output_error(result.output, reference)
+    if error.rel_l2 <= tol:
+        return None
+    blame = _Blame(result)
+    read = [n.name for n in result.graph_module.graph.nodes if n.meta.get(DTYPE_READ)]
+    nodes: dict[str, None] = {}
+    for name in read:
+        if name in blame.rows:
+            nodes.update(dict.fromkeys(blame.demotable(blame.rows[name])))
+    return Finding(
+        tuple(nodes),
+        f"output error {error.rel_l2:.2g} against the float32 model > tol {tol:.2g} on sample "
+        f"{sample}, though the graph is within tol of its float32 shadow: the model's Python "
+        f"read the low dtype of {', '.join(read) or 'no captured value'} and built values "
+        "from it (a torch.finfo(dtype).min mask, a .to(dtype)) that the graph holds as "
+        "constants",
     )
 
 
@@ -195,9 +238,13 @@ AUTO = "auto"  # autopolicy's dynamic_shapes default: capture as compile does
 
 
 class _SharedCaptures(CompiledModule):
-    """A CompiledModule whose captures come from a store the search's policies share: the
-    model is captured once per input signature, and each policy rewrites its own copy (a
-    policy's overrides change the passes' decisions, never what is captured).
+    """A CompiledModule whose captures come from a store the search shares: the model is
+    captured once per input signature and set of node overrides, and each trial rewrites
+    its own copy. The overrides are part of the key because the capture plans, from the
+    policy, the dtypes the model's Python sees (:mod:`amp_graph.capture_dtypes`): a
+    demotion can change what is captured (GPT-2's ``.type(value.dtype)`` records float32
+    where ``value`` is demoted), so a set of demotions is judged on the graph that
+    :func:`amp_graph.compile` with that policy captures, whatever was tried before it.
 
     ``dynamic_shapes``: :data:`AUTO` captures as compile does (the first sizes static, then
     symbolic); None captures every sample with static sizes; a ``torch.export`` spec
@@ -227,6 +274,7 @@ class _SharedCaptures(CompiledModule):
             ),
             dynamic if isinstance(shapes, str) else None,
             self.policy.casts_nothing,
+            frozenset(self.policy.nodes.items()),
         )
         if key not in self._store:
             self._store[key] = (
@@ -245,6 +293,16 @@ class _SharedCaptures(CompiledModule):
             )
         base = self._store[key]
         return replace(base, graph_module=copy_graph_module(base.graph_module))
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """The same tensors, bit for bit (NaN where NaN), in the same structure."""
+    left = [v for v in pytree.tree_leaves(a) if isinstance(v, torch.Tensor)]
+    right = [v for v in pytree.tree_leaves(b) if isinstance(v, torch.Tensor)]
+    return len(left) == len(right) and all(
+        x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.nan_to_num(), y.nan_to_num())
+        for x, y in zip(left, right, strict=True)
+    )
 
 
 def as_call(sample: Any) -> tuple[tuple, dict]:
@@ -278,8 +336,35 @@ class _Search:
         self.samples, self.tol = samples, tol
         self.backward, self.loss_fn, self.scale = backward, loss_fn, scale
         self.device_type = device_type
-        self.captures: dict = {}  # one capture per input signature, for every policy tried
+        self.captures: dict = {}  # one capture per input signature and set of demotions
         self.dynamic_shapes = dynamic_shapes
+        self._references: list[Any] | None = None
+
+    def references(self) -> list[Any]:
+        """Each sample's output from the float32 model itself (computed once), or None
+        where its forward is not deterministic (dropout in training mode): two runs of it
+        must give the same bits, or the graph's float32 shadow stays the only reference."""
+        if self._references is None:
+            own = _class_forward if _compiled_in_place(self.model) else None
+            devices = [
+                t.device
+                for s in self.samples
+                for t in pytree.tree_leaves(s)
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+            ]
+            self._references = []
+            for args, kwargs in self.samples:
+                with (
+                    own(self.model) if own else contextlib.nullcontext(),
+                    torch.random.fork_rng(devices=sorted(set(devices), key=str)),
+                    torch.no_grad(),
+                    torch.autocast(self.device_type, enabled=False),
+                ):
+                    first = self.model(*args, **kwargs)
+                    second = self.model(*args, **kwargs)
+                same = _same_bits(first, second)
+                self._references.append(first if same else None)
+        return self._references
 
     def policy(self, demoted: dict[str, str]) -> Policy:
         if not demoted:
@@ -309,6 +394,9 @@ class _Search:
                 scale=self.scale,
             )
             finding = _forward_finding(result, i, self.tol)
+            reference = self.references()[i]
+            if finding is None and reference is not None:
+                finding = _model_finding(result, reference, i, self.tol)
             if finding is None and self.backward:
                 finding = _backward_finding(result, i, self.tol)
             if finding is not None:

@@ -46,6 +46,7 @@ from amp_graph.capture_dtypes import (
     half_model_view,
     mark_capture_plans,
     mark_checkpoint_regions,
+    mark_dtype_reads,
     strip_widening_casts,
 )
 from amp_graph.capture_fsdp import (
@@ -246,6 +247,7 @@ def capture_module(
             gm.recompile()
         mark_checkpoint_regions(gm, planned.checkpointed)
         mark_capture_plans(gm, planned.plan_records)
+        mark_dtype_reads(gm, planned.dtype_reads)
     if units:
         gm.meta[FSDP_UNITS] = units
         _check_checkpoints_within_units(gm, units)

@@ -56,6 +56,7 @@ from amp_graph.passes.classify import classify_node
 from amp_graph.passes.meta import (
     CAPTURE_PLAN,
     CHECKPOINT_REGION,
+    DTYPE_READ,
     NOT_TENSOR,
     UNKNOWN,
     AmpInfo,
@@ -70,6 +71,10 @@ from amp_graph.tables import python_ops
 log = logging.getLogger(__name__)
 
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+_LOW = (torch.float16, torch.bfloat16)
+# `x.dtype` reaches a torch-function mode as this descriptor's __get__ (a new bound
+# method-wrapper on each access: compare the descriptor)
+_DTYPE_DESCRIPTOR = torch.Tensor.dtype
 
 
 # Not recorded for reuse: under the capture's casts, torch 2.11's CPU kernels for these give
@@ -338,7 +343,8 @@ def _in_reentrant_checkpoint() -> bool:
 
 
 class CompositePromoteMode(TorchFunctionMode):
-    """Widens the mixed floating inputs of composite promote ops before they check dtypes.
+    """Widens the mixed floating inputs of composite promote ops before they check dtypes,
+    and notes which traced values' low dtype the model's Python reads.
 
     A composite op (``bilinear``, ``tensordot``) checks that its inputs share one dtype in
     its own C++ body, above any dispatch mode; CUDA autocast promotes them first (its
@@ -348,14 +354,26 @@ class CompositePromoteMode(TorchFunctionMode):
     node names are kept in ``casts`` and :func:`strip_widening_casts` removes them after
     the capture, leaving the op with the inputs the model gave it, as CUDA autocast's
     graphs have it. The passes then insert the casts the policy decides.
+
+    A read of a tensor's ``.dtype`` that gives a low dtype adds the tensor's node name to
+    ``dtype_reads``: whatever the model builds from it (``torch.finfo(dtype).min`` masks,
+    ``.to(x.dtype)``) is a constant of the graph, and only a capture in which that value is
+    float32 changes it (:data:`amp_graph.passes.meta.DTYPE_READ`). One mode does both jobs:
+    a torch-function mode costs every torch call of the capture.
     """
 
-    def __init__(self, tracer: Any, policy: Policy, casts: set[str]) -> None:
+    def __init__(self, tracer: Any, policy: Policy, casts: set[str], dtype_reads: set[str]) -> None:
         super().__init__()
         self.tracer, self.policy, self.casts = tracer, policy, casts
+        self.dtype_reads = dtype_reads
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DTYPE_DESCRIPTOR:
+            dtype = func(*args, **kwargs)
+            if dtype in _LOW:
+                self.dtype_reads.update(n.name for n in _traced_nodes(list(args), self.tracer))
+            return dtype
         if _composite_promote(func, self.policy):
             leaves, spec = pytree.tree_flatten((args, kwargs))
             floating = {
@@ -428,6 +446,13 @@ def mark_capture_plans(
         record = records.get(node.name)
         if record is not None and node.op == "call_function":
             node.meta[CAPTURE_PLAN] = record
+
+
+def mark_dtype_reads(gm: fx.GraphModule, names: set[str]) -> None:
+    """``meta[DTYPE_READ] = True`` on the nodes whose low dtype the model's Python read."""
+    for node in gm.graph.nodes:
+        if node.name in names:
+            node.meta[DTYPE_READ] = True
 
 
 def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None:
@@ -568,6 +593,7 @@ class capture_under_policy:
     def __init__(self, model: nn.Module, policy: Policy, low: torch.dtype) -> None:
         self.model, self.policy, self.low = model, policy, low
         self.widening_casts: set[str] = set()
+        self.dtype_reads: set[str] = set()  # node names (CompositePromoteMode)
         self.checkpointed: dict[str, int] = {}  # node name -> checkpoint region
         self.plan_records: dict[str, tuple[Any, torch.dtype | None, tuple[Any, ...]]] = {}
         self.reentrant_checkpoint = False
@@ -585,7 +611,10 @@ class capture_under_policy:
         user_inputs = _traced_nodes(pytree.tree_leaves((args, kwargs)), tracer)
         dtypes = PolicyDtypeMode(tracer, self.model, self.policy, self.low, user_inputs)
         try:
-            with dtypes, CompositePromoteMode(tracer, self.policy, self.widening_casts):
+            with (
+                dtypes,
+                CompositePromoteMode(tracer, self.policy, self.widening_casts, self.dtype_reads),
+            ):
                 return forward(*args, **kwargs)
         finally:
             if dtypes.seen is not None:  # the nodes after the last kernel that asked
@@ -669,5 +698,6 @@ __all__ = [
     "half_model_view",
     "mark_capture_plans",
     "mark_checkpoint_regions",
+    "mark_dtype_reads",
     "strip_widening_casts",
 ]

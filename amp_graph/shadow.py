@@ -266,6 +266,7 @@ class ShadowResult:
     graph_module: fx.GraphModule
     loss: float | None = None
     shadow_loss: float | None = None
+    output: Any = None  # what the graph returned (the mixed run), detached
 
 
 def scale_text(scale: float) -> str:
@@ -608,6 +609,7 @@ def shadow_run(
         graph_module=gm,
         loss=losses.get("loss"),
         shadow_loss=losses.get("shadow_loss"),
+        output=pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out),
     )
 
 

@@ -28,6 +28,12 @@ paths in ``nn_module_stack`` are relative to it)."""
 CHECKPOINT_REGION = "checkpoint_region"
 """``node.meta`` key: the number of the ``torch.utils.checkpoint`` call computing the node."""
 
+DTYPE_READ = "amp_graph.dtype_read"
+"""``node.meta`` key, True: the model's Python read this value's low dtype while it was
+captured (``x.dtype``, ``torch.finfo(x.dtype).min``, ``.to(x.dtype)``), so the graph may hold
+constants and casts derived from it that no pass can tell from the model's own
+(amp_graph.capture_dtypes)."""
+
 CAPTURE_PLAN = "amp_graph.capture_plan"
 """``node.meta`` key: ``(op, compute dtype, dtype facts of node.all_input_nodes as the op
 reads them, after the cast to the compute dtype)``, the decision under which the capture

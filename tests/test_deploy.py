@@ -418,6 +418,39 @@ def test_calibration_keeps_the_overflowing_node_in_float32_and_names_it():
         )
 
 
+@pytest.mark.parametrize("policy", ["O2", "O3"])
+def test_calibration_of_an_hf_gpt2_whose_attention_overflows_float16(policy):
+    """Layer 0's attention scores far beyond float16 (its c_attn weight x1000): without
+    calibration the program gives inf; with it, the program is within tol of float32. It
+    takes more than the overflowing matmul: a causal mask HF builds from the embeddings'
+    dtype (float16's min) no longer masks float32 scores, so it must be built in float32
+    too (the program holds no float16-min constant)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_positions=128, n_embd=64, n_layer=2, n_head=2, vocab_size=512, use_cache=False
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.mul_(1000.0)
+    samples = [{"input_ids": torch.randint(0, 512, (2, 64))} for _ in range(3)]
+    example = {"input_ids": torch.randint(0, 512, (2, 64))}
+    plain = amp_graph.export(model, (), example, policy=policy, dtype=FP16)
+    assert error_against_float32(plain.module(), model, samples).rel_l2 == float("inf")
+    program = amp_graph.export(model, (), example, policy=policy, dtype=FP16, calibration=samples)
+    info = amp_graph.export_info(program)
+    assert "matmul" in info.demoted  # layer 0's scores
+    calibrated = error_against_float32(program.module(), model, samples)
+    assert calibrated.rel_l2 <= 10 * torch.finfo(FP16).eps
+    assert info.calibration_error is not None
+    assert info.calibration_error.rel_l2 <= 10 * torch.finfo(FP16).eps
+    fp16_min = torch.finfo(FP16).min
+    constants = [a for n in program.graph.nodes for a in n.args if isinstance(a, float)]
+    assert fp16_min in [a for n in plain.graph.nodes for a in n.args if isinstance(a, float)]
+    assert fp16_min not in constants
+
+
 def test_a_calibrated_program_is_checked_on_the_samples_it_ships_with():
     """What calibration promises is checked on the program itself: one that misses tol on
     a sample is an error, never a program returned as calibrated."""

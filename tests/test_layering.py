@@ -79,6 +79,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "amp_graph.inspect",
             "amp_graph.shadow",
+            "amp_graph.output_error",
             "amp_graph.autopolicy",
             "amp_graph.lightning",
         ),

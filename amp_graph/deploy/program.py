@@ -34,13 +34,13 @@ from amp_graph.amp_request import (
 from amp_graph.autopolicy import AutopolicyError, as_call, autopolicy, default_tol
 from amp_graph.capture import capture_module
 from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
+from amp_graph.output_error import OutputError, output_error
 from amp_graph.passes.aten_casts import aten_casts
 from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL, Role, short
 from amp_graph.passes.state_casts import state_casts
 from amp_graph.policy import Policy, Rule
 
 from .lift import exported_program
-from .output_error import OutputError, output_error
 
 INFO = "amp_graph.export"  # ep.graph_module.meta key of the ExportInfo
 

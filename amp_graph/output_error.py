@@ -1,4 +1,5 @@
-"""How far a program's outputs are from float32: :class:`OutputError`."""
+"""How far a program's outputs are from float32: :class:`OutputError` (autopolicy's check
+against the float32 model, and the exported programs')."""
 
 from __future__ import annotations
 
