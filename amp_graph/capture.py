@@ -28,17 +28,19 @@ its fields and the caller gets an instance of the model's own type back.
 from __future__ import annotations
 
 import contextlib
+import gc
 import linecache
 import logging
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture_dtypes import (
@@ -167,6 +169,22 @@ def capture_autocast(
     return torch.autocast(device_type, dtype=dtype)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a graph is traced and built. Each full
+    collection walks every live object, and tracing a 10k-node graph makes hundreds of
+    thousands (nodes, fake tensors, their metadata) that count towards its thresholds:
+    collections cost about a sixth of such an export (BENCHMARKS.md). The cycles made
+    meanwhile are collected after, by the next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture_module(
     model: nn.Module,
     args: tuple,
@@ -179,6 +197,7 @@ def capture_module(
     policy: Policy | None = None,
     low_dtype: torch.dtype | None = None,
     dynamic_shapes: Any = None,
+    code_on_call: bool = False,
 ) -> Captured:
     """Export ``model(*args, **kwargs)`` and unlift it into a GraphModule over ``model``.
 
@@ -188,7 +207,10 @@ def capture_module(
     ``model_attr`` is the GraphModule attribute the model is read through (None: its
     children become the GraphModule's). With a ``policy`` (and its ``low_dtype``), the
     model's Python sees the dtypes that policy gives each value
-    (:mod:`amp_graph.capture_dtypes`), not torch.autocast's.
+    (:mod:`amp_graph.capture_dtypes`), not torch.autocast's. ``code_on_call``: the
+    GraphModule generates its Python code when first called or printed, not at each
+    ``recompile()`` (torch's ``_LazyGraphModule``): for a caller that only reads the graph,
+    as :func:`amp_graph.export` does, generating the code of a 10k-node graph is waste.
 
     Raises:
         CaptureError: naming the failing construct (file, line, code) and what to do.
@@ -214,7 +236,13 @@ def capture_module(
     # output's dataclass types before that. Removed after, also when export fails.
     hook = model.register_forward_hook(_register_output_dataclasses)
     try:
-        with fsdp as units, capture_autocast(device_type, autocast_dtype), planned, half:
+        with (
+            gc_paused(),
+            fsdp as units,
+            capture_autocast(device_type, autocast_dtype),
+            planned,
+            half,
+        ):
             program = torch.export.export(
                 model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
             )
@@ -237,7 +265,8 @@ def capture_module(
             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
             "{'use_reentrant': False})); amp_graph then recomputes the block in backward."
         )
-    gm = _graph_module(program, model, model_attr)
+    with gc_paused():
+        gm = _graph_module(program, model, model_attr, code_on_call)
     gm.meta[EXPORT_FACTS] = ExportFacts(
         dict(program.range_constraints), list(program.module_call_graph), list(program.verifiers)
     )
@@ -457,7 +486,9 @@ def _mark_gathered_dtypes(
                 node.meta[FSDP_GATHERED_DTYPE] = dtype
 
 
-def _graph_module(program: Any, model: nn.Module, attr: str | None) -> fx.GraphModule:
+def _graph_module(
+    program: Any, model: nn.Module, attr: str | None, code_on_call: bool = False
+) -> fx.GraphModule:
     """The exported graph with its state placeholders read from ``model`` (see module doc):
     through the attribute ``attr`` of the GraphModule (``self.model.fc.weight``), or, with
     ``attr=None``, through ``model``'s own children set on the GraphModule
@@ -512,26 +543,39 @@ def _graph_module(program: Any, model: nn.Module, attr: str | None) -> fx.GraphM
             graph.output(users[0] if single else tuple(users))
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
-    root: dict[str, Any] = dict(constants)
-    prefix = f"{attr}." if attr else ""
-    for node in graph.nodes:
-        if node.op != "get_attr" or node.target in root:
-            continue
-        if node.target.startswith(prefix) and node.target not in constants:
-            root[node.target] = _attr(model, node.target[len(prefix) :])
-        else:
-            root[node.target] = _attr(source, node.target)
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
-    # Read the model's tensors through the model itself, at call time: replace the
-    # placeholder module tree GraphModule built with the user's module (or its children).
+    # Built empty, given its attributes, then its graph: GraphModule(root, graph) would
+    # first copy every read into a placeholder module tree (a module per path, thousands on
+    # a deep model), only to have it replaced by the model.
+    cls = _LazyGraphModule if code_on_call else fx.GraphModule
+    gm = cls(nn.Module(), fx.Graph(), class_name=type(model).__name__)
+    for name, value in constants.items():
+        setattr(gm, name, value)
+    # Read the model's tensors through the model itself, at call time: the user's module
+    # (or, without ``attr``, its children and its own tensors).
     if attr:
         setattr(gm, attr, model)
-    else:
-        for name, child in model.named_children():
-            if hasattr(gm, name):
-                setattr(gm, name, child)
+    for node in graph.nodes:
+        if node.op != "get_attr" or node.target in constants:
+            continue
+        head = node.target.split(".", 1)[0]
+        if attr and head == attr:
+            continue
+        if attr is None and hasattr(model, head):
+            setattr(gm, head, getattr(model, head))
+        else:  # a subgraph export made (a higher-order op's body)
+            _set_attr(gm, node.target, _attr(source, node.target))
+    gm.graph = graph  # generates the code (once, or on the first call)
     gm.meta[MODEL_ROOT] = attr or ""
     return gm
+
+
+def _set_attr(root: nn.Module, dotted: str, value: Any) -> None:
+    *path, name = dotted.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    setattr(root, name, value)
 
 
 def _attr(obj: Any, dotted: str) -> Any:
@@ -604,4 +648,5 @@ __all__ = [
     "capture_autocast",
     "capture_graph",
     "capture_module",
+    "gc_paused",
 ]

@@ -149,6 +149,9 @@ class PolicyDtypeMode(TorchDispatchMode):
         self.checkpointed: dict[str, int] = {}
         self.checkpoint_frames: dict[int, int] = {}
         self.reentrant_checkpoint = False
+        # a forward entered without gradients (an inference capture) has no reentrant
+        # checkpoint to tell apart by its grad mode: no stack walk per node then
+        self.grad_at_entry = torch.is_grad_enabled()
 
     # --- the walk over the tracer's graph -------------------------------------------------
 
@@ -245,7 +248,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         if frame is not None:
             region = self.checkpoint_frames.setdefault(id(frame), len(self.checkpoint_frames))
             self.checkpointed[node.name] = region
-        elif not torch.is_grad_enabled() and _in_reentrant_checkpoint():
+        elif self.grad_at_entry and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
             self.reentrant_checkpoint = True
 
     def _decide_quietly(self, node: fx.Node) -> _Plan | None:
