@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from measure import cpu_name
 from torch.export import ExportedProgram
 
 import amp_graph
@@ -72,17 +73,6 @@ class Workload:
     config: str
     model: nn.Module
     make_inputs: Callable[[], Inputs]
-
-
-def cpu_name() -> str:
-    """The CPU's model name and whether it has AVX512-BF16, from /proc/cpuinfo."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "")
-    bf16 = "avx512_bf16" in text
-    return f"{name or 'unknown CPU'} ({'with' if bf16 else 'no'} AVX512-BF16)"
 
 
 def hf_workloads(quick: bool, stress: bool = False) -> list[Workload]:

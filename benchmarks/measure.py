@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -56,3 +57,14 @@ def peak_cpu_step_mb(step: Callable[[], object]) -> float:
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return peak / 2**20
+
+
+def cpu_name() -> str:
+    """The CPU's model name and whether it has AVX512-BF16, from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "")
+    bf16 = "avx512_bf16" in text
+    return f"{name or 'unknown CPU'} ({'with' if bf16 else 'no'} AVX512-BF16)"
