@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -295,6 +295,28 @@ class _SharedCaptures(CompiledModule):
         return replace(base, graph_module=copy_graph_module(base.graph_module))
 
 
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Every buffer of ``model`` as it was before the block."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+
+
+def _finite(tree: Any) -> bool:
+    """Every floating tensor finite: a float32 output with inf or nan (a masked logit) is no
+    reference for a relative error."""
+    return all(
+        bool(torch.isfinite(v).all())
+        for v in pytree.tree_leaves(tree)
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
+
+
 def _same_bits(a: Any, b: Any) -> bool:
     """The same tensors, bit for bit (NaN where NaN), in the same structure."""
     left = [v for v in pytree.tree_leaves(a) if isinstance(v, torch.Tensor)]
@@ -341,9 +363,11 @@ class _Search:
         self._references: list[Any] | None = None
 
     def references(self) -> list[Any]:
-        """Each sample's output from the float32 model itself (computed once), or None
-        where its forward is not deterministic (dropout in training mode): two runs of it
-        must give the same bits, or the graph's float32 shadow stays the only reference."""
+        """Each sample's output from the float32 model itself (computed once, the model's
+        buffers and the RNG state left as they were), or None where it is no reference: a
+        forward that is not deterministic (dropout in training mode: two runs must give the
+        same bits) or an output that is not finite. There the graph's float32 shadow stays
+        the only reference."""
         if self._references is None:
             own = _class_forward if _compiled_in_place(self.model) else None
             devices = [
@@ -356,14 +380,15 @@ class _Search:
             for args, kwargs in self.samples:
                 with (
                     own(self.model) if own else contextlib.nullcontext(),
+                    _buffers_kept(self.model),  # batch norm in training mode updates its own
                     torch.random.fork_rng(devices=sorted(set(devices), key=str)),
                     torch.no_grad(),
                     torch.autocast(self.device_type, enabled=False),
                 ):
                     first = self.model(*args, **kwargs)
                     second = self.model(*args, **kwargs)
-                same = _same_bits(first, second)
-                self._references.append(first if same else None)
+                usable = _same_bits(first, second) and _finite(first)
+                self._references.append(first if usable else None)
         return self._references
 
     def policy(self, demoted: dict[str, str]) -> Policy:

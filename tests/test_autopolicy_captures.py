@@ -133,6 +133,39 @@ def test_a_nondeterministic_forward_is_judged_against_its_shadow_only():
     assert model.training  # left as it was
 
 
+class NormedMaskedLogits(nn.Module):
+    """Batch norm (in training mode it updates its running statistics) and logits with
+    -inf where masked, as a float32 model legitimately returns them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.norm(self.lin(x))
+        return logits.masked_fill(torch.arange(8) >= 6, float("-inf"))
+
+
+def test_the_float32_reference_keeps_the_models_buffers_and_skips_nonfinite_outputs():
+    """The reference runs leave batch norm's running statistics as they were; an output
+    with -inf where the model masks is no reference for a relative error, so a model that
+    needs nothing keeps its policy instead of failing on inf - inf."""
+    torch.manual_seed(0)
+    model = NormedMaskedLogits().train()
+    samples = [(torch.randn(4, 8),) for _ in range(2)]
+    stats = [b.clone() for b in model.buffers()]
+    search = _Search(
+        model, Policy.preset("O1"), FP16, "cpu", [(s, {}) for s in samples], TOL,
+        False, None, None, "auto",
+    )  # fmt: skip
+    assert search.references() == [None, None]
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), stats, strict=True))
+    policy = amp_graph.autopolicy(model, "O1", FP16, sample_inputs=samples)
+    assert dict(policy.nodes) == {}
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), stats, strict=True))
+
+
 def _row(node, dtype, error, inputs=(), users=()):
     return NumericsRow(
         index=0,
