@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,7 +55,7 @@ from amp_graph.output_error import output_error
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.meta import DTYPE_READ
 from amp_graph.policy import Policy
-from amp_graph.shadow import NumericsRow, ShadowResult, scale_text, shadow_run
+from amp_graph.shadow import NumericsRow, ShadowResult, scale_text, shadow_run, tensors_kept
 
 UNDERFLOW_BLAME = 0.01  # a gradient with more than this fraction underflowing is blamed
 
@@ -295,18 +295,6 @@ class _SharedCaptures(CompiledModule):
         return replace(base, graph_module=copy_graph_module(base.graph_module))
 
 
-@contextlib.contextmanager
-def _buffers_kept(model: nn.Module) -> Iterator[None]:
-    """Every buffer of ``model`` as it was before the block."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, copy in saved:
-                buffer.copy_(copy)
-
-
 def _finite(tree: Any) -> bool:
     """Every floating tensor finite: a float32 output with inf or nan (a masked logit) is no
     reference for a relative error."""
@@ -380,7 +368,8 @@ class _Search:
             for args, kwargs in self.samples:
                 with (
                     own(self.model) if own else contextlib.nullcontext(),
-                    _buffers_kept(self.model),  # batch norm in training mode updates its own
+                    # batch norm in training mode updates its running statistics
+                    tensors_kept(self.model.buffers()),
                     torch.random.fork_rng(devices=sorted(set(devices), key=str)),
                     torch.no_grad(),
                     torch.autocast(self.device_type, enabled=False),

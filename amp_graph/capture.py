@@ -563,13 +563,14 @@ def _graph_module(
         if attr is None and hasattr(model, head):
             setattr(gm, head, getattr(model, head))
         else:  # a subgraph export made (a higher-order op's body)
-            _set_attr(gm, node.target, _attr(source, node.target))
+            set_dotted_attr(gm, node.target, _attr(source, node.target))
     gm.graph = graph  # generates the code (once, or on the first call)
     gm.meta[MODEL_ROOT] = attr or ""
     return gm
 
 
-def _set_attr(root: nn.Module, dotted: str, value: Any) -> None:
+def set_dotted_attr(root: nn.Module, dotted: str, value: Any) -> None:
+    """``root.a.b.c = value``, adding an empty module for each missing ``a``, ``b``."""
     *path, name = dotted.split(".")
     for part in path:
         if not hasattr(root, part):
@@ -649,4 +650,5 @@ __all__ = [
     "capture_graph",
     "capture_module",
     "gc_paused",
+    "set_dotted_attr",
 ]

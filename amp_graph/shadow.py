@@ -386,7 +386,14 @@ def _model_state_kept(gm: fx.GraphModule, written: set[fx.Node]) -> Iterator[Non
             tensor = operator.attrgetter(node.target)(gm)
             if isinstance(tensor, torch.Tensor):
                 state.setdefault(id(tensor), tensor)
-    saved = [(tensor, tensor.detach().clone()) for tensor in state.values()]
+    with tensors_kept(state.values()):
+        yield
+
+
+@contextlib.contextmanager
+def tensors_kept(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Each of ``tensors`` holds, after the block, the values it held before it."""
+    saved = [(tensor, tensor.detach().clone()) for tensor in tensors]
     try:
         yield
     finally:

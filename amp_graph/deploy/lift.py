@@ -33,7 +33,7 @@ from torch.export.graph_signature import (
 )
 from torch.fx.node import map_arg
 
-from amp_graph.capture import EXPORT_FACTS, ExportFacts
+from amp_graph.capture import EXPORT_FACTS, ExportFacts, set_dotted_attr
 from amp_graph.passes.aten_casts import cast_dtype
 from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL
 
@@ -162,8 +162,7 @@ def exported_program(
     _user_inputs_last(graph)
     root = nn.Module()
     for target, module in modules.items():
-        owner_path, _, name = target.rpartition(".")
-        _ensure_path(root, owner_path).add_module(name, module)
+        set_dotted_attr(root, target, module)
     return ExportedProgram(
         root=root,
         graph=graph,
@@ -227,12 +226,3 @@ def _user_inputs_last(graph: fx.Graph) -> None:
     first_other = next(n for n in graph.nodes if n.op != "placeholder")
     for node in placeholders:
         first_other.prepend(node)
-
-
-def _ensure_path(root: nn.Module, path: str) -> nn.Module:
-    module = root
-    for name in filter(None, path.split(".")):
-        if not hasattr(module, name):
-            module.add_module(name, nn.Module())
-        module = getattr(module, name)
-    return module
