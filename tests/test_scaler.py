@@ -26,7 +26,7 @@ def _iteration(model, opt, scaler, x, y, *, poison: bool = False):
     loss = mse(model(x), y)
     scaler.scale(loss).backward()
     if poison:
-        model[2].weight.grad[0, 0] = float("nan")
+        model[2].weight.grad[0, 0].fill_(float("nan"))  # a kernel, no host-to-device copy
     result = scaler.step(opt)
     scaler.update()
     return result

@@ -20,6 +20,7 @@
 
 #include <array>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -40,6 +41,26 @@ int dtype_code(at::ScalarType t) {
       return AMP_GRAPH_BF16;
     default:
       return -1;
+  }
+}
+
+// torch's Python name of a dtype ("torch.float64"), as the native path's errors print it.
+std::string python_dtype(at::ScalarType t) {
+  std::string name = c10::toString(t);  // "Double"
+  switch (t) {
+    case at::kDouble: return "torch.float64";
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return name;
   }
 }
 
@@ -117,12 +138,25 @@ int64_t max_grid(const at::Device& device, int dtype, int mode) {
   return cache->max_grid(device.index(), dtype, mode);
 }
 
+// The errors' texts are built from strings alone (std::to_string, Device::str, toString):
+// on an H200 with torch 2.11+cu130, every ValueError whose message this library formatted
+// with an integer through iostreams (a size, an index) crashed the process; one with none
+// was raised. The cause was not found; tests/test_kernel_ops.py raises each error on a GPU.
+std::string shape_text(const at::Tensor& t) {
+  std::string text = "(";
+  for (size_t d = 0; d < t.sizes().size(); ++d) {
+    text += (d ? ", " : "") + std::to_string(t.sizes()[d]);
+  }
+  return text + (t.sizes().size() == 1 ? ",)" : ")");
+}
+
 void check_flag(const at::Tensor& t, const at::Device& device, const char* name) {
-  // ValueError, like the checks of the native path (ops.py).
-  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  // ValueError, like the checks of the native path (ops.py), with its text.
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device.str(), ", got ",
+                    t.device().str());
   TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.numel() == 1, name,
-                    " must be a one-element float32 tensor, got ", t.scalar_type(), " ",
-                    t.sizes());
+                    " must be a one-element float32 tensor, got ",
+                    python_dtype(t.scalar_type()), " ", shape_text(t));
 }
 
 void bump_version(const at::Tensor& t) {
@@ -149,10 +183,11 @@ at::Tensor run(at::TensorList grads, const at::Tensor& found_inf, const at::Tens
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
     TORCH_CHECK_VALUE(g.is_floating_point(),
-                      "amp_graph gradient ops take floating-point tensors; grads[", i, "] is ",
-                      g.scalar_type());
+                      "amp_graph gradient ops take floating-point tensors; grads[",
+                      std::to_string(i), "] is ", python_dtype(g.scalar_type()));
     TORCH_CHECK_VALUE(g.device() == device, "amp_graph gradient ops take tensors on one device; "
-                      "grads[", i, "] is on ", g.device(), ", found_inf on ", device);
+                      "grads[", std::to_string(i), "] is on ", g.device().str(),
+                      ", found_inf on ", device.str());
     const int code = dtype_code(g.scalar_type());
     if (code < 0) {
       other_dtypes.push_back(g);
@@ -253,8 +288,8 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& trackers,
   check_flag(found_inf, device, "found_inf");
   TORCH_CHECK_VALUE(trackers.device() == device && trackers.scalar_type() == at::kLong &&
                   trackers.numel() == amp_graph::kNumTrackers && trackers.is_contiguous(),
-              "trackers must be a contiguous int64 tensor of ", amp_graph::kNumTrackers,
-              " elements on ", device);
+              "trackers must be a contiguous int64 tensor of ",
+              std::to_string(amp_graph::kNumTrackers), " elements on ", device.str());
   const at::Tensor found = found_inf.contiguous();
   c10::cuda::CUDAGuard guard(device);
   const int err = amp_graph_launch_update_scale(
