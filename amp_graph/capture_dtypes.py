@@ -525,7 +525,16 @@ def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple,
         return args, kwargs
     if widening:
         plan.faithful = False
-    return pytree.tree_unflatten(leaves, spec)
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    if func in _HALF_TO_FLOAT and len(args) > 2 and args[2] is True:
+        args = (*args[:2], False, *args[3:])  # the input has the plan's dtype now
+    return args, kwargs
+
+
+# CUDA runs softmax(fp16 x, dtype=float32), as CUDA autocast calls it, as one kernel,
+# _softmax(x, dim, half_to_float=True), which takes only a 16-bit input: once the plan casts
+# x, the kernel is the plain one, computing in x's dtype
+_HALF_TO_FLOAT = frozenset({torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default})
 
 
 def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

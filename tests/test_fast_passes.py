@@ -270,3 +270,31 @@ def test_a_unet_and_an_moe_under_policy_autocast_are_cpu_autocast(name: str) -> 
     make_model, make_inputs = BEYOND[name]
     torch.manual_seed(0)
     assert_bitwise_cpu_autocast(make_model(), make_inputs())
+
+
+@pytest.mark.parametrize("op", ["_softmax", "_log_softmax"])
+@pytest.mark.parametrize(
+    ("compute", "expected"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_cuda_half_to_float_softmax_takes_the_planned_input(op, compute, expected) -> None:
+    """CUDA autocast runs ``softmax(x16, dtype=float32)`` as ``_softmax(x16, dim, True)``,
+    which takes only a 16-bit input. Where the capture's plan casts that input, the kernel
+    becomes the plain one (a real GPU capture of an fp16 softmax under O1 failed on it);
+    where it leaves it, the kernel is left as it was. On fake CUDA tensors: no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from amp_graph.capture_dtypes import _adjusted, _Plan
+
+    func = getattr(torch.ops.aten, op).default
+    with FakeTensorMode():
+        x = torch.empty(4, 8, dtype=torch.float16, device="cuda")
+        plan = _Plan(None, compute, [], func, ())
+        args, kwargs = _adjusted(func, (x, -1, True), {}, plan)
+        out = func(*args, **kwargs)
+    assert out.dtype == expected and out.device.type == "cuda"
+    assert args[2] is (compute == torch.float16)
