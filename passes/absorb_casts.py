@@ -5,10 +5,14 @@ O1 computes softmax, log_softmax and sum in float32 (torch.autocast's CUDA list;
 may add mean), so it widens their bf16 or fp16 input with a cast of its own. These ops can
 widen their input themselves: torch's ``dtype=`` argument is defined as the same cast
 applied first. On a CPU torch then runs exactly that conversion inside the op (softmax
-and log_softmax as an aten ``_to_copy`` of their own, also for bf16 on CUDA; the
-reductions inside their kernel); on CUDA an fp16 ``softmax``/``log_softmax``
-(``half_to_float``) and a bf16 or fp16 ``sum``/``mean`` read the narrow input directly
-and accumulate in float32, with no float32 copy of the input at all. The printed graph
+and log_softmax as an aten ``_to_copy`` of their own; the reductions inside their kernel),
+so all six are absorbed there, with the cast's bits. On CUDA the op with ``dtype=`` is not
+always the cast: an fp16 softmax (``half_to_float``) and a bf16 or fp16 ``sum``/``mean``
+read the narrow input directly and accumulate in another order (other bits than the cast
+from about 1000 elements a row on an H200). There the pass absorbs only the ops CUDA
+autocast itself calls with ``dtype=float32`` (its ``FP32_SET_OPT_DTYPE`` list: softmax,
+log_softmax, sum), so that the graph runs autocast's own kernels and bits; ``mean``, which
+autocast leaves alone, keeps its cast. On other devices nothing is absorbed. The printed graph
 shows the op with its ``dtype=`` and no cast before it.
 
 Only a cast that is the op's input and nothing else's is absorbed: a cast shared by several
@@ -18,15 +22,18 @@ Reads: ``meta["amp"]`` (``role=CAST`` casts amp_graph inserted, their users' ate
 Writes: the op's input and ``dtype`` argument; removes the cast; sets
 ``meta["amp"].cast_absorbed`` on the op. Guarantees: every op receives the same values in
 the dtype it received them in before the pass, converted by the op itself (torch's
-definition of ``dtype=``: on a CPU the same conversion, so the same bits forward and
-backward; the tests check both, and on CUDA where a GPU runs them); only widening casts
-amp_graph inserted are absorbed, never the model's own casts.
+definition of ``dtype=``), with the same bits forward and backward as the cast on a
+CPU, and as torch.autocast's own call on CUDA (:func:`absorbs`; the tests check the bits on a
+CPU, and on CUDA where a GPU runs them); only widening casts amp_graph inserted are
+absorbed, never the model's own casts.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from amp_graph.tables.autocast_lists import CUDA_FP32_SET_OPT_DTYPE
 
 from .meta import AMP, VAL, Role
 from .result import PassResult
@@ -53,6 +60,27 @@ TAKES_DTYPE = frozenset(
 # of those, the ones whose dtype= is an aten ``_to_copy`` call of its own (composite ops);
 # the reductions convert inside their kernel
 CAST_BY_ATEN_CALL = frozenset({aten.softmax.int, aten.log_softmax.int})
+
+
+def absorbs(op: torch._ops.OpOverload, device: torch.device) -> bool:
+    """Whether the pass gives ``op`` on ``device`` its input's widening cast as ``dtype=``:
+    on a CPU every op of TAKES_DTYPE (the same conversion, the cast's bits); on CUDA those
+    that CUDA autocast calls with ``dtype=`` itself (autocast's bits).
+
+    >>> absorbs(aten.mean.default, torch.device("cpu"))
+    True
+    >>> cuda = torch.device("cuda")
+    >>> absorbs(aten.mean.default, cuda), absorbs(aten.sum.default, cuda)
+    (False, True)
+    """
+    if op not in TAKES_DTYPE:
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and (
+        op._opname in CUDA_FP32_SET_OPT_DTYPE
+        or f"{op._opname}.{op._overloadname}" in CUDA_FP32_SET_OPT_DTYPE
+    )
 
 
 def _dtype_argument(op: torch._ops.OpOverload) -> tuple[int, bool]:
@@ -86,7 +114,7 @@ def _absorbable(cast: fx.Node) -> fx.Node | None:
     if not widens or len(cast.users) != 1:
         return None
     (op_node,) = cast.users
-    if op_node.op != "call_function" or op_node.target not in TAKES_DTYPE:
+    if op_node.op != "call_function" or not absorbs(op_node.target, value.device):
         return None
     if op_node.args[0] is not cast or cast in op_node.args[1:] or cast in op_node.kwargs.values():
         return None

@@ -7,6 +7,8 @@ cast left in the graph); gradients and outputs must be equal, bit for bit.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 from collections.abc import Callable
 
@@ -28,9 +30,9 @@ aten = torch.ops.aten
 class Reduce(nn.Module):
     """A linear (bf16 under O1), then one op that takes ``dtype=``."""
 
-    def __init__(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, reduce: Callable[[torch.Tensor], torch.Tensor], width: int = 24) -> None:
         super().__init__()
-        self.fc = nn.Linear(8, 24)
+        self.fc = nn.Linear(8, width)
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,20 +189,87 @@ def test_conversions_are_counted_as_torch_runs_them():
     assert reduction.forward_bytes == 0 and reduction.backward_bytes == 5 * 24 * (2 + 4)
 
 
+OP_OF = {  # the aten op each of REDUCTIONS runs
+    "softmax": aten.softmax.int,
+    "log_softmax": aten.log_softmax.int,
+    "sum": aten.sum.default,
+    "sum_dim": aten.sum.dim_IntList,
+    "mean": aten.mean.default,
+    "mean_dim": aten.mean.dim,
+}
+
+
+def _on_fake_cuda(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with every value's meta moved to a fake CUDA tensor (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            with mode:
+                node.meta["val"] = torch.empty_strided(
+                    tuple(value.shape), value.stride(), dtype=value.dtype, device="cuda"
+                )
+    return gm
+
+
+AUTOCAST_SETS_DTYPE = ("softmax", "log_softmax", "sum", "sum_dim")  # CUDA autocast's dtype= ops
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+def test_on_cuda_the_ops_autocast_gives_dtype_absorb(name, dtype, monkeypatch):
+    """On CUDA the pass absorbs the casts of the ops CUDA autocast itself calls with
+    ``dtype=float32`` (softmax, log_softmax, sum), whatever the narrow dtype, and leaves
+    mean's (autocast has no rule for mean; with ``dtype=`` a CUDA mean reads the narrow input
+    in another order than the cast). On fake CUDA tensors: no GPU needed."""
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "absorb_casts", _not_absorbing)
+        # casts as absorb_casts sees them (recompute_casts rewrites them later)
+        policy = dataclasses.replace(POLICY, recompute_casts=False)
+        x = torch.randn(5, 8)
+        kept = amp_graph.compile(Reduce(REDUCTIONS[name]), policy, dtype, example_inputs=(x,))
+    gm = _on_fake_cuda(copy.deepcopy(kept.graph_module))
+    absorbed = absorb_module.absorb_casts(gm).stats["casts_absorbed"]
+    expected = name in AUTOCAST_SETS_DTYPE
+    assert absorbed == int(expected)
+    assert absorb_module.absorbs(OP_OF[name], torch.device("cuda")) is expected
+    assert absorb_module.absorbs(OP_OF[name], torch.device("cpu"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(REDUCTIONS))
 @pytest.mark.parametrize("width", [24, 1000, 3000])
-def test_on_cuda_the_ops_dtype_gives_the_cast_s_bits(name, dtype, width):
-    """CUDA's fp16 softmax (``half_to_float``) and low-precision sum and mean read the
-    narrow input directly: their bits against the explicit cast's, forward and backward."""
+def test_on_cuda_an_absorbed_op_runs_autocasts_bits(name, dtype, width):
+    """On a GPU: O1 compiled against CUDA torch.autocast, bit for bit, forward and backward,
+    for the ops whose cast the pass absorbs there (autocast's own ``dtype=`` call), at
+    widths where the explicit cast gives other bits (1000 and 3000 on an H200); mean, which
+    O1 leaves in the low dtype as autocast does, is compiled as it stands."""
     torch.manual_seed(0)
-    x = torch.randn(64, width, device="cuda", dtype=dtype)
-    results = []
-    for absorbed in (True, False):
-        leaf = x.clone().requires_grad_()
-        op = REDUCTIONS[name]
-        out = op(leaf, dtype=torch.float32) if absorbed else op(leaf.float())
-        out.float().square().sum().backward()
-        results.append([out.detach(), leaf.grad])
-    assert_same_bits(results[0], results[1])
+    model = Reduce(REDUCTIONS[name], width).cuda()
+    x = torch.randn(5, 8, device="cuda")
+    compiled = amp_graph.compile(model, "O1", dtype, example_inputs=(x,))
+    got = run(compiled, model, x)
+    with torch.autocast("cuda", dtype=dtype):
+        want = run(model, model, x)
+    assert_same_bits(got, want)
+    assert amp_graph.report(compiled).casts_absorbed == int(name in AUTOCAST_SETS_DTYPE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_on_cuda_nanogpt_attention_is_autocast_bit_for_bit(dtype):
+    """nanoGPT attention (matmuls, a -inf mask, softmax, a log-softmax head) compiled under O1
+    on a GPU against CUDA torch.autocast: the same bits forward and backward. In float16 the
+    capture meets CUDA's ``_softmax(x, dim, half_to_float=True)``, which it once failed on."""
+    torch.manual_seed(0)
+    model = NanoAttention(dim=64, heads=4, block=128).cuda()
+    x = torch.randn(4, 128, 64, device="cuda")
+    compiled = amp_graph.compile(model, "O1", dtype, example_inputs=(x,))
+    got = run(compiled, model, x)
+    with torch.autocast("cuda", dtype=dtype):
+        want = run(model, model, x)
+    assert_same_bits(got, want)
+    assert amp_graph.report(compiled).casts_absorbed == 2
