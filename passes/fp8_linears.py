@@ -30,7 +30,9 @@ is appended to ``meta["amp"].detail`` (or a record is created).
 
 Invariants: parameters are read as they are (never copied or cast: the float32 weight is
 quantized directly and its gradient arrives in float32); the user's module is not touched;
-the graph is changed in place, linted and recompiled.
+the graph is changed in place and linted; like every pass it leaves the recompile to its
+driver (``run_passes``), so a caller running it alone calls ``gm.recompile()`` before the module
+runs the new graph.
 """
 
 from __future__ import annotations
