@@ -100,3 +100,18 @@ def test_without_a_gpu_it_fails_loudly_and_writes_nothing(tmp_path: Path) -> Non
     assert run.returncode == 2
     assert "GPU CHECK NOT RUN" in run.stderr and "no CUDA GPU" in run.stderr
     assert md.read_text() == (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_only_a_cuda_test_skipped_on_the_gpu_fails_the_check() -> None:
+    """Under ``-m cuda`` a module that skips as a whole (an optional extra missing) still
+    reports a skip; that is not a CUDA test skipping on the GPU, which fails the check."""
+    from xml.etree import ElementTree
+
+    suite = ElementTree.fromstring(
+        '<testsuite tests="4" skipped="3">'
+        '<testcase name="a"><skipped message="needs a CUDA device"/></testcase>'
+        '<testcase name="b"><skipped message="the notebooks need the dev extra"/></testcase>'
+        '<testcase name="c"><skipped message="Skipped: needs a GPU with float8"/></testcase>'
+        '<testcase name="d"/></testsuite>'
+    )
+    assert gpu_check.gpu_skipped(suite) == 2
