@@ -30,6 +30,8 @@ absorbed, never the model's own casts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -60,6 +62,15 @@ TAKES_DTYPE = frozenset(
 # of those, the ones whose dtype= is an aten ``_to_copy`` call of its own (composite ops);
 # the reductions convert inside their kernel
 CAST_BY_ATEN_CALL = frozenset({aten.softmax.int, aten.log_softmax.int})
+
+
+def copies_input(op: torch._ops.OpOverload, narrow: Any) -> bool:
+    """Whether ``op(x, dtype=...)`` makes a widened copy of its input ``narrow`` (a fake or real
+    tensor) before computing: softmax and log_softmax do, through an aten ``_to_copy``, except
+    CUDA's fp16 ones (one ``half_to_float`` kernel reads the fp16 input); reductions never do."""
+    if op not in CAST_BY_ATEN_CALL:
+        return False
+    return not (narrow.device.type == "cuda" and narrow.dtype == torch.float16)
 
 
 def absorbs(op: torch._ops.OpOverload, device: torch.device) -> bool:

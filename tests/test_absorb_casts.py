@@ -273,3 +273,20 @@ def test_on_cuda_nanogpt_attention_is_autocast_bit_for_bit(dtype):
         want = run(model, model, x)
     assert_same_bits(got, want)
     assert amp_graph.report(compiled).casts_absorbed == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dataflow_counts_a_forward_copy_only_where_the_op_makes_one(dtype, monkeypatch):
+    """An absorbed softmax copies its input in the forward (an aten ``_to_copy``) on a CPU and
+    for bf16 on CUDA, not for fp16 on CUDA (``half_to_float`` reads it); a reduction never
+    does. Decided on the input's fake value: no GPU needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_cuda = torch.empty(4, 8, dtype=dtype, device="cuda")
+        on_cpu = torch.empty(4, 8, dtype=dtype)
+    for op in (aten.softmax.int, aten.log_softmax.int):
+        assert absorb_module.copies_input(op, on_cpu)
+        assert absorb_module.copies_input(op, on_cuda) is (dtype == torch.bfloat16)
+    assert not absorb_module.copies_input(aten.sum.default, on_cpu)
+    assert not absorb_module.copies_input(aten.sum.default, on_cuda)

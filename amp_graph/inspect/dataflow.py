@@ -7,8 +7,8 @@ forward
     every cast amp_graph inserted, every cast the model wrote (``x.float()``,
     ``h.type_as(x)``) that changes the dtype, and every cast absorbed into a softmax's or
     log_softmax's ``dtype=`` (``softmax(x, -1, torch.float32)`` runs that cast as an aten
-    ``_to_copy`` of its own; CUDA's fp16 softmax reads the narrow input directly, so there
-    the count is an upper bound). A reduction's ``dtype=`` (``sum``, ``mean``) converts
+    ``_to_copy`` of its own; CUDA's fp16 softmax reads the narrow input directly, with no
+    copy, and is not counted). A reduction's ``dtype=`` (``sum``, ``mean``) converts
     inside its kernel: no cast call, not counted;
 backward
     each of those casts whose input needs a gradient has a backward that casts the
@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.compiler import compile_record, unwrap
-from amp_graph.passes.absorb_casts import CAST_BY_ATEN_CALL
+from amp_graph.passes.absorb_casts import copies_input
 from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, short, tensor_facts
 
 from .modules import module_types, node_modules
@@ -262,7 +262,7 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
                     amp.compute_dtype,
                     "absorbed cast",
                     modules,
-                    forward=node.target in CAST_BY_ATEN_CALL,
+                    forward=copies_input(node.target, source.meta[VAL]),
                     backward=grad.get(source.name),
                 )
             )
