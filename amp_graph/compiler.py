@@ -86,29 +86,25 @@ def rewrite(
     *,
     check_each_pass: bool = False,
     seconds: dict[str, float] | None = None,
+    keep_original: bool = True,
 ) -> CompileRecord:
     """Run the AMP passes on a captured ``gm`` in place and record what they did.
 
     The one rewrite every entry point runs. ``gm``'s placeholders should carry example
     values (``meta["val"]``) so that every dtype is exact; ``seconds`` adds the capture's
-    own timings to the record.
+    own timings to the record; ``keep_original=False`` keeps no copy of the graph before the
+    passes (``record.original`` None: an export, which no diff reads).
     """
     drop_string_annotations(gm)
     start = time.perf_counter()
-    # the captured form the passes and the diffs read: the model's blocks flat
-    inlined = inline_regions(gm)
+    inlined = inline_regions(gm)  # the captured form the passes and diffs read: blocks flat
     inlined_seconds = time.perf_counter() - start
-    original = (copy_graph(gm), gm)
+    original = (copy_graph(gm), gm) if keep_original else None
     result = run_passes(gm, policy, dtype, check_each=check_each_pass)
-    record = CompileRecord(
-        policy,
-        dtype,
-        device_type,
-        {**inlined.stats, **result.stats},
-        {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds},
-        bool(result.stats.get("exact_dtypes")),
-        original,
-    )
+    stats = {**inlined.stats, **result.stats}
+    timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
+    exact = bool(result.stats.get("exact_dtypes"))
+    record = CompileRecord(policy, dtype, device_type, stats, timings, exact, original)
     gm.meta[COMPILE_META] = record
     if record.stats.get("casts_recomputed"):
         recompute.install(gm)  # the hooks that keep those casts' sources instead

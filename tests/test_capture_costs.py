@@ -84,3 +84,30 @@ def test_the_graph_module_reads_the_models_own_modules_and_tensors(model_attr):
         model.head.weight.mul_(2.0)
         assert not torch.equal(gm(*args), before)
         assert torch.equal(gm(*args), model(*args))
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_programs_cast_values_are_the_cast_kernels(policy):
+    """The lift makes the example value of each cast the passes added directly (a fake tensor
+    of the source's layout in the new dtype), not by running the fake kernel: it must be what
+    the kernel gives, dtype, sizes, strides and device, on every cast of a GPT's program."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    import amp_graph
+
+    torch.manual_seed(0)
+    model = models.GPT(vocab=64, block=16, dim=32, heads=2, layers=2).eval()
+    program = amp_graph.export(model, (torch.randint(0, 64, (2, 16)),), policy=policy)
+    casts = [n for n in program.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert casts
+    for node in casts:
+        got, source = node.meta["val"], node.args[0].meta["val"]
+        assert isinstance(got, FakeTensor) and got.fake_mode is source.fake_mode
+        with source.fake_mode:
+            want = torch.ops.aten._to_copy.default(source, **node.kwargs)
+        assert (got.dtype, got.shape, got.stride(), got.device) == (
+            want.dtype,
+            want.shape,
+            want.stride(),
+            want.device,
+        )

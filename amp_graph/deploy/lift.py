@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
     ConstantArgument,
@@ -34,7 +35,7 @@ from torch.export.graph_signature import (
 from torch.fx.node import map_arg
 
 from amp_graph.capture import EXPORT_FACTS, ExportFacts, set_dotted_attr
-from amp_graph.passes.aten_casts import cast_dtype
+from amp_graph.passes.aten_casts import TO_COPY, cast_dtype
 from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL
 
 
@@ -72,6 +73,9 @@ def exported_program(
     aten ops): its state becomes the program's state, each ``stored_as`` target (a
     ``get_attr`` target) cast to its dtype there, and the casts reading it leave the graph.
 
+    ``gm``'s graph becomes the program's, rewritten in place (a second copy of a deep
+    model's graph would cost time and memory): ``gm`` is spent after the call.
+
     Raises:
         LiftError: the graph writes a parameter or buffer (not an inference graph), or
             ``gm`` was not captured by :func:`amp_graph.capture.capture_module`.
@@ -80,85 +84,83 @@ def exported_program(
     if facts is None:
         raise LiftError("the GraphModule was not captured by amp_graph's torch.export capture")
     _fill_values(gm)
+    graph = gm.graph
     root_attr = gm.meta.get(MODEL_ROOT, "")
     prefix = f"{root_attr}." if root_attr else ""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
     input_specs: list[InputSpec] = []
     state_dict: dict[str, torch.Tensor] = {}
     constants: dict[str, Any] = {}
     modules: dict[str, nn.Module] = {}
     by_tensor: dict[int, fx.Node] = {}  # tied paths: one placeholder
+    stored_low: set[fx.Node] = set()  # placeholders of state stored cast
 
-    reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    reads = [n for n in graph.nodes if n.op == "get_attr"]
+    read_set = set(reads)
+    for node in graph.nodes:
+        _check_no_state_write(node, read_set)
+    user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    first = next(n for n in graph.nodes if n.op != "get_attr")  # stays: reads are erased
     for node in reads:
         owner, name = _owner(gm, node.target)  # type: ignore[arg-type]
         value = getattr(owner, name)
         if isinstance(value, nn.Module):  # a subgraph a higher-order op calls
             modules[node.target] = value  # type: ignore[index]
-            env[node] = graph.get_attr(node.target)  # type: ignore[arg-type]
             continue
         if not isinstance(value, torch.Tensor):
             raise LiftError(f"the graph reads {node.target!r}, a {type(value).__name__}")
-        if id(value) in by_tensor:
-            env[node] = by_tensor[id(value)]
-            continue
-        kind, fqn, persistent = _kind(gm, node.target, prefix)  # type: ignore[arg-type]
-        low = stored_as.get(node.target)  # type: ignore[call-overload]
-        stored = value.detach().to(low) if low is not None else value
-        placeholder = graph.placeholder(_PREFIX[kind] + fqn.replace(".", "_"))
-        placeholder.meta = dict(node.meta)
-        if low is not None:
-            placeholder.meta[VAL] = next(iter(node.users)).meta[VAL]
-        if kind is InputKind.PARAMETER:
-            param = stored if low is None else nn.Parameter(stored, requires_grad=False)
-            state_dict[fqn] = param
-        elif kind is InputKind.BUFFER and persistent:
-            state_dict[fqn] = stored
-        else:
-            constants[fqn] = stored
-        input_specs.append(
-            InputSpec(
-                kind,
-                TensorArgument(placeholder.name),
-                fqn,
-                persistent if kind is InputKind.BUFFER else None,
-            )
-        )
-        by_tensor[id(value)] = env[node] = placeholder
-
-    folded = {n for n in gm.graph.nodes if n.op == "get_attr" and n.target in stored_as}
-    output_specs: list[OutputSpec] = []
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            continue
-        if node.op == "placeholder":
-            env[node] = new = graph.placeholder(node.name)
-            new.meta = dict(node.meta)
-            value = node.meta.get(VAL)
-            argument = (
-                TensorArgument(new.name)
-                if isinstance(value, torch.Tensor)
-                else ConstantArgument(new.name, value)
-            )
-            input_specs.append(InputSpec(InputKind.USER_INPUT, argument, None))
-        elif node.op == "output":
-            result = node.args[0]
-            leaves = list(result) if isinstance(result, (tuple, list)) else [result]
-            outputs = [env[v] if isinstance(v, fx.Node) else v for v in leaves]
-            for value in outputs:
-                argument = (
-                    TensorArgument(value.name)
-                    if isinstance(value, fx.Node)
-                    else ConstantArgument("", value)
+        placeholder = by_tensor.get(id(value))
+        if placeholder is None:
+            kind, fqn, persistent = _kind(gm, node.target, prefix)  # type: ignore[arg-type]
+            low = stored_as.get(node.target)  # type: ignore[call-overload]
+            stored = value.detach().to(low) if low is not None else value
+            with graph.inserting_before(first):
+                placeholder = graph.placeholder(_PREFIX[kind] + fqn.replace(".", "_"))
+            placeholder.meta = node.meta
+            if low is not None:
+                placeholder.meta[VAL] = next(iter(node.users)).meta[VAL]
+                stored_low.add(placeholder)
+            if kind is InputKind.PARAMETER:
+                param = stored if low is None else nn.Parameter(stored, requires_grad=False)
+                state_dict[fqn] = param
+            elif kind is InputKind.BUFFER and persistent:
+                state_dict[fqn] = stored
+            else:
+                constants[fqn] = stored
+            input_specs.append(
+                InputSpec(
+                    kind,
+                    TensorArgument(placeholder.name),
+                    fqn,
+                    persistent if kind is InputKind.BUFFER else None,
                 )
-                output_specs.append(OutputSpec(OutputKind.USER_OUTPUT, argument, None))
-            graph.output(tuple(outputs))
-        elif node.args and node.args[0] in folded and cast_dtype(node) is not None:
-            env[node] = env[node.args[0]]  # the stored tensor is the cast's value
-        else:
-            _check_no_state_write(node, reads)
-            env[node] = graph.node_copy(node, lambda n: env[n])
+            )
+            by_tensor[id(value)] = placeholder
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+    for node in list(graph.nodes):  # the stored tensor is the value of the casts reading it
+        if node.args and node.args[0] in stored_low and cast_dtype(node) is not None:
+            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+            graph.erase_node(node)
+    for node in user_inputs:
+        value = node.meta.get(VAL)
+        argument = (
+            TensorArgument(node.name)
+            if isinstance(value, torch.Tensor)
+            else ConstantArgument(node.name, value)
+        )
+        input_specs.append(InputSpec(InputKind.USER_INPUT, argument, None))
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    result = output.args[0]
+    leaves = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    output.args = (leaves,)
+    output_specs = [
+        OutputSpec(
+            OutputKind.USER_OUTPUT,
+            TensorArgument(v.name) if isinstance(v, fx.Node) else ConstantArgument("", v),
+            None,
+        )
+        for v in leaves
+    ]
     _user_inputs_last(graph)
     root = nn.Module()
     for target, module in modules.items():
@@ -201,11 +203,32 @@ def _fill_values(gm: fx.GraphModule) -> None:
         if node.op != "call_function" or not _stale(node):
             continue
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta[VAL])
+        cast = _cast_value(node, args, kwargs, fake_mode)
+        if cast is not None:
+            node.meta[VAL] = cast
+            continue
         with fake_mode:
             node.meta[VAL] = node.target(*args, **kwargs)  # type: ignore[operator]
 
 
-def _check_no_state_write(node: fx.Node, reads: list[fx.Node]) -> None:
+def _cast_value(node: fx.Node, args: tuple, kwargs: dict, fake_mode: Any) -> Any:
+    """The value of ``_to_copy(x, dtype=d)`` (the casts the passes added) made directly: a
+    fake tensor of x's sizes and strides in d, at a tenth of a fake kernel's cost (a deep
+    model's export fills a thousand). None where the cast is another (a device, a layout,
+    a symbolic size): the kernel computes that one."""
+    if node.target is not TO_COPY or len(args) != 1 or set(kwargs) != {"dtype"}:
+        return None
+    value, dtype = args[0], kwargs["dtype"]
+    if not isinstance(value, FakeTensor) or value.fake_mode is not fake_mode:
+        return None
+    sizes = (*value.shape, *value.stride())
+    if not all(type(size) is int for size in sizes) or not value.is_contiguous():
+        return None  # a copy of a strided view is laid out anew: the kernel knows how
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
+    return FakeTensor(fake_mode, meta, value.device)
+
+
+def _check_no_state_write(node: fx.Node, reads: set[fx.Node]) -> None:
     if (
         node.op == "call_function"
         and isinstance(node.target, torch._ops.OpOverload)

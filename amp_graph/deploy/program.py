@@ -281,7 +281,7 @@ def export(
         seconds["capture"] = time.perf_counter() - start
         gm = captured.graph_module
         validate_node_overrides(inference, [n.name for n in gm.graph.nodes])
-        record = rewrite(gm, inference, dtype, request.device_type)
+        record = rewrite(gm, inference, dtype, request.device_type, keep_original=False)
         seconds["passes"] = sum(record.seconds.values()) - record.seconds.get("capture", 0.0)
         start = time.perf_counter()
         islands = _islands(gm, inference)  # the record's, read before the casts become aten's
