@@ -268,19 +268,13 @@ class PolicyDtypeMode(TorchDispatchMode):
         if amp.role is Role.OP:
             rule = effective_rule(node, amp, self.pinned)
             compute = compute_dtype_for(rule, facts, amp.low_dtype or self.low)
-        arg_dtypes = pytree.tree_leaves(
-            fx.node.map_arg((node.args, node.kwargs), lambda a: _Slot(self.planned.get(a)))
-        )
+        # each node argument's planned dtype, in argument order (map_arg visits them all)
+        arg_dtypes: list[Any] = []
+        fx.node.map_arg((node.args, node.kwargs), lambda a: arg_dtypes.append(self.planned.get(a)))
         input_facts = read_dtypes(
             tuple(self.planned.get(a, UNKNOWN) for a in node.all_input_nodes), compute
         )
-        return _Plan(
-            amp,
-            compute,
-            [s.dtype for s in arg_dtypes if isinstance(s, _Slot)],
-            node.target,
-            input_facts,
-        )
+        return _Plan(amp, compute, arg_dtypes, node.target, input_facts)
 
     # --- the kernels under it -------------------------------------------------------------
 
@@ -484,43 +478,45 @@ def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None
             node.meta[CHECKPOINT_REGION] = around[0]
 
 
-class _Slot:
-    """A node argument's place in an argument tree, holding its planned dtype."""
-
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype: Any) -> None:
-        self.dtype = dtype
+def _flat_tensors(args: tuple, kwargs: dict) -> dict[int, torch.Tensor] | None:
+    """The kernel's tensor arguments by their position among pytree's leaves of ``(args,
+    kwargs)``, found without a pytree walk (an aten kernel takes tensors, flat lists of them
+    and scalars); None for any other structure."""
+    found: dict[int, torch.Tensor] = {}
+    index = 0
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, (list, tuple, dict)):
+                    return None
+                if isinstance(item, torch.Tensor):
+                    found[index] = item
+                index += 1
+        elif isinstance(value, dict):
+            return None
+        else:
+            if isinstance(value, torch.Tensor):
+                found[index] = value
+            index += 1
+    return found
 
 
 def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple, dict]:
     """The kernel's arguments with the plan's dtypes (written-to arguments never cast)."""
     written = _written_positions(func)
+    flat = _flat_tensors(args, kwargs)
+    if flat is not None and not _casts(flat, _targets(func, list(flat), plan), written):
+        return args, kwargs  # the common case: every input has its planned dtype already
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    widening = False
-    if plan.compute is not None:
-        targets = {i: plan.compute for i in tensors}
-    elif func is plan.same_op and len(tensors) == len(plan.inputs):
-        # the node's own kernel: each input gets its planned dtype back (autocast's casts,
-        # where the policy makes none, undone)
-        targets = dict(zip(tensors, plan.inputs, strict=True))
-    else:
-        wide = _promoted([d for d in plan.inputs if isinstance(d, torch.dtype)])
-        targets = dict.fromkeys(tensors, wide) if wide is not None else {}
-        widening = True
+    targets = _targets(func, tensors, plan)
+    widening = plan.compute is None and not (
+        func is plan.same_op and len(tensors) == len(plan.inputs)
+    )
     changed = False
-    for i, dtype in targets.items():
-        value = leaves[i]
-        if (
-            isinstance(dtype, torch.dtype)
-            and dtype in _CASTABLE
-            and value.dtype in _CASTABLE
-            and value.dtype != dtype
-            and i not in written
-        ):
-            leaves[i] = _cast(value, dtype)
-            changed = True
+    for i in _casts(dict(enumerate(leaves)), targets, written):
+        leaves[i] = _cast(leaves[i], targets[i])
+        changed = True
     if not changed:
         return args, kwargs
     if widening:
@@ -529,6 +525,31 @@ def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple,
     if func in _HALF_TO_FLOAT and len(args) > 2 and args[2] is True:
         args = (*args[:2], False, *args[3:])  # the input has the plan's dtype now
     return args, kwargs
+
+
+def _targets(func: Any, tensors: list[int], plan: _Plan) -> dict[int, Any]:
+    """The dtype each tensor argument (by leaf position) should have under ``plan``."""
+    if plan.compute is not None:
+        return dict.fromkeys(tensors, plan.compute)
+    if func is plan.same_op and len(tensors) == len(plan.inputs):
+        # the node's own kernel: each input gets its planned dtype back (autocast's casts,
+        # where the policy makes none, undone)
+        return dict(zip(tensors, plan.inputs, strict=True))
+    wide = _promoted([d for d in plan.inputs if isinstance(d, torch.dtype)])
+    return dict.fromkeys(tensors, wide) if wide is not None else {}
+
+
+def _casts(leaves: dict[int, Any], targets: dict[int, Any], written: set[int]) -> list[int]:
+    """The leaf positions whose tensor must be cast to its target dtype."""
+    return [
+        i
+        for i, dtype in targets.items()
+        if isinstance(dtype, torch.dtype)
+        and dtype in _CASTABLE
+        and leaves[i].dtype in _CASTABLE
+        and leaves[i].dtype != dtype
+        and i not in written
+    ]
 
 
 # CUDA runs softmax(fp16 x, dtype=float32), as CUDA autocast calls it, as one kernel,

@@ -8,6 +8,9 @@ interleaved, after an untimed warm-up of each on a 2-layer GPT:
 * ``+ no_grad, GC paused``: the same under ``torch.no_grad()`` with Python's garbage
   collector paused (what amp_graph.export sets around its capture);
 * ``+ autocast``: the same under ``torch.autocast("cpu", bfloat16)``, as the capture traces;
+* amp_graph's capture (``capture_module``) alone, without a policy (the values keep
+  autocast's dtypes) and with O1's (its dispatch mode gives each value the policy's dtype
+  as the model's Python runs): what the planning mode costs the trace;
 * ``amp_graph.export``: O1, bfloat16 (capture under the policy, passes, lift);
 * ``amp_graph.export, GC not paused``: the same with amp_graph's pause switched off (this
   script replaces ``gc_paused`` in the two modules that use it, for this run only);
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import statistics
 import time
@@ -40,6 +44,7 @@ import amp_graph.capture as capture
 import amp_graph.capture_dtypes as capture_dtypes
 import amp_graph.deploy.program as program
 from amp_graph import models
+from amp_graph.policy import Policy
 
 
 def gpt(layers: int) -> tuple[nn.Module, tuple[torch.Tensor]]:
@@ -87,6 +92,30 @@ def torch_export_autocast(model: nn.Module, args: tuple) -> None:
         torch.export.export(model, args)
 
 
+O1_INFERENCE = dataclasses.replace(Policy.preset("O1"), recompute_casts=False)
+
+
+def capture_without_policy(model: nn.Module, args: tuple) -> None:
+    with torch.no_grad():
+        capture.capture_module(
+            model, args, {}, device_type="cpu", autocast_dtype=torch.bfloat16, code_on_call=True
+        )
+
+
+def capture_with_policy(model: nn.Module, args: tuple) -> None:
+    with torch.no_grad():
+        capture.capture_module(
+            model,
+            args,
+            {},
+            device_type="cpu",
+            autocast_dtype=torch.bfloat16,
+            policy=O1_INFERENCE,
+            low_dtype=torch.bfloat16,
+            code_on_call=True,
+        )
+
+
 def ours(model: nn.Module, args: tuple) -> None:
     amp_graph.export(model, args, policy="O1", dtype=torch.bfloat16)
 
@@ -105,6 +134,8 @@ VARIANTS: dict[str, Callable[[nn.Module, tuple], None]] = {
     "torch.export": torch_export,
     "+ no_grad, GC paused": torch_export_quiet,
     "+ autocast": torch_export_autocast,
+    "amp_graph's capture, no policy (autocast's dtypes)": capture_without_policy,
+    "amp_graph's capture, O1's dtype planning": capture_with_policy,
     "amp_graph.export": ours,
     "amp_graph.export, GC not paused": ours_gc,
     "amp_graph.export, pass-through mode": ours_pass_through,
