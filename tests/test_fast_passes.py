@@ -298,3 +298,28 @@ def test_cuda_half_to_float_softmax_takes_the_planned_input(op, compute, expecte
         out = func(*args, **kwargs)
     assert out.dtype == expected and out.device.type == "cuda"
     assert args[2] is (compute == torch.float16)
+
+
+def test_the_planning_modes_flat_scan_finds_pytrees_tensor_leaves() -> None:
+    """The capture's planning mode finds a kernel's tensor arguments with a flat scan (no
+    pytree walk per kernel); their positions must be pytree's leaf positions, which the cast
+    path indexes, and any deeper structure falls back to pytree."""
+    from torch.utils import _pytree as pytree
+
+    from amp_graph.capture_dtypes import _flat_tensors
+
+    a, b, c = torch.ones(2), torch.ones(3, dtype=torch.bfloat16), torch.ones(1)
+    calls = [
+        ((a, b), {}),
+        ((a, 2, [b, None, c], -1), {}),
+        ((a, (), [b]), {"weight": c, "eps": 1e-5, "out": None}),
+        ((None, [None, a], 3.0), {"dtype": torch.float32}),
+    ]
+    for args, kwargs in calls:
+        leaves = pytree.tree_leaves((args, kwargs))
+        expected = {i: v for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
+        found = _flat_tensors(args, kwargs)
+        assert found is not None and found.keys() == expected.keys()
+        assert all(found[i] is expected[i] for i in expected)
+    assert _flat_tensors((a, [[b]]), {}) is None
+    assert _flat_tensors((a,), {"x": {"y": b}}) is None
