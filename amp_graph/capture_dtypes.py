@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -505,20 +506,16 @@ def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple,
     """The kernel's arguments with the plan's dtypes (written-to arguments never cast)."""
     written = _written_positions(func)
     flat = _flat_tensors(args, kwargs)
-    if flat is not None and not _casts(flat, _targets(func, list(flat), plan), written):
+    if flat is not None and not _casts(flat, _targets(func, list(flat), plan)[0], written):
         return args, kwargs  # the common case: every input has its planned dtype already
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    targets = _targets(func, tensors, plan)
-    widening = plan.compute is None and not (
-        func is plan.same_op and len(tensors) == len(plan.inputs)
-    )
-    changed = False
-    for i in _casts(dict(enumerate(leaves)), targets, written):
-        leaves[i] = _cast(leaves[i], targets[i])
-        changed = True
-    if not changed:
+    targets, widening = _targets(func, tensors, plan)
+    to_cast = _casts(leaves, targets, written)
+    if not to_cast:
         return args, kwargs
+    for i in to_cast:
+        leaves[i] = _cast(leaves[i], targets[i])
     if widening:
         plan.faithful = False
     args, kwargs = pytree.tree_unflatten(leaves, spec)
@@ -527,20 +524,24 @@ def _adjusted(func: Any, args: tuple, kwargs: dict, plan: _Plan) -> tuple[tuple,
     return args, kwargs
 
 
-def _targets(func: Any, tensors: list[int], plan: _Plan) -> dict[int, Any]:
-    """The dtype each tensor argument (by leaf position) should have under ``plan``."""
+def _targets(func: Any, tensors: list[int], plan: _Plan) -> tuple[dict[int, Any], bool]:
+    """The dtype each tensor argument (by leaf position) should have under ``plan``, and
+    whether that widens an inner kernel's inputs (the value is then not the plan's own)."""
     if plan.compute is not None:
-        return dict.fromkeys(tensors, plan.compute)
+        return dict.fromkeys(tensors, plan.compute), False
     if func is plan.same_op and len(tensors) == len(plan.inputs):
         # the node's own kernel: each input gets its planned dtype back (autocast's casts,
         # where the policy makes none, undone)
-        return dict(zip(tensors, plan.inputs, strict=True))
+        return dict(zip(tensors, plan.inputs, strict=True)), False
     wide = _promoted([d for d in plan.inputs if isinstance(d, torch.dtype)])
-    return dict.fromkeys(tensors, wide) if wide is not None else {}
+    return (dict.fromkeys(tensors, wide) if wide is not None else {}), True
 
 
-def _casts(leaves: dict[int, Any], targets: dict[int, Any], written: set[int]) -> list[int]:
-    """The leaf positions whose tensor must be cast to its target dtype."""
+def _casts(
+    leaves: Mapping[int, Any] | list[Any], targets: dict[int, Any], written: set[int]
+) -> list[int]:
+    """The leaf positions whose tensor must be cast to its target dtype (``leaves`` indexed
+    by position: the flat scan's tensors, or pytree's leaves)."""
     return [
         i
         for i, dtype in targets.items()
