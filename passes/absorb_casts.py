@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph.policy import base_name
 from amp_graph.tables.autocast_lists import CUDA_FP32_SET_OPT_DTYPE
 
 from .meta import AMP, VAL, Role
@@ -57,6 +58,12 @@ TAKES_DTYPE = frozenset(
         aten.mean.default,
         aten.mean.dim,
     }
+)
+
+# of those, the ones CUDA autocast itself calls with ``dtype=`` (its FP32_SET_OPT_DTYPE list,
+# keyed by op as the policy's tables are)
+CUDA_AUTOCAST_SETS_DTYPE = frozenset(
+    op for op in TAKES_DTYPE if op._opname in {base_name(n) for n in CUDA_FP32_SET_OPT_DTYPE}
 )
 
 # of those, the ones whose dtype= is an aten ``_to_copy`` call of its own (composite ops);
@@ -84,14 +91,9 @@ def absorbs(op: torch._ops.OpOverload, device: torch.device) -> bool:
     >>> absorbs(aten.mean.default, cuda), absorbs(aten.sum.default, cuda)
     (False, True)
     """
-    if op not in TAKES_DTYPE:
-        return False
     if device.type == "cpu":
-        return True
-    return device.type == "cuda" and (
-        op._opname in CUDA_FP32_SET_OPT_DTYPE
-        or f"{op._opname}.{op._overloadname}" in CUDA_FP32_SET_OPT_DTYPE
-    )
+        return op in TAKES_DTYPE
+    return device.type == "cuda" and op in CUDA_AUTOCAST_SETS_DTYPE
 
 
 def _dtype_argument(op: torch._ops.OpOverload) -> tuple[int, bool]:

@@ -201,16 +201,13 @@ OP_OF = {  # the aten op each of REDUCTIONS runs
 
 def _on_fake_cuda(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gm`` with every value's meta moved to a fake CUDA tensor (no GPU needed)."""
+    from oracles import _to_fake_cuda
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
     for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            with mode:
-                node.meta["val"] = torch.empty_strided(
-                    tuple(value.shape), value.stride(), dtype=value.dtype, device="cuda"
-                )
+        if "val" in node.meta:
+            node.meta["val"] = _to_fake_cuda(node.meta["val"], mode)
     return gm
 
 
