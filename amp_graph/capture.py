@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture_dtypes import (
@@ -242,6 +242,10 @@ def capture_module(
             capture_autocast(device_type, autocast_dtype),
             planned,
             half,
+            # export builds a GraphModule after each of its own passes, generating and
+            # compiling Python code for each (6 times on torch 2.13); none of it is run,
+            # since _graph_module copies the graph: generate code only when asked for
+            _use_lazy_graph_module(True),
         ):
             program = torch.export.export(
                 model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes

@@ -8,6 +8,9 @@ interleaved, after an untimed warm-up of each on a 2-layer GPT:
 * ``+ no_grad, GC paused``: the same under ``torch.no_grad()`` with Python's garbage
   collector paused (what amp_graph.export sets around its capture);
 * ``+ autocast``: the same under ``torch.autocast("cpu", bfloat16)``, as the capture traces;
+* ``+ code generated lazily``: the same with torch's lazy GraphModules, as amp_graph's
+  capture exports (torch.export then generates Python code for its program only, not for
+  the GraphModule of each of its own passes): the reference the capture is like-for-like with;
 * amp_graph's capture (``capture_module``) alone, without a policy (the values keep
   autocast's dtypes) and with O1's (its dispatch mode gives each value the policy's dtype
   as the model's Python runs): what the planning mode costs the trace;
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from measure import cpu_name
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 import amp_graph
 import amp_graph.capture as capture
@@ -92,6 +96,16 @@ def torch_export_autocast(model: nn.Module, args: tuple) -> None:
         torch.export.export(model, args)
 
 
+def torch_export_lazy(model: nn.Module, args: tuple) -> None:
+    with (
+        torch.no_grad(),
+        capture.gc_paused(),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        _use_lazy_graph_module(True),
+    ):
+        torch.export.export(model, args)
+
+
 O1_INFERENCE = dataclasses.replace(Policy.preset("O1"), recompute_casts=False)
 
 
@@ -134,6 +148,7 @@ VARIANTS: dict[str, Callable[[nn.Module, tuple], None]] = {
     "torch.export": torch_export,
     "+ no_grad, GC paused": torch_export_quiet,
     "+ autocast": torch_export_autocast,
+    "+ code generated lazily": torch_export_lazy,
     "amp_graph's capture, no policy (autocast's dtypes)": capture_without_policy,
     "amp_graph's capture, O1's dtype planning": capture_with_policy,
     "amp_graph.export": ours,

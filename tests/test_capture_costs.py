@@ -64,6 +64,30 @@ def test_code_on_call_computes_what_the_eager_graph_module_computes():
     assert "def forward" in lazy.code
 
 
+@pytest.mark.parametrize("policy", [None, "O1"])
+def test_the_capture_generates_python_code_once_at_most(policy):
+    """torch.export builds a GraphModule after each of its own passes and, by default,
+    generates and compiles Python code for each (6 times for this GPT on torch 2.13); the
+    capture only reads the graph, so only the ExportedProgram's own module (its constructor
+    generates it) may do so, and the lazily built GraphModule does on its first call."""
+    from unittest import mock
+
+    import torch.fx as fx
+
+    from amp_graph.policy import Policy
+
+    model, args = _gpt()
+    extra = {"policy": Policy.preset(policy), "low_dtype": torch.bfloat16} if policy else {}
+    with mock.patch.object(
+        fx.Graph, "python_code", autospec=True, side_effect=fx.Graph.python_code
+    ) as generate:
+        gm = _capture(model, args, code_on_call=True, **extra)
+        assert generate.call_count <= 1
+        with torch.no_grad():
+            gm(*args)
+        assert generate.call_count <= 2  # the first call generates the module's code
+
+
 @pytest.mark.parametrize("model_attr", ["model", None])
 def test_the_graph_module_reads_the_models_own_modules_and_tensors(model_attr):
     """Through ``gm.model`` or, without a model attribute (a Graph's root), through the
