@@ -44,11 +44,14 @@ from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture_dtypes import (
+    alias_for_cast,
     capture_under_policy,
     half_model_view,
+    is_noop_cast,
     mark_capture_plans,
     mark_checkpoint_regions,
     mark_dtype_reads,
+    strip_aliases,
     strip_widening_casts,
 )
 from amp_graph.capture_fsdp import (
@@ -275,8 +278,9 @@ def capture_module(
         dict(program.range_constraints), list(program.module_call_graph), list(program.verifiers)
     )
     if isinstance(planned, capture_under_policy):
-        if planned.widening_casts:
+        if planned.widening_casts or planned.aliases:
             strip_widening_casts(gm, planned.widening_casts)
+            strip_aliases(gm, planned.aliases)
             gm.recompile()
         mark_checkpoint_regions(gm, planned.checkpointed)
         mark_capture_plans(gm, planned.plan_records)
@@ -382,6 +386,28 @@ def _check_checkpoints_within_units(gm: fx.GraphModule, units: list[str]) -> Non
             )
 
 
+class _CastKeepingInterpreter(fx.Interpreter):
+    """Runs dynamo's graph under ``make_fx``, keeping a value's later uses apart from a cast
+    of it that returns it itself (dynamo traces in float32, where ``h.float()`` is ``h``):
+    such a cast is given an alias of its input, removed after the trace
+    (:func:`amp_graph.capture_dtypes.alias_for_cast`)."""
+
+    def __init__(self, gm: fx.GraphModule, aliases: set[str]) -> None:
+        super().__init__(gm)
+        self.aliases = aliases
+
+    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_method(target, self._kept_apart(target, args, kwargs), kwargs)
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return super().call_function(target, self._kept_apart(target, args, kwargs), kwargs)
+
+    def _kept_apart(self, target: Any, args: tuple, kwargs: dict) -> tuple:
+        if not is_noop_cast(target, args, kwargs):
+            return args
+        return (alias_for_cast(args[0], self.aliases), *args[1:])
+
+
 def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Retrace a graph dynamo captured (torch-level calls) down to pre-dispatch aten ops.
 
@@ -408,12 +434,15 @@ def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Graph
         else:
             values.append(fake_mode.from_tensor(value))
 
+    aliases: set[str] = set()
+
     def run(*args: Any) -> Any:
         with fx_traceback.preserve_node_meta():
-            return fx.Interpreter(gm).run(*args)
+            return _CastKeepingInterpreter(gm, aliases).run(*args)
 
     with fake_mode:
         traced = make_fx(run, pre_dispatch=True)(*values)
+    strip_aliases(traced, aliases)
     new_placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     for old, new in zip(placeholders, new_placeholders, strict=False):
         for key in ("grapharg", "example_value"):

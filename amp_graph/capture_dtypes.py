@@ -77,6 +77,22 @@ _LOW = (torch.float16, torch.bfloat16)
 # method-wrapper on each access: compare the descriptor)
 _DTYPE_DESCRIPTOR = torch.Tensor.dtype
 
+# The casts a model writes as tensor methods, and the dtype each names (None: read from its
+# arguments). One that changes nothing where the model is traced (``x.float()`` of a value
+# that is float32 there) returns its input itself, and the tracer then takes every later use
+# of that input for the cast's node: where the plan gives the input another dtype (an O2
+# input, cast at entry), those uses would read the cast's float32.
+_CAST_METHODS: dict[str, torch.dtype | None] = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "to": None,
+    "type": None,
+    "type_as": None,
+}
+_CAST_METHOD_NAMES = {getattr(torch.Tensor, name): name for name in _CAST_METHODS}
+
 
 # Not recorded for reuse: under the capture's casts, torch 2.11's CPU kernels for these give
 # LSTM's h and c an extra dimension in bf16 (2.13's do not); a fake run of the op is right.
@@ -207,11 +223,21 @@ class PolicyDtypeMode(TorchDispatchMode):
             # a node none of whose kernels needed a plan (a cast, a no-op .to()): its
             # record still counts for O2's pinning
             plan = self._decide_quietly(node)
-            if plan is not None and plan.amp.role is Role.USER_CAST:
+            user_cast = plan is not None and plan.amp.role is Role.USER_CAST
+            if user_cast and self._inputs_as_planned(node):
                 self.records[node.name] = plan.record()
         if plan is not None:
             facts = tensor_facts(self._facts((node.args, node.kwargs)))
             track_pinning(node, plan.amp, facts, self.planned[node], self.pinned)
+
+    def _inputs_as_planned(self, node: fx.Node) -> bool:
+        """Whether each input's captured value has its planned dtype, so that a kernel the mode
+        does not adjust (a cast) computed the node's value as the graph will. A graph input
+        that O2 casts at entry does not: capture sees it as the caller gave it
+        (``h.type_as(x)`` is float32 there, the low dtype in the graph)."""
+        return all(
+            fact(a.meta.get("val")) == self.planned.get(a, UNKNOWN) for a in node.all_input_nodes
+        )
 
     def _facts(self, tree: Any) -> Any:
         """The planned dtype facts of a node's arguments (NOT_TENSOR for constants)."""
@@ -356,17 +382,32 @@ class CompositePromoteMode(TorchFunctionMode):
     A read of a tensor's ``.dtype`` that gives a low dtype adds the tensor's node name to
     ``dtype_reads``: whatever the model builds from it (``torch.finfo(dtype).min`` masks,
     ``.to(x.dtype)``) is a constant of the graph, and only a capture in which that value is
-    float32 changes it (:data:`amp_graph.passes.meta.DTYPE_READ`). One mode does both jobs:
-    a torch-function mode costs every torch call of the capture.
+    float32 changes it (:data:`amp_graph.passes.meta.DTYPE_READ`).
+
+    A tensor-method cast that returns its input itself where the model is traced
+    (``x.float()`` of an input that is float32 there but low in the plan, as O2's inputs
+    are) is given an alias of its input (:func:`alias_for_cast`; names in ``aliases``), so
+    that later uses of ``x`` read ``x``, not the cast. One mode does the three jobs: a
+    torch-function mode costs every torch call of the capture.
     """
 
-    def __init__(self, tracer: Any, policy: Policy, casts: set[str], dtype_reads: set[str]) -> None:
+    def __init__(
+        self,
+        tracer: Any,
+        policy: Policy,
+        casts: set[str],
+        dtype_reads: set[str],
+        aliases: set[str],
+    ) -> None:
         super().__init__()
         self.tracer, self.policy, self.casts = tracer, policy, casts
-        self.dtype_reads = dtype_reads
+        self.dtype_reads, self.aliases = dtype_reads, aliases
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
+        if is_noop_cast(func, args, kwargs):
+            args = (alias_for_cast(args[0], self.aliases, self.tracer), *args[1:])
+            return func(*args, **kwargs)
         if getattr(func, "__self__", None) is _DTYPE_DESCRIPTOR:
             dtype = func(*args, **kwargs)
             if dtype in _LOW:
@@ -385,6 +426,56 @@ class CompositePromoteMode(TorchFunctionMode):
                         self.casts.add(_newest(self.tracer.graph).name)
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
         return func(*args, **kwargs)
+
+
+def _cast_target(name: str, args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype the tensor-method cast ``name`` converts ``args[0]`` to, where it names one."""
+    fixed = _CAST_METHODS.get(name)
+    if fixed is not None:
+        return fixed
+    candidates = [*args[1:], kwargs.get("dtype"), kwargs.get("other")]
+    for value in candidates:
+        if isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.dtype
+    return None
+
+
+def is_noop_cast(name: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the tensor-method cast ``name`` (a method name or ``torch.Tensor``'s method)
+    returns its input itself here: a cast to the dtype the input has, without ``copy=True``."""
+    try:
+        name = name if isinstance(name, str) else _CAST_METHOD_NAMES.get(name)
+    except TypeError:  # an unhashable callable: no tensor method
+        return False
+    if name not in _CAST_METHODS or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    return not kwargs.get("copy", False) and _cast_target(name, args, kwargs) == args[0].dtype
+
+
+def alias_for_cast(value: torch.Tensor, names: set[str], tracer: Any = None) -> torch.Tensor:
+    """An ``aten.alias`` of ``value``, recorded by ``tracer`` (default: the running
+    pre-dispatch tracer; its node name is added to ``names``), for a cast that would return
+    ``value`` itself: the cast then returns the alias, and later uses of ``value`` keep their
+    own node. :func:`strip_aliases` removes the alias after the capture, leaving
+    ``cast(value)``."""
+    alias = torch.ops.aten.alias.default(value)
+    tracer = tracer if tracer is not None else _proxy_tracer()
+    if tracer is not None:
+        names.add(_newest(tracer.graph).name)
+    return alias
+
+
+def strip_aliases(gm: fx.GraphModule, names: set[str]) -> int:
+    """Remove the aliases :func:`alias_for_cast` recorded; returns how many."""
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.name in names and node.target is torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            removed += 1
+    return removed
 
 
 @functools.lru_cache(maxsize=512)
@@ -628,6 +719,7 @@ class capture_under_policy:
         self.model, self.policy, self.low = model, policy, low
         self.widening_casts: set[str] = set()
         self.dtype_reads: set[str] = set()  # node names (CompositePromoteMode)
+        self.aliases: set[str] = set()  # node names of aliases before no-op casts (same)
         self.checkpointed: dict[str, int] = {}  # node name -> checkpoint region
         self.plan_records: dict[str, tuple[Any, torch.dtype | None, tuple[Any, ...]]] = {}
         self.reentrant_checkpoint = False
@@ -647,7 +739,9 @@ class capture_under_policy:
         try:
             with (
                 dtypes,
-                CompositePromoteMode(tracer, self.policy, self.widening_casts, self.dtype_reads),
+                CompositePromoteMode(
+                    tracer, self.policy, self.widening_casts, self.dtype_reads, self.aliases
+                ),
             ):
                 return forward(*args, **kwargs)
         finally:
@@ -728,10 +822,13 @@ class half_model_view:
 __all__ = [
     "CompositePromoteMode",
     "PolicyDtypeMode",
+    "alias_for_cast",
     "capture_under_policy",
     "half_model_view",
+    "is_noop_cast",
     "mark_capture_plans",
     "mark_checkpoint_regions",
     "mark_dtype_reads",
+    "strip_aliases",
     "strip_widening_casts",
 ]

@@ -276,3 +276,72 @@ def test_a_failed_capture_leaves_no_mode_and_no_wrapper_behind() -> None:
     assert _get_current_dispatch_mode_stack() == []
     assert "forward" not in vars(model)  # the capture's wrapper of forward is gone
     assert all(p.dtype == torch.float32 for p in model.parameters())  # O2's view undone
+
+
+def _residual_add(gm: fx.GraphModule) -> fx.Node:
+    """LlamaMLP's ``x + down(...)``: the last add of the graph."""
+    adds = [n for n in gm.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
+    return adds[-1]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("policy", ["O2", "O3"])
+def test_a_cast_that_changes_nothing_at_capture_leaves_the_value_it_casts_alone(policy) -> None:
+    """Llama's RMSNorm upcasts its input (``x.float()``), and the block adds ``x`` back.
+    O2 and O3 cast the input to bf16 at entry, but it is float32 where the model is traced,
+    so there ``x.float()`` returns ``x`` itself, and a tracer takes every later use of ``x``
+    for the cast. The residual add must still read ``x`` (bf16, as Apex's O2 adds it), through
+    compile, the torch.compile backend (dynamo traces in float32 too) and Graph, all alike."""
+    from amp_graph import models
+    from amp_graph.backend import backend, captured_graphs
+
+    torch.manual_seed(0)
+    model = models.LlamaMLP()
+    x, y = torch.randn(2, 32), torch.tensor([0, 3])
+    compiled = amp_graph.compile(model, policy, torch.bfloat16, example_inputs=(x,))
+    dynamo = torch.compile(model, backend=backend(policy, torch.bfloat16, inner="eager"))
+    out = dynamo(x)
+    [backend_gm] = captured_graphs(dynamo)
+    graph = TrainGraph(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), policy=policy, dtype=torch.bfloat16
+    )
+    graph(x, y)
+    for gm in (amp_graph.compiler.as_graph_module(compiled), backend_gm, graph.build_graph):
+        add = _residual_add(gm)
+        assert add.meta[AMP].out_dtype == torch.bfloat16, gm.code
+        read = [a for a in add.args if isinstance(a, fx.Node)]
+        assert not any(a.meta[AMP].role is Role.USER_CAST for a in read), gm.code
+        assert not any(n.target is torch.ops.aten.alias.default for n in gm.graph.nodes)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, compiled(x))
+
+
+def test_which_tensor_method_casts_return_their_input_itself() -> None:
+    """is_noop_cast must agree with torch: a cast it calls a no-op returns its input object,
+    and one it does not returns a new tensor (or changes nothing of the dtype)."""
+    from amp_graph.capture_dtypes import is_noop_cast
+
+    x, low = torch.randn(2), torch.randn(2, dtype=torch.bfloat16)
+    calls = [
+        ("float", (x,), {}),
+        ("half", (x,), {}),
+        ("bfloat16", (low,), {}),
+        ("double", (x,), {}),
+        ("to", (x, torch.float32), {}),
+        ("to", (x, torch.bfloat16), {}),
+        ("to", (x,), {"dtype": torch.float32}),
+        ("to", (x, torch.float32), {"copy": True}),
+        ("to", (x, x), {}),
+        ("to", (x, low), {}),
+        ("to", (x, "cpu"), {}),  # no dtype: nothing to keep apart
+        ("type", (x, torch.float32), {}),
+        ("type_as", (x, x), {}),
+        ("type_as", (x, low), {}),
+    ]
+    for name, args, kwargs in calls:
+        result = getattr(torch.Tensor, name)(*args, **kwargs)
+        # torch returns the input itself for each of these; a device-only .to() is left out
+        expected = result is args[0] and args[1:] != ("cpu",)
+        assert is_noop_cast(name, args, kwargs) is expected, (name, args, kwargs)
+        assert is_noop_cast(getattr(torch.Tensor, name), args, kwargs) is expected
+    assert not is_noop_cast(torch.add, (x, x), {})
+    assert not is_noop_cast(lambda: None, (), {})
