@@ -44,10 +44,9 @@ from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture_dtypes import (
-    alias_for_cast,
     capture_under_policy,
     half_model_view,
-    is_noop_cast,
+    kept_apart,
     mark_capture_plans,
     mark_checkpoint_regions,
     mark_dtype_reads,
@@ -390,22 +389,18 @@ class _CastKeepingInterpreter(fx.Interpreter):
     """Runs dynamo's graph under ``make_fx``, keeping a value's later uses apart from a cast
     of it that returns it itself (dynamo traces in float32, where ``h.float()`` is ``h``):
     such a cast is given an alias of its input, removed after the trace
-    (:func:`amp_graph.capture_dtypes.alias_for_cast`)."""
+    (:func:`amp_graph.capture_dtypes.kept_apart`)."""
 
     def __init__(self, gm: fx.GraphModule, aliases: set[str]) -> None:
         super().__init__(gm)
         self.aliases = aliases
 
     def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        return super().call_method(target, self._kept_apart(target, args, kwargs), kwargs)
+        return super().call_method(target, kept_apart(target, args, kwargs, self.aliases), kwargs)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        return super().call_function(target, self._kept_apart(target, args, kwargs), kwargs)
-
-    def _kept_apart(self, target: Any, args: tuple, kwargs: dict) -> tuple:
-        if not is_noop_cast(target, args, kwargs):
-            return args
-        return (alias_for_cast(args[0], self.aliases), *args[1:])
+        args = kept_apart(target, args, kwargs, self.aliases)
+        return super().call_function(target, args, kwargs)
 
 
 def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:

@@ -386,7 +386,7 @@ class CompositePromoteMode(TorchFunctionMode):
 
     A tensor-method cast that returns its input itself where the model is traced
     (``x.float()`` of an input that is float32 there but low in the plan, as O2's inputs
-    are) is given an alias of its input (:func:`alias_for_cast`; names in ``aliases``), so
+    are) is given an alias of its input (:func:`kept_apart`; names in ``aliases``), so
     that later uses of ``x`` read ``x``, not the cast. One mode does the three jobs: a
     torch-function mode costs every torch call of the capture.
     """
@@ -405,9 +405,7 @@ class CompositePromoteMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if is_noop_cast(func, args, kwargs):
-            args = (alias_for_cast(args[0], self.aliases, self.tracer), *args[1:])
-            return func(*args, **kwargs)
+        args = kept_apart(func, args, kwargs, self.aliases, self.tracer)
         if getattr(func, "__self__", None) is _DTYPE_DESCRIPTOR:
             dtype = func(*args, **kwargs)
             if dtype in _LOW:
@@ -454,28 +452,24 @@ def is_noop_cast(name: Any, args: tuple, kwargs: dict) -> bool:
     return not kwargs.get("copy", False) and _cast_target(name, args, kwargs) == args[0].dtype
 
 
-def alias_for_cast(value: torch.Tensor, names: set[str], tracer: Any = None) -> torch.Tensor:
-    """An ``aten.alias`` of ``value``, recorded by ``tracer`` (default: the running
-    pre-dispatch tracer; its node name is added to ``names``), for a cast that would return
-    ``value`` itself: the cast then returns the alias, and later uses of ``value`` keep their
-    own node. :func:`strip_aliases` removes the alias after the capture, leaving
-    ``cast(value)``."""
-    alias = torch.ops.aten.alias.default(value)
+def kept_apart(func: Any, args: tuple, kwargs: dict, names: set[str], tracer: Any = None) -> tuple:
+    """The arguments to call ``func`` with: as given, or, for a cast that would return its
+    input itself (:func:`is_noop_cast`), with an ``aten.alias`` of that input, recorded by
+    ``tracer`` (default: the running pre-dispatch tracer; its node name is added to
+    ``names``). The cast then returns the alias, and later uses of the input keep their own
+    node. :func:`strip_aliases` removes the alias after the capture, leaving ``cast(x)``."""
+    if not is_noop_cast(func, args, kwargs):
+        return args
+    alias = torch.ops.aten.alias.default(args[0])
     tracer = tracer if tracer is not None else _proxy_tracer()
     if tracer is not None:
         names.add(_newest(tracer.graph).name)
-    return alias
+    return (alias, *args[1:])
 
 
 def strip_aliases(gm: fx.GraphModule, names: set[str]) -> int:
-    """Remove the aliases :func:`alias_for_cast` recorded; returns how many."""
-    removed = 0
-    for node in list(gm.graph.nodes):
-        if node.name in names and node.target is torch.ops.aten.alias.default:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            removed += 1
-    return removed
+    """Remove the aliases :func:`kept_apart` recorded; returns how many."""
+    return _bypass(gm, names, ("aten::alias",))
 
 
 @functools.lru_cache(maxsize=512)
@@ -502,10 +496,17 @@ def _composite_promote(func: Any, policy: Policy) -> bool:
 
 def strip_widening_casts(gm: fx.GraphModule, names: set[str]) -> int:
     """Remove the casts :class:`CompositePromoteMode` recorded; returns how many."""
+    return _bypass(gm, names, ("aten::to", "aten::_to_copy"))
+
+
+def _bypass(gm: fx.GraphModule, names: set[str], ops: tuple[str, ...]) -> int:
+    """Remove the nodes named in ``names`` that run one of ``ops`` (aten schema names), each
+    replaced by its first argument: what the capture's modes recorded only to steer the
+    trace. Returns how many."""
     removed = 0
     for node in list(gm.graph.nodes):
         op = getattr(node.target, "_schema", None)
-        if node.name in names and op is not None and op.name in ("aten::to", "aten::_to_copy"):
+        if node.name in names and op is not None and op.name in ops:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             removed += 1
@@ -822,10 +823,10 @@ class half_model_view:
 __all__ = [
     "CompositePromoteMode",
     "PolicyDtypeMode",
-    "alias_for_cast",
     "capture_under_policy",
     "half_model_view",
     "is_noop_cast",
+    "kept_apart",
     "mark_capture_plans",
     "mark_checkpoint_regions",
     "mark_dtype_reads",
