@@ -12,6 +12,7 @@ from amp_graph.autopolicy import AutopolicyError, autopolicy
 from amp_graph.backend import AmpGraphBackend, backend, captured_graphs
 from amp_graph.compiler import CaptureError, CompiledModule, compile, compile_, uncompile
 from amp_graph.deploy import export, export_info
+from amp_graph.fsdp_plan import FSDPPlan, plan_fsdp
 from amp_graph.graph import Graph, GraphConfig
 from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.inspect.numerics import NumericsReport, numerics
@@ -30,6 +31,7 @@ __all__ = [
     "AutopolicyError",
     "CaptureError",
     "CompiledModule",
+    "FSDPPlan",
     "GradScaler",
     "Graph",
     "GraphConfig",
@@ -58,6 +60,7 @@ __all__ = [
     "monitor",
     "numerics",
     "passes",
+    "plan_fsdp",
     "replay",
     "report",
     "uncompile",

@@ -414,6 +414,80 @@ def read_low(rank: int) -> dict[str, Any]:
     return results
 
 
+def planned(rank: int) -> dict[str, Any]:
+    """Models sharded as ``amp_graph.plan_fsdp`` plans them (the Llama-style layers with
+    the children the plan names as units of their own), against the same models sharded
+    per block with float32 all-gathers: trained through compile and ``Graph`` (O1, bf16)."""
+    import amp_graph
+    from amp_graph import models
+    from amp_graph.inspect.traffic import CollectiveBytes
+
+    class TrainStep(amp_graph.Graph):
+        def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, policy="O1", dtype=torch.bfloat16)
+
+        def build(self, x: torch.Tensor) -> torch.Tensor:
+            loss = self.model(x).float().square().mean()
+            loss.backward()
+            return loss
+
+    gen = torch.Generator().manual_seed(rank)
+    setups: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+        "mlp": (lambda: models.ResidualMLP(width=32, blocks=2), (4, 32)),
+        "llama": (lambda: models.LlamaStyle(dim=32, blocks=2), (2, 16, 32)),
+    }
+    results: dict[str, Any] = {}
+    for name, (make, shape) in setups.items():
+        xs = [torch.randn(*shape, generator=gen) for _ in range(STEPS)]
+
+        def plain(make: Callable[[], nn.Module] = make) -> tuple[nn.Module, Any]:
+            torch.manual_seed(0)
+            return models.shard_blocks(make()), None
+
+        def by_plan(make: Callable[[], nn.Module] = make, x: torch.Tensor = xs[0]) -> Any:
+            torch.manual_seed(0)
+            model = make()
+            units = [*model.blocks, model]
+            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(x,))
+            units += [model.get_submodule(p) for paths in plan.split.values() for p in paths]
+            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(x,))
+            return plan.fully_shard(), plan
+
+        per: dict[str, Any] = {}
+        for variant, build in (("plain", plain), ("planned", by_plan)):
+            model, plan = build()
+            compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            gathered = []
+            for x in xs:
+                opt.zero_grad(set_to_none=True)
+                with CollectiveBytes() as counted:
+                    compiled(x).float().square().mean().backward()
+                gathered.append(counted.all_gather)
+                opt.step()
+            graph_model, _ = build()
+            step = TrainStep(graph_model, torch.optim.AdamW(graph_model.parameters(), lr=1e-2))
+            graph_losses = [step(x).item() for x in xs]
+            per[variant] = {
+                "params": full_parameters(model),
+                "graph_params": full_parameters(graph_model),
+                "graph_losses": graph_losses,
+                "all_gather": gathered[-1],
+                "planned_ratio": plan.all_gather_ratio if plan else 1.0,
+                "report": amp_graph.report(compiled).totals(),
+            }
+            if plan is not None:
+                try:
+                    amp_graph.plan_fsdp(model, [model], example_inputs=(xs[0],))
+                except ValueError as error:
+                    per[variant]["sharded_refused"] = str(error)
+        results[name] = per
+    return results
+
+
 class CheckpointedLM(TinyLM):
     """Blocks 0 and 1 recomputed in backward: one checkpoint per block (supported) or one
     over both (spans two FSDP units: refused)."""
@@ -615,6 +689,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "held_bytes": held_bytes,
     "mixed_precision": mixed_precision,
     "read_low": read_low,
+    "planned": planned,
 }
 
 
@@ -753,3 +828,26 @@ def test_report_names_units_read_only_in_low_precision_and_their_policy_changes_
         for name, value in plain["params"].items():
             assert torch.equal(value, proposed["params"][name]), name
         assert proposed["all_gather"] * 2 == plain["all_gather"]
+
+
+def test_models_sharded_as_plan_fsdp_plans_train_the_same_bits_at_half_the_all_gather(
+    tmp_path: Path,
+) -> None:
+    """Issue 24: "FSDP2 should all-gather parameters in the low dtype where the policy
+    permits". Residual MLP blocks (read only low: their own units gather bf16) and
+    Llama-style layers (each mixes RMSNorms read in float32 with linears: the layer keeps
+    its norms in float32, its attention and MLP linears gather bf16 as the units the plan
+    names): the same bits as float32 all-gathers through compile and Graph, at <= 0.55 of
+    their all-gather bytes, reduce-scatters in float32 (the bytes of float32 gradients)."""
+    for rank in run_ranks("planned", tmp_path):
+        for name, per in rank.items():
+            plain, planned = per["plain"], per["planned"]
+            for key in ("params", "graph_params"):
+                for param, value in plain[key].items():
+                    assert torch.equal(value, planned[key][param]), (name, key, param)
+            assert plain["graph_losses"] == planned["graph_losses"], name
+            ratio = planned["all_gather"] / plain["all_gather"]
+            assert ratio <= 0.55, (name, ratio)
+            assert abs(ratio - planned["planned_ratio"]) < 0.02, (name, ratio, planned)
+            assert "FSDP2 MixedPrecisionPolicy honoured" in planned["report"], name
+            assert "plans a model before fully_shard" in planned["sharded_refused"]

@@ -74,6 +74,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "amp_graph.master_weights",
         ),
     ),
+    # FSDP2 policies planned from the AMP plan before sharding: over the compiler
+    ("sharding plans", ("amp_graph.fsdp_plan",)),
     (
         "inspection and integrations",
         (

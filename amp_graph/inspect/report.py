@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from amp_graph.capture_fsdp import FSDP_MIXED_PRECISION
 from amp_graph.compiler import CompileRecord, compile_record, unwrap
+from amp_graph.fsdp_plan import read_only_low
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.passes.recompute_casts import copy_dtype
 from amp_graph.policy import Rule, nearest
@@ -178,7 +179,8 @@ def _read_low_text(units: list[str], dtype: str) -> str:
         f"\nFSDP2 units whose parameters every op reads in {dtype}: {', '.join(units)}. "
         f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{torch_dtype}, "
         "reduce_dtype=torch.float32, cast_forward_inputs=False)) on them all-gathers half "
-        "the bytes and changes no value."
+        "the bytes and changes no value; amp_graph.plan_fsdp(model, units, ...) gives each "
+        "unit its policy before sharding."
     )
 
 
@@ -191,11 +193,7 @@ def fsdp_units_read_low(gm: fx.GraphModule, low: torch.dtype) -> list[str]:
         unit = node.meta.get(FSDP_UNIT)
         if node.op != "get_attr" or unit is None:
             continue
-        low_casts = [
-            u.meta[AMP].role is Role.CAST and len(u.args) > 1 and u.args[1] == low
-            for u in node.users
-        ]
-        reads.setdefault(unit or "<root>", []).append(bool(low_casts) and all(low_casts))
+        reads.setdefault(unit or "<root>", []).append(read_only_low(node, low))
     return [
         unit
         for unit, read_low in reads.items()

@@ -1,0 +1,293 @@
+"""FSDP2 mixed precision planned from the AMP plan, before the model is sharded.
+
+FSDP2 all-gathers each unit's parameters in one dtype, the unit's
+``MixedPrecisionPolicy.param_dtype``, fixed when ``fully_shard`` is called. A unit whose every
+parameter the graph reads only through a cast to the low dtype can be all-gathered in that
+dtype: each op then reads the same values (the cast moves from after the all-gather to
+before it, where it rounds the shard the same way), at half the bytes on the wire and in the
+unsharded copy. Which units qualify follows from the policy, so :func:`plan_fsdp` captures
+the model once, unsharded, runs the passes, and gives each unit its policy:
+
+* read only low: ``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=float32,
+  cast_forward_inputs=False)``. Gradients are reduce-scattered in float32 (as without a
+  policy: bit for bit), and the unit's inputs are left as they are, since the graph casts
+  what it casts itself.
+* any parameter read otherwise (a norm's weight read in float32, a parameter pinned by
+  ``overrides``, an fp8 linear's weight, whose scale is taken on the float32 values): the
+  unit keeps ``MixedPrecisionPolicy()`` and is all-gathered in float32, because FSDP2's
+  policy is per unit and a low all-gather would round those parameters. The plan names them
+  and the child modules that would all-gather low as units of their own
+  (:attr:`FSDPPlan.split`); planning again with those added as units gives them the low
+  all-gather while the parent keeps its norms exact.
+
+amp_graph never changes the policy of a unit already sharded (FSDP2 fixes its buffers at the
+first all-gather); the plan is applied by ``fully_shard`` (:meth:`FSDPPlan.fully_shard`). A
+model sharded so runs through :func:`amp_graph.compile`, the backend or ``Graph``, which
+honour the policy; called eagerly, it needs ``torch.autocast`` (its low units hold low
+parameters and do not cast inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from amp_graph.capture_fsdp import fsdp_module_type
+from amp_graph.compiler import compile as amp_compile
+from amp_graph.compiler import compile_record
+from amp_graph.passes.meta import AMP, Role, short
+from amp_graph.policy import Policy
+
+
+def read_only_low(node: fx.Node, low: torch.dtype) -> bool:
+    """Whether the ``get_attr`` ``node`` is read, and every op reading it reads it through
+    a cast to ``low``: then an attribute arriving in ``low`` gives each op the same value."""
+    return bool(node.users) and all(
+        user.meta[AMP].role is Role.CAST and len(user.args) > 1 and user.args[1] == low
+        for user in node.users
+    )
+
+
+def parameters_read_low(gm: fx.GraphModule, low: torch.dtype) -> dict[int, bool]:
+    """``id`` of each parameter the graph reads -> :func:`read_only_low` over all its reads
+    (keyed by tensor, so that tied parameters' names agree)."""
+    reads: dict[int, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users and _is_parameter(gm, node.target):
+            key = id(gm.get_parameter(node.target))
+            reads[key] = reads.get(key, True) and read_only_low(node, low)
+    return reads
+
+
+def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One FSDP2 unit's part of the plan."""
+
+    path: str
+    policy: Any  # torch.distributed.fsdp.MixedPrecisionPolicy
+    parameters: int  # floating parameters the unit owns (nested units' excluded)
+    full_bytes: int  # their all-gather output's bytes in their own dtype (float32)
+    gathered_bytes: int  # and in the planned param_dtype
+    read_exact: list[str] = field(default_factory=list)  # why the unit stays float32
+
+
+@dataclass
+class FSDPPlan:
+    """Per FSDP2 unit, the ``MixedPrecisionPolicy`` the AMP plan permits (:func:`plan_fsdp`).
+
+    ``plan[unit]`` (a module or its path; ``""`` the root) is the policy to pass to
+    ``fully_shard``; :meth:`fully_shard` shards the model so. ``split``: per unit that
+    keeps float32 for some parameters, the child modules that would all-gather low as units
+    of their own."""
+
+    model: nn.Module
+    dtype: torch.dtype
+    units: dict[str, UnitPlan]
+    split: dict[str, list[str]]
+
+    def __getitem__(self, unit: nn.Module | str) -> Any:
+        return self.units[self._path(unit)].policy
+
+    def _path(self, unit: nn.Module | str) -> str:
+        path = unit if isinstance(unit, str) else _module_path(self.model, unit)
+        if path not in self.units:
+            raise KeyError(f"{path or '<root>'!r} is not a unit of this plan: {list(self.units)}")
+        return path
+
+    @property
+    def all_gather_ratio(self) -> float:
+        """All-gather bytes per forward with the plan / with every unit in float32."""
+        full = sum(u.full_bytes for u in self.units.values())
+        return sum(u.gathered_bytes for u in self.units.values()) / full if full else 1.0
+
+    def fully_shard(self, **fully_shard_kwargs: Any) -> nn.Module:
+        """``fully_shard`` each unit with its planned policy, innermost first, the root last
+        (FSDP2's order); the other arguments (``mesh``, ``reshard_after_forward``...) go to
+        every call. Returns the model."""
+        if "mp_policy" in fully_shard_kwargs:
+            raise ValueError(
+                "FSDPPlan.fully_shard sets each unit's mp_policy from the plan; to give your "
+                "own, call fully_shard(unit, mp_policy=...) yourself"
+            )
+        from torch.distributed.fsdp import fully_shard
+
+        for path in sorted(self.units, key=lambda p: -p.count(".") - bool(p)):
+            fully_shard(self.model.get_submodule(path), mp_policy=self[path], **fully_shard_kwargs)
+        return self.model
+
+    def __str__(self) -> str:
+        low = short(self.dtype)
+        lines = [f"FSDP2 plan ({low}): all-gather {self.all_gather_ratio:.2f}x float32"]
+        for unit in self.units.values():
+            if not unit.parameters:
+                lines.append(f"  {unit.path or '<root>'}: no parameters of its own")
+                continue
+            gathered = short(unit.policy.param_dtype or torch.float32)
+            line = (
+                f"  {unit.path or '<root>'}: {unit.parameters} parameters, all-gather "
+                f"{gathered} ({unit.gathered_bytes:,} of {unit.full_bytes:,} bytes)"
+            )
+            if unit.read_exact:
+                line += f"; read in float32: {', '.join(unit.read_exact)}"
+            if self.split.get(unit.path):
+                line += f"; {low} as units of their own: {', '.join(self.split[unit.path])}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def _module_path(model: nn.Module, module: nn.Module) -> str:
+    for path, candidate in model.named_modules():
+        if candidate is module:
+            return path
+    raise ValueError(
+        f"the unit {type(module).__name__} is not a submodule of the model; give modules "
+        "of the model being planned (or their paths, '' for the model itself)"
+    )
+
+
+def _unit_paths(model: nn.Module, units: Iterable[nn.Module | str]) -> list[str]:
+    paths = []
+    for unit in units:
+        if isinstance(unit, str):
+            try:
+                model.get_submodule(unit)
+            except AttributeError as error:
+                raise ValueError(f"plan_fsdp: no submodule {unit!r} in the model") from error
+            paths.append(unit)
+        elif isinstance(unit, nn.Module):
+            paths.append(_module_path(model, unit))
+        else:
+            raise TypeError(
+                f"plan_fsdp: units are modules or their paths; got {type(unit).__name__}"
+            )
+    if not paths:
+        raise ValueError("plan_fsdp: no units given (the modules you will fully_shard)")
+    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    return sorted(set(paths), key=order.__getitem__)  # the model's order, as FSDP2 runs them
+
+
+def _owner(name: str, units: Sequence[str]) -> str | None:
+    """The innermost unit whose subtree holds the parameter ``name``."""
+    owners = [u for u in units if u == "" or name.startswith(u + ".")]
+    return max(owners, key=len) if owners else None
+
+
+def _splits(
+    model: nn.Module, unit: str, units: Sequence[str], low_only: Mapping[str, bool | None]
+) -> list[str]:
+    """The largest child modules of ``unit`` (outside other units) whose every read
+    parameter is read only low."""
+    found: list[str] = []
+
+    def visit(path: str) -> None:
+        for child, _ in model.get_submodule(path).named_children():
+            child_path = f"{path}.{child}" if path else child
+            if child_path in units:
+                continue
+            reads = [
+                v
+                for name, v in low_only.items()
+                if name.startswith(child_path + ".") and _owner(name, units) == unit
+            ]
+            read = [v for v in reads if v is not None]
+            if read and all(read):
+                found.append(child_path)
+            elif read:
+                visit(child_path)
+
+    visit(unit)
+    return found
+
+
+def plan_fsdp(
+    model: nn.Module,
+    units: Iterable[nn.Module | str],
+    policy: Policy | str = "O1",
+    dtype: torch.dtype | None = None,
+    *,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict[str, Any] | None = None,
+) -> FSDPPlan:
+    """Per FSDP2 unit, the ``MixedPrecisionPolicy`` that ``policy`` permits: the low
+    all-gather for units whose every parameter the graph reads only in ``dtype``.
+
+    Call it on the model before ``fully_shard`` (it captures the model, unsharded, as
+    :func:`amp_graph.compile` does, from fake tensors), then shard with the plan:
+
+    >>> plan = amp_graph.plan_fsdp(model, [*model.layers, model], "O1",
+    ...                            example_inputs=(tokens,))          # doctest: +SKIP
+    >>> print(plan); plan.fully_shard()                               # doctest: +SKIP
+    >>> compiled = amp_graph.compile(model, "O1")                     # doctest: +SKIP
+
+    Args:
+        model: the model, not yet sharded.
+        units: the modules you will ``fully_shard`` (or their paths; ``""`` or ``model``
+            for the root). A parameter belongs to the innermost unit holding it, as in FSDP2.
+        policy, dtype, example_inputs, example_kwargs: as :func:`amp_graph.compile`; compile
+            the sharded model with the same policy and dtype.
+
+    Returns:
+        An :class:`FSDPPlan`; ``print`` it for the bytes and the reasons.
+    """
+    fsdp = fsdp_module_type()
+    if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
+        raise ValueError(
+            "plan_fsdp plans a model before fully_shard; this one is already sharded (FSDP2 "
+            "fixes a unit's param_dtype when it shards it). Plan the unsharded model, then "
+            "shard it with plan.fully_shard() or fully_shard(unit, mp_policy=plan[unit])"
+        )
+    paths = _unit_paths(model, units)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compiled = amp_compile(
+        model, policy, dtype, example_inputs=example_inputs, example_kwargs=example_kwargs
+    )
+    gm = compiled.graph_module
+    low = compile_record(gm).dtype
+    read = parameters_read_low(gm, low)
+    low_only: dict[str, bool | None] = {
+        name: read.get(id(p)) for name, p in model.named_parameters() if p.is_floating_point()
+    }
+    planned: dict[str, UnitPlan] = {}
+    for unit in paths:
+        owned = {n: v for n, v in low_only.items() if _owner(n, paths) == unit}
+        exact = [n for n, v in owned.items() if v is False]
+        tensors = [model.get_parameter(n) for n in owned]
+        full = sum(p.numel() * p.element_size() for p in tensors)
+        gather_low = bool(owned) and not exact
+        planned[unit] = UnitPlan(
+            path=unit,
+            policy=(
+                MixedPrecisionPolicy(
+                    param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False
+                )
+                if gather_low
+                else MixedPrecisionPolicy()
+            ),
+            parameters=len(owned),
+            full_bytes=full,
+            gathered_bytes=sum(p.numel() for p in tensors) * low.itemsize if gather_low else full,
+            read_exact=[n.removeprefix(f"{unit}.") if unit else n for n in exact],
+        )
+    split = {}
+    for unit in paths:
+        children = _splits(model, unit, paths, low_only) if planned[unit].read_exact else []
+        if children:
+            split[unit] = children
+    return FSDPPlan(model=model, dtype=low, units=planned, split=split)
+
+
+__all__ = ["FSDPPlan", "UnitPlan", "parameters_read_low", "plan_fsdp", "read_only_low"]
