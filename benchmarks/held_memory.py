@@ -14,8 +14,9 @@ tensor an aten op made during it, parameters and buffers left out
    interleaved, the median of the paired ratios with its quartiles.
 2. FSDP2 on 2 gloo ranks (CPU): issue 24's six residual MLP blocks of width 256 (batch 8)
    and four Llama-style layers of width 128 (4x64 tokens), ``fully_shard`` per block and
-   on the root: amp_graph O1 bf16 (casts recomputed, kept, and with the user's
-   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) against torch.autocast on
+   on the root: amp_graph O1 bf16 (casts recomputed, kept, with the user's
+   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, and sharded as
+   ``amp_graph.plan_fsdp`` plans it, the units its split names added) against torch.autocast on
    the same sharded model and against ``MixedPrecisionPolicy(param_dtype=bf16)`` eager:
    held bytes, and the bytes all-gathered and reduce-scattered in one step
    (:mod:`amp_graph.inspect.traffic`, counted on c10d's collectives).
@@ -28,6 +29,7 @@ tensor an aten op made during it, parameters and buffers left out
 
     python benchmarks/held_memory.py            # the run recorded in BENCHMARKS.md
     python benchmarks/held_memory.py --quick    # fewer timing repeats
+    python benchmarks/held_memory.py --fsdp     # only part 2 (20 s)
     python benchmarks/held_memory.py --part3    # section 3 only (no timing; a minute)
 """
 
@@ -322,14 +324,27 @@ def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, tupl
             steps.append((n, moved.all_gather, moved.reduce_scatter))
         return min(n for n, _, _ in steps), *steps[-1][1:]
 
+    def planned() -> nn.Module:
+        """Sharded as amp_graph.plan_fsdp plans it, with the units its split names."""
+        torch.manual_seed(0)
+        model = make()
+        units = [*model.blocks, model]
+        plan = amp_graph.plan_fsdp(model, units, "O1", BF16, example_inputs=(x,))
+        units += [model.get_submodule(p) for paths in plan.split.values() for p in paths]
+        return amp_graph.plan_fsdp(model, units, "O1", BF16, example_inputs=(x,)).fully_shard()
+
     row = {}
     user = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     for label, recompute, mp_policy in (
         ("amp_graph O1", True, None),
         ("amp_graph O1, casts kept", False, None),
         ("amp_graph O1 + MPP(bf16)", True, user),
+        ("amp_graph O1, plan_fsdp", True, "plan"),
     ):
-        model = sharded(mp_policy=mp_policy) if mp_policy else sharded()
+        if mp_policy == "plan":
+            model = planned()
+        else:
+            model = sharded(mp_policy=mp_policy) if mp_policy else sharded()
         compiled = amp_graph.compile(model, _policy("O1", recompute), BF16)
         held(model, lambda c=compiled: c(x))
         row[label] = held(model, lambda c=compiled: c(x))
@@ -388,6 +403,7 @@ def fsdp2() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--fsdp", action="store_true", help="only the FSDP2 tables")
     parser.add_argument(
         "--part3",
         action="store_true",
@@ -405,6 +421,10 @@ def main() -> None:
     ids = torch.randint(0, 512, (4, 64))
     if options.part3:
         part3(gpt, ids)
+        return
+    if options.fsdp:
+        print("FSDP2, 2 gloo ranks, O1 bf16 (held at the end of the forward, per rank):")
+        fsdp2()
         return
     print("GPT-style decoder (4 layers, width 128, 4x64 tokens):")
     for name in ("O1", "autocast"):
