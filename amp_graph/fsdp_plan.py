@@ -185,6 +185,23 @@ def _owner(name: str, units: Sequence[str]) -> str | None:
     return max(owners, key=len) if owners else None
 
 
+def _check_ties_within_units(model: nn.Module, units: Sequence[str]) -> None:
+    """A parameter tied under names in two units would be sharded by each (FSDP2 replaces
+    a module's parameter with its shard, which unties it): refuse such units."""
+    seen: dict[int, tuple[str, str | None]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = _owner(name, units)
+        first = seen.setdefault(id(param), (name, owner))
+        if first[1] != owner:
+            where = [u or "<root>" for u in (first[1], owner)]
+            raise ValueError(
+                f"the tied parameters {first[0]!r} and {name!r} fall in different units "
+                f"({where[0]!r}, {where[1]!r}); FSDP2 shards each unit's parameters "
+                "separately, which would untie them. Put the modules sharing a parameter "
+                "in one unit (for a tied head: leave it to the root)"
+            )
+
+
 def _splits(
     model: nn.Module, unit: str, units: Sequence[str], low_only: Mapping[str, bool | None]
 ) -> list[str]:
@@ -250,6 +267,7 @@ def plan_fsdp(
             "shard it with plan.fully_shard() or fully_shard(unit, mp_policy=plan[unit])"
         )
     paths = _unit_paths(model, units)
+    _check_ties_within_units(model, paths)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     compiled = amp_compile(

@@ -77,10 +77,13 @@ def test_a_tied_weight_read_in_float32_anywhere_is_never_gathered_low() -> None:
     torch.manual_seed(0)
     model = GPT(vocab=64, block=16, dim=32, heads=4, layers=2)
     ids = torch.randint(0, 64, (2, 16))
-    plan = plan_fsdp(model, [*model.blocks, model.head, model], "O1", example_inputs=(ids,))
+    plan = plan_fsdp(model, [*model.blocks, model], "O1", example_inputs=(ids,))
     assert not _low(plan, model)
     assert "tok.weight" in plan.units[""].read_exact
-    assert plan.units["head"].parameters == 0  # the tied weight is the root's, as in FSDP2
+    assert all(_low(plan, block) is False for block in model.blocks)  # LayerNorms
+    # FSDP2 would shard the head's and the root's alias separately: refused
+    with pytest.raises(ValueError, match=r"tied parameters 'tok\.weight' and 'head\.weight'"):
+        plan_fsdp(model, [*model.blocks, model.head, model], "O1", example_inputs=(ids,))
 
 
 def test_what_the_policy_keeps_exact_keeps_the_unit_float32() -> None:
