@@ -58,18 +58,18 @@ def parameters_read_low(gm: fx.GraphModule, low: torch.dtype) -> dict[int, bool]
     (keyed by tensor, so that tied parameters' names agree)."""
     reads: dict[int, bool] = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.users and _is_parameter(gm, node.target):
-            key = id(gm.get_parameter(node.target))
+        parameter = _parameter(gm, node.target) if node.op == "get_attr" else None
+        if parameter is not None and node.users:
+            key = id(parameter)
             reads[key] = reads.get(key, True) and read_only_low(node, low)
     return reads
 
 
-def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+def _parameter(gm: fx.GraphModule, target: str) -> nn.Parameter | None:
     try:
-        gm.get_parameter(target)
-    except AttributeError:
-        return False
-    return True
+        return gm.get_parameter(target)
+    except AttributeError:  # a buffer or a constant
+        return None
 
 
 @dataclass(frozen=True)
