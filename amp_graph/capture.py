@@ -59,11 +59,13 @@ from amp_graph.capture_fsdp import (
     fsdp_units_unsharded,
     gathered_dtypes,
     mixed_precision,
+    planned_for,
 )
 from amp_graph.passes.fsdp_hooks import stack_unit
 from amp_graph.passes.meta import (
     CHECKPOINT_REGION,
     FSDP_GATHERED_DTYPE,
+    FSDP_PLANNED,
     FSDP_UNITS,
     MODEL_ROOT,
     model_root,
@@ -289,7 +291,7 @@ def capture_module(
         _check_checkpoints_within_units(gm, units)
         if policies := mixed_precision(model):
             gm.meta[FSDP_MIXED_PRECISION] = policies
-            _mark_gathered_dtypes(gm, gathered_dtypes(model), model_attr)
+            _mark_gathered_dtypes(gm, gathered_dtypes(model), planned_for(model), model_attr)
     spec = program.call_spec
     return Captured(
         gm, spec.in_spec, spec.out_spec, _shape_guard(gm, program), time.perf_counter() - start
@@ -502,16 +504,22 @@ _STATE_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
 
 
 def _mark_gathered_dtypes(
-    gm: fx.GraphModule, gathered: dict[str, torch.dtype], attr: str | None
+    gm: fx.GraphModule,
+    gathered: dict[str, torch.dtype],
+    planned: dict[str, str],
+    attr: str | None,
 ) -> None:
     """``meta[FSDP_GATHERED_DTYPE]`` on the reads of parameters their FSDP2 unit all-gathers
-    in another dtype than the model holds them in (the passes plan for the gathered one)."""
+    in another dtype than the model holds them in (the passes plan for the gathered one),
+    and ``meta[FSDP_PLANNED]`` where ``amp_graph.plan_fsdp`` chose that dtype."""
     prefix = f"{attr}." if attr else ""
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target.startswith(prefix):
-            dtype = gathered.get(node.target[len(prefix) :])
-            if dtype is not None:
-                node.meta[FSDP_GATHERED_DTYPE] = dtype
+            name = node.target[len(prefix) :]
+            if name in gathered:
+                node.meta[FSDP_GATHERED_DTYPE] = gathered[name]
+                if name in planned:
+                    node.meta[FSDP_PLANNED] = planned[name]
 
 
 def _graph_module(

@@ -116,6 +116,26 @@ def gathered_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
     return gathered
 
 
+PLANNED_FOR = "_amp_graph_fsdp_plan"
+"""Attribute ``amp_graph.FSDPPlan.fully_shard`` sets on each unit it gives the low
+all-gather: the policy and dtype it planned for (``"O1, bf16"``)."""
+
+
+def planned_for(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> what :data:`PLANNED_FOR` says, for the parameters of the units that
+    ``plan_fsdp`` gave the low all-gather (the innermost unit owning a parameter shards it)."""
+    planned: dict[str, str] = {}
+    for path, module in fsdp_units(model):  # pre-order: inner units overwrite outer ones
+        tag = module.__dict__.get(PLANNED_FOR)
+        prefix = f"{path}." if path else ""
+        for name, param in module.named_parameters():
+            if tag is None:
+                planned.pop(prefix + name, None)
+            elif param.is_floating_point():
+                planned[prefix + name] = tag
+    return planned
+
+
 FSDP_MIXED_PRECISION = "amp_graph.fsdp_mixed_precision"
 """``gm.meta`` key: :func:`mixed_precision` of the captured model, where any unit has one."""
 
@@ -175,10 +195,12 @@ def fsdp_units_unsharded(model: nn.Module) -> Iterator[list[str]]:
 
 __all__ = [
     "FSDP_MIXED_PRECISION",
+    "PLANNED_FOR",
     "UnsupportedFSDP",
     "fsdp_module_type",
     "fsdp_units",
     "fsdp_units_unsharded",
     "gathered_dtypes",
     "mixed_precision",
+    "planned_for",
 ]

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_graph.capture_fsdp import fsdp_module_type
+from amp_graph.capture_fsdp import PLANNED_FOR, fsdp_module_type
 from amp_graph.compiler import compile as amp_compile
 from amp_graph.compiler import compile_record
 from amp_graph.passes.meta import AMP, Role, short
@@ -94,6 +94,7 @@ class FSDPPlan:
     of their own."""
 
     model: nn.Module
+    policy: str  # the policy's name, as the plan was made for it
     dtype: torch.dtype
     units: dict[str, UnitPlan]
     split: dict[str, list[str]]
@@ -116,7 +117,9 @@ class FSDPPlan:
     def fully_shard(self, **fully_shard_kwargs: Any) -> nn.Module:
         """``fully_shard`` each unit with its planned policy, innermost first, the root last
         (FSDP2's order); the other arguments (``mesh``, ``reshard_after_forward``...) go to
-        every call. Returns the model."""
+        every call. Each unit given the low all-gather is marked with what it was planned for,
+        so that a compile under another policy that reads its parameters wider warns.
+        Returns the model."""
         if "mp_policy" in fully_shard_kwargs:
             raise ValueError(
                 "FSDPPlan.fully_shard sets each unit's mp_policy from the plan; to give your "
@@ -125,7 +128,10 @@ class FSDPPlan:
         from torch.distributed.fsdp import fully_shard
 
         for path in sorted(self.units, key=lambda p: -p.count(".") - bool(p)):
-            fully_shard(self.model.get_submodule(path), mp_policy=self[path], **fully_shard_kwargs)
+            unit = self.model.get_submodule(path)
+            fully_shard(unit, mp_policy=self[path], **fully_shard_kwargs)
+            if self[path].param_dtype is not None:
+                unit.__dict__[PLANNED_FOR] = f"{self.policy}, {short(self.dtype)}"
         return self.model
 
     def __str__(self) -> str:
@@ -203,10 +209,10 @@ def _check_ties_within_units(model: nn.Module, units: Sequence[str]) -> None:
 
 
 def _splits(
-    model: nn.Module, unit: str, units: Sequence[str], low_only: Mapping[str, bool | None]
+    model: nn.Module, unit: str, units: Sequence[str], owned: Mapping[str, bool | None]
 ) -> list[str]:
-    """The largest child modules of ``unit`` (outside other units) whose every read
-    parameter is read only low."""
+    """The largest child modules of ``unit`` (not units themselves) whose every parameter
+    read is read only low; ``owned``: the unit's parameters -> read only low (None: unread)."""
     found: list[str] = []
 
     def visit(path: str) -> None:
@@ -214,12 +220,11 @@ def _splits(
             child_path = f"{path}.{child}" if path else child
             if child_path in units:
                 continue
-            reads = [
-                v
-                for name, v in low_only.items()
-                if name.startswith(child_path + ".") and _owner(name, units) == unit
+            read = [
+                low
+                for name, low in owned.items()
+                if low is not None and name.startswith(child_path + ".")
             ]
-            read = [v for v in reads if v is not None]
             if read and all(read):
                 found.append(child_path)
             elif read:
@@ -274,14 +279,17 @@ def plan_fsdp(
         model, policy, dtype, example_inputs=example_inputs, example_kwargs=example_kwargs
     )
     gm = compiled.graph_module
-    low = compile_record(gm).dtype
+    record = compile_record(gm)
+    low = record.dtype
     read = parameters_read_low(gm, low)
     low_only: dict[str, bool | None] = {
         name: read.get(id(p)) for name, p in model.named_parameters() if p.is_floating_point()
     }
+    owners = {name: _owner(name, paths) for name in low_only}
     planned: dict[str, UnitPlan] = {}
+    split = {}
     for unit in paths:
-        owned = {n: v for n, v in low_only.items() if _owner(n, paths) == unit}
+        owned = {n: v for n, v in low_only.items() if owners[n] == unit}
         exact = [n for n, v in owned.items() if v is False]
         tensors = [model.get_parameter(n) for n in owned]
         full = sum(p.numel() * p.element_size() for p in tensors)
@@ -300,12 +308,10 @@ def plan_fsdp(
             gathered_bytes=sum(p.numel() for p in tensors) * low.itemsize if gather_low else full,
             read_exact=[n.removeprefix(f"{unit}.") if unit else n for n in exact],
         )
-    split = {}
-    for unit in paths:
-        children = _splits(model, unit, paths, low_only) if planned[unit].read_exact else []
+        children = _splits(model, unit, paths, owned) if exact else []
         if children:
             split[unit] = children
-    return FSDPPlan(model=model, dtype=low, units=planned, split=split)
+    return FSDPPlan(model=model, policy=record.policy.name, dtype=low, units=planned, split=split)
 
 
 __all__ = ["FSDPPlan", "UnitPlan", "parameters_read_low", "plan_fsdp", "read_only_low"]

@@ -13,8 +13,10 @@ form (``amp_graph.compiler.rewrite`` runs it). Then :func:`run_passes` runs, in 
 6. :func:`absorb_casts` - a widening cast folded into the one op that reads it, where that op
    takes ``dtype=`` (softmax, log_softmax, sum, mean);
 7. :func:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
-8. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
-9. :func:`recompute_casts` - casts whose source outlives the forward, cast again in backward
+8. :func:`fsdp_planned_reads` - a warning where a parameter ``plan_fsdp`` gathers low is read
+   wider (reads only);
+9. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
+10. :func:`recompute_casts` - casts whose source outlives the forward, cast again in backward
    instead of kept (weights' low-precision copies, widened activations).
 
 They take one IR: the aten-level GraphModule amp_graph's capture makes, with an example value
@@ -30,6 +32,7 @@ from .assign_dtypes import assign_dtypes, propagate_dtypes
 from .checkpoints import outline_checkpoints
 from .classify import classify
 from .fsdp_hooks import fsdp_hooks
+from .fsdp_planned_reads import fsdp_planned_reads
 from .insert_casts import insert_casts
 from .meta import AMP, CHECKPOINT_REGION, UNKNOWN, AmpInfo, Role
 from .pipeline import PassError, PipelineResult, run_passes
@@ -57,6 +60,7 @@ __all__ = [
     "assign_dtypes",
     "classify",
     "fsdp_hooks",
+    "fsdp_planned_reads",
     "inline_regions",
     "insert_casts",
     "outline_checkpoints",

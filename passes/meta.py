@@ -49,6 +49,11 @@ FSDP_GATHERED_DTYPE = "amp_graph.fsdp_gathered_dtype"
 the unit's ``MixedPrecisionPolicy`` sets ``param_dtype`` (the model holds it sharded in its
 own dtype). Written by the capture."""
 
+FSDP_PLANNED = "amp_graph.fsdp_planned"
+"""``node.meta`` key on a parameter read with :data:`FSDP_GATHERED_DTYPE`: the policy and dtype
+``amp_graph.plan_fsdp`` planned that all-gather for (``"O1, bf16"``), where it did. Written by
+the capture."""
+
 FSDP_UNIT = "fsdp_unit"
 """``node.meta`` key on a parameter read: the path of the FSDP2 unit that shards it."""
 

@@ -5,9 +5,9 @@ runs it before it keeps the graph as captured), not a pass of the list.
 
 Order: classify -> (fp8_linears, under an fp8 policy)
 -> assign_dtypes -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
-(models sharded with FSDP2) -> outline_checkpoints -> recompute_casts. With ``check_each=True`` (the
-tests use it) the verifier also runs after every pass, so a pass that breaks an invariant is
-caught where it happens.
+-> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
+With ``check_each=True`` (the tests use it) the verifier also runs after every pass, so a
+pass that breaks an invariant is caught where it happens.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .checkpoints import outline_checkpoints
 from .classify import classify
 from .fp8_linears import fp8_linears
 from .fsdp_hooks import fsdp_hooks
+from .fsdp_planned_reads import fsdp_planned_reads
 from .insert_casts import insert_casts
 from .meta import VAL, model_root
 from .recompute_casts import recompute_casts
@@ -73,6 +74,8 @@ def amp_passes(
     # after every dtype is settled (its calls run collectives: no pass may run the graph
     # after it); before the outlining, which then finds checkpoints inside units' regions
     passes.append(("fsdp_hooks", fsdp_hooks))
+    # reads only: a warning where a parameter plan_fsdp gathers low is read wider
+    passes.append(("fsdp_planned_reads", fsdp_planned_reads))
     # last: it moves checkpointed nodes into submodules, after every dtype is settled
     passes.append(("outline_checkpoints", outline_checkpoints))
     # after the outlining: a checkpointed block's casts are recomputed by its checkpoint
@@ -137,6 +140,7 @@ def run_passes(
                 "fp8_linears",
                 "absorb_casts",
                 "fsdp_hooks",
+                "fsdp_planned_reads",
                 "outline_checkpoints",
                 "recompute_casts",
             )

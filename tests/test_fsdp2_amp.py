@@ -22,6 +22,7 @@ import importlib
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -484,6 +485,14 @@ def planned(rank: int) -> dict[str, Any]:
                     amp_graph.plan_fsdp(model, [model], example_inputs=(xs[0],))
                 except ValueError as error:
                     per[variant]["sharded_refused"] = str(error)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    pinned = amp_graph.Policy.preset("O1").override(modules={"blocks.0.*": "deny"})
+                    for policy in ("O1", pinned):  # as planned; block 0 in float32
+                        amp_graph.compile(model, policy, torch.bfloat16)(xs[0])
+                per[variant]["warned"] = [
+                    str(w.message) for w in caught if "plan_fsdp planned" in str(w.message)
+                ]
         results[name] = per
     return results
 
@@ -851,3 +860,7 @@ def test_models_sharded_as_plan_fsdp_plans_train_the_same_bits_at_half_the_all_g
             assert abs(ratio - planned["planned_ratio"]) < 0.02, (name, ratio, planned)
             assert "FSDP2 MixedPrecisionPolicy honoured" in planned["report"], name
             assert "plans a model before fully_shard" in planned["sharded_refused"]
+            # compiled as planned: no warning; with block 0 pinned to float32 its low-gathered
+            # parameters are read in float32 (rounded by the all-gather): a warning names them
+            [warned] = planned["warned"]
+            assert "for O1, bf16" in warned and "blocks.0." in warned, warned
