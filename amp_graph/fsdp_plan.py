@@ -143,7 +143,8 @@ class FSDPPlan:
                 continue
             gathered = short(unit.policy.param_dtype or torch.float32)
             line = (
-                f"  {unit.path or '<root>'}: {unit.parameters} parameters, all-gather "
+                f"  {unit.path or '<root>'}: {unit.parameters} "
+                f"parameter{'s' if unit.parameters > 1 else ''}, all-gather "
                 f"{gathered} ({unit.gathered_bytes:,} of {unit.full_bytes:,} bytes)"
             )
             if unit.read_exact:

@@ -599,5 +599,6 @@ def _refuse_masters_of_sharded(root: nn.Module, policy: Policy) -> None:
             f"would replace the parameters FSDP2 shards (units {units[:3]}...). With FSDP2 the "
             "sharded float32 parameters already are the masters: use "
             "dataclasses.replace(Policy.preset('O2'), master_weights=False) for O2's compute "
-            "dtypes, or O1/O3."
+            "dtypes, or O1/O3; amp_graph.plan_fsdp before fully_shard gives the units that "
+            "allow it bf16 all-gathers (the masters' low-precision copies, made by FSDP2)."
         )

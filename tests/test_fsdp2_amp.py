@@ -497,6 +497,64 @@ def planned(rank: int) -> dict[str, Any]:
     return results
 
 
+def planned_hf_llama(rank: int) -> dict[str, Any]:
+    """HF ``LlamaForCausalLM`` (random small config) sharded per decoder layer and at the
+    root, with float32 all-gathers, against the same model sharded as ``plan_fsdp`` plans
+    it (with the units its split names: each layer's attention and MLP, the head)."""
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    import amp_graph
+    from amp_graph.inspect.traffic import CollectiveBytes
+
+    def llama() -> nn.Module:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+        return transformers.LlamaForCausalLM(config)
+
+    gen = torch.Generator().manual_seed(rank)
+    ids = [torch.randint(0, 100, (2, 16), generator=gen) for _ in range(STEPS)]
+    results: dict[str, Any] = {}
+    for variant in ("plain", "planned"):
+        model = llama()
+        units = [*model.model.layers, model]
+        if variant == "plain":
+            for unit in units:
+                fully_shard(unit)
+        else:
+            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(ids[0],))
+            units += [model.get_submodule(p) for paths in plan.split.values() for p in paths]
+            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(ids[0],))
+            plan.fully_shard()
+            results["plan"] = str(plan)
+            results["planned_ratio"] = plan.all_gather_ratio
+        compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for x in ids:
+            opt.zero_grad(set_to_none=True)
+            with CollectiveBytes() as counted:
+                loss = compiled(input_ids=x, labels=x).loss
+                loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        results[variant] = {
+            "params": full_parameters(model),
+            "losses": losses,
+            "all_gather": counted.all_gather,
+        }
+    return results
+
+
 class CheckpointedLM(TinyLM):
     """Blocks 0 and 1 recomputed in backward: one checkpoint per block (supported) or one
     over both (spans two FSDP units: refused)."""
@@ -699,6 +757,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "mixed_precision": mixed_precision,
     "read_low": read_low,
     "planned": planned,
+    "planned_hf_llama": planned_hf_llama,
 }
 
 
@@ -864,3 +923,26 @@ def test_models_sharded_as_plan_fsdp_plans_train_the_same_bits_at_half_the_all_g
             # parameters are read in float32 (rounded by the all-gather): a warning names them
             [warned] = planned["warned"]
             assert "for O1, bf16" in warned and "blocks.0." in warned, warned
+
+
+def test_hf_llama_sharded_as_planned_trains_the_same_bits_with_its_linears_gathered_low(
+    tmp_path: Path,
+) -> None:
+    """HF Llama's decoder layers mix RMSNorms (read in float32 under O1) with linears: each
+    layer keeps its norms in a float32 unit, its attention and MLP gather bf16 as units of
+    their own, and so does the head; the root keeps the embedding (read in float32) and
+    the final norm. The same bits as float32 all-gathers, with the all-gather bytes the plan
+    says (0.58x here, where the embedding is a large part of a tiny model)."""
+    pytest.importorskip("transformers")
+    for rank in run_ranks("planned_hf_llama", tmp_path):
+        plain, planned = rank["plain"], rank["planned"]
+        assert plain["losses"] == planned["losses"]
+        for name, value in plain["params"].items():
+            assert torch.equal(value, planned["params"][name]), name
+        ratio = planned["all_gather"] / plain["all_gather"]
+        assert abs(ratio - rank["planned_ratio"]) < 0.02 and ratio < 0.6, ratio
+        plan = rank["plan"]
+        assert "model.layers.0.self_attn: 4 parameters, all-gather bf16" in plan
+        assert "model.layers.0.mlp: 3 parameters, all-gather bf16" in plan
+        assert "lm_head: 1 parameter, all-gather bf16" in plan
+        assert "read in float32: model.embed_tokens.weight, model.norm.weight" in plan
