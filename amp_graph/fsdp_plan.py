@@ -20,6 +20,9 @@ the model once, unsharded, runs the passes, and gives each unit its policy:
   (:attr:`FSDPPlan.split`); planning again with those added as units gives them the low
   all-gather while the parent keeps its norms exact.
 
+A model built on the meta device, as FSDP2 builds one larger than a rank's memory, is
+planned on a copy whose tensors are fake, on the device it will compute on: no memory.
+
 amp_graph never changes the policy of a unit already sharded (FSDP2 fixes its buffers at the
 first all-gather); the plan is applied by ``fully_shard`` (:meth:`FSDPPlan.fully_shard`). A
 model sharded so runs through :func:`amp_graph.compile`, the backend or ``Graph``, which
@@ -29,6 +32,7 @@ parameters and do not cast inputs).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from amp_graph.capture_fsdp import PLANNED_FOR, fsdp_module_type
 from amp_graph.compiler import compile as amp_compile
@@ -235,6 +240,43 @@ def _splits(
     return found
 
 
+def _on_compute_device(
+    model: nn.Module, inputs: Sequence[Any], kwargs: dict[str, Any] | None, device: Any
+) -> tuple[nn.Module, Sequence[Any], dict[str, Any] | None]:
+    """The model and inputs to capture: themselves, or for a model on the meta device a copy
+    with fake tensors on ``device``. (Meta tensors have no autocast, and the capture relies on
+    it where a composite op checks its inputs' dtypes before any kernel runs: SDPA.)"""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors):
+        if device is not None:
+            raise ValueError(
+                "plan_fsdp's device= is for a model on the meta device; this one is on "
+                f"{tensors[0].device if tensors else 'no device'}, where it is planned"
+            )
+        return model, inputs, kwargs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "plan_fsdp(device='cuda') plans under CUDA's autocast, which needs CUDA; plan on "
+            "'cpu' here: O1, O2, O3 and fp8 decide every op as on CUDA (a CPU without a "
+            "low-precision kernel for an op keeps its parameters float32: a safe plan), "
+            "'autocast' uses the planning device's autocast lists"
+        )
+
+    def fake(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=target)
+
+    traced = copy.deepcopy(model)  # meta: no memory
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        traced.to_empty(device=target)
+        inputs, kwargs = pytree.tree_map(fake, (tuple(inputs), kwargs))
+    return traced, inputs, kwargs
+
+
 def plan_fsdp(
     model: nn.Module,
     units: Iterable[nn.Module | str],
@@ -243,6 +285,7 @@ def plan_fsdp(
     *,
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None = None,
+    device: str | torch.device | None = None,
 ) -> FSDPPlan:
     """Per FSDP2 unit, the ``MixedPrecisionPolicy`` that ``policy`` permits: the low
     all-gather for units whose every parameter the graph reads only in ``dtype``.
@@ -261,6 +304,11 @@ def plan_fsdp(
             for the root). A parameter belongs to the innermost unit holding it, as in FSDP2.
         policy, dtype, example_inputs, example_kwargs: as :func:`amp_graph.compile`; compile
             the sharded model with the same policy and dtype.
+        device: for a model built on the meta device (FSDP2's recipe for a model larger
+            than one rank's memory), the device it will compute on (by default CUDA where
+            there is one, else the CPU): the plan is made on a copy whose parameters and
+            inputs are fake tensors there, so nothing is allocated. Meta example inputs are
+            fine. Other models are planned on their own device.
 
     Returns:
         An :class:`FSDPPlan`; ``print`` it for the bytes and the reasons.
@@ -276,15 +324,14 @@ def plan_fsdp(
     _check_ties_within_units(model, paths)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    compiled = amp_compile(
-        model, policy, dtype, example_inputs=example_inputs, example_kwargs=example_kwargs
-    )
+    traced, inputs, kwargs = _on_compute_device(model, example_inputs, example_kwargs, device)
+    compiled = amp_compile(traced, policy, dtype, example_inputs=inputs, example_kwargs=kwargs)
     gm = compiled.graph_module
     record = compile_record(gm)
     low = record.dtype
     read = parameters_read_low(gm, low)
-    low_only: dict[str, bool | None] = {
-        name: read.get(id(p)) for name, p in model.named_parameters() if p.is_floating_point()
+    low_only: dict[str, bool | None] = {  # the copy's names are the model's
+        name: read.get(id(p)) for name, p in traced.named_parameters() if p.is_floating_point()
     }
     owners = {name: _owner(name, paths) for name in low_only}
     planned: dict[str, UnitPlan] = {}

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .meta import Marker
 from .schema import StorageVersions
@@ -68,6 +69,8 @@ _OPAQUE_GRAD = tuple(
 def _storage_id(tensor: torch.Tensor) -> Hashable:
     """One id per storage a graph attribute holds; the tensor itself where torch cannot say
     (a storage without data, a tensor subclass without storage)."""
+    if isinstance(tensor, FakeTensor):  # no data (a meta model planned on fake tensors)
+        return ("tensor", id(tensor))
     try:
         pointer = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):

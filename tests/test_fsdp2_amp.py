@@ -497,10 +497,25 @@ def planned(rank: int) -> dict[str, Any]:
     return results
 
 
+def _load_full(sharded: nn.Module, full: nn.Module) -> None:
+    """Each rank's shards of ``full``'s parameters (and its buffers) into ``sharded``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    values = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, param in sharded.named_parameters():
+            local = distribute_tensor(values[name].detach(), param.device_mesh, param.placements)
+            param.to_local().copy_(local.to_local())
+        buffers = dict(full.named_buffers())
+        for name, buffer in sharded.named_buffers():
+            buffer.copy_(buffers[name])
+
+
 def planned_hf_llama(rank: int) -> dict[str, Any]:
     """HF ``LlamaForCausalLM`` (random small config) sharded per decoder layer and at the
-    root, with float32 all-gathers, against the same model sharded as ``plan_fsdp`` plans
-    it (with the units its split names: each layer's attention and MLP, the head)."""
+    root, with float32 all-gathers, against the same model built on the meta device,
+    planned there by ``plan_fsdp`` (with the units its split names: each layer's attention
+    and MLP, the head), sharded so, then given the same weights."""
     import transformers
     from torch.distributed.fsdp import fully_shard
 
@@ -530,11 +545,17 @@ def planned_hf_llama(rank: int) -> dict[str, Any]:
         if variant == "plain":
             for unit in units:
                 fully_shard(unit)
-        else:
-            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(ids[0],))
+        else:  # FSDP2's recipe for a model larger than a rank: built, planned, sharded on meta
+            with torch.device("meta"):
+                model = llama()
+            units = [*model.model.layers, model]
+            meta_ids = ids[0].to("meta")
+            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(meta_ids,))
             units += [model.get_submodule(p) for paths in plan.split.values() for p in paths]
-            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(ids[0],))
+            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(meta_ids,))
             plan.fully_shard()
+            model.to_empty(device="cpu")
+            _load_full(model, llama())
             results["plan"] = str(plan)
             results["planned_ratio"] = plan.all_gather_ratio
         compiled = amp_graph.compile(model, "O1", torch.bfloat16)

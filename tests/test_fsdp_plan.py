@@ -145,3 +145,35 @@ def test_mistakes_get_errors_that_say_what_to_do() -> None:
         plan[model.blocks[0]]
     with pytest.raises(ValueError, match="sets each unit's mp_policy from the plan"):
         plan.fully_shard(mp_policy=None)
+
+
+def test_a_model_built_on_the_meta_device_is_planned_as_the_materialized_one() -> None:
+    """FSDP2's recipe for a model larger than a rank's memory builds it on the meta device
+    and shards it before materializing it: the plan is made then, on fake tensors (meta
+    tensors have no autocast, which SDPA's dtype check relies on), allocating nothing."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config)
+    real = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    plans = [
+        plan_fsdp(m, [*m.model.layers, m], "O1", example_inputs=(x,))
+        for m, x in ((meta, ids.to("meta")), (real, ids))
+    ]
+    assert plans[0].units == plans[1].units and plans[0].split == plans[1].split
+    assert plans[0].split["model.layers.0"] == ["model.layers.0.self_attn", "model.layers.0.mlp"]
+    assert all(p.is_meta for p in meta.parameters())  # the user's model is left as it was
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda'\) plans under CUDA's autocast"):
+            plan_fsdp(meta, [meta], example_inputs=(ids,), device="cuda")
+    with pytest.raises(ValueError, match="device= is for a model on the meta device"):
+        plan_fsdp(real, [real], example_inputs=(ids,), device="cpu")
