@@ -100,20 +100,25 @@ def _stand_ins(state: Any) -> tuple[Callable, Callable]:
     return pre, post
 
 
-def gathered_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
-    """Parameter name -> the dtype its FSDP2 unit all-gathers it in, for the floating
-    parameters of units whose ``MixedPrecisionPolicy`` sets ``param_dtype`` (the innermost
-    unit owning a parameter shards it)."""
-    gathered: dict[str, torch.dtype] = {}
+def _per_parameter(model: nn.Module, of_unit: Callable[[nn.Module], Any]) -> dict[str, Any]:
+    """Floating parameter name -> ``of_unit(unit)`` for the innermost FSDP2 unit owning it
+    (the one that shards it), where that is not None."""
+    found: dict[str, Any] = {}
     for path, module in fsdp_units(model):  # pre-order: inner units overwrite outer ones
-        dtype = module._get_fsdp_state()._mp_policy.param_dtype
+        value = of_unit(module)
         prefix = f"{path}." if path else ""
         for name, param in module.named_parameters():
-            if dtype is None:
-                gathered.pop(prefix + name, None)
+            if value is None:
+                found.pop(prefix + name, None)
             elif param.is_floating_point():
-                gathered[prefix + name] = dtype
-    return gathered
+                found[prefix + name] = value
+    return found
+
+
+def gathered_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Parameter name -> the dtype its FSDP2 unit all-gathers it in, for the floating
+    parameters of units whose ``MixedPrecisionPolicy`` sets ``param_dtype``."""
+    return _per_parameter(model, lambda unit: unit._get_fsdp_state()._mp_policy.param_dtype)
 
 
 PLANNED_FOR = "_amp_graph_fsdp_plan"
@@ -123,17 +128,8 @@ all-gather: the policy and dtype it planned for (``"O1, bf16"``)."""
 
 def planned_for(model: nn.Module) -> dict[str, str]:
     """Parameter name -> what :data:`PLANNED_FOR` says, for the parameters of the units that
-    ``plan_fsdp`` gave the low all-gather (the innermost unit owning a parameter shards it)."""
-    planned: dict[str, str] = {}
-    for path, module in fsdp_units(model):  # pre-order: inner units overwrite outer ones
-        tag = module.__dict__.get(PLANNED_FOR)
-        prefix = f"{path}." if path else ""
-        for name, param in module.named_parameters():
-            if tag is None:
-                planned.pop(prefix + name, None)
-            elif param.is_floating_point():
-                planned[prefix + name] = tag
-    return planned
+    ``plan_fsdp`` gave the low all-gather."""
+    return _per_parameter(model, lambda unit: unit.__dict__.get(PLANNED_FOR))
 
 
 FSDP_MIXED_PRECISION = "amp_graph.fsdp_mixed_precision"

@@ -188,7 +188,8 @@ def _unit_paths(model: nn.Module, units: Iterable[nn.Module | str]) -> list[str]
     if not paths:
         raise ValueError("plan_fsdp: no units given (the modules you will fully_shard)")
     order = {path: i for i, (path, _) in enumerate(model.named_modules())}
-    return sorted(set(paths), key=order.__getitem__)  # the model's order, as FSDP2 runs them
+    # the model's order, as FSDP2 runs them (a module shared under two names: last)
+    return sorted(set(paths), key=lambda path: order.get(path, len(order)))
 
 
 def _owner(name: str, units: Sequence[str]) -> str | None:

@@ -3,10 +3,11 @@ the all-gather ``amp_graph.plan_fsdp`` planned for it.
 
 ``plan_fsdp`` gives an FSDP2 unit ``param_dtype=low`` when, under the policy it plans with,
 every read of the unit's parameters is a cast to ``low``: the all-gather then rounds
-nothing that an op reads otherwise. Compiled with another policy (``O0``, an override added
-since the plan), an op may read such a parameter in float32; it then reads the values the
-low all-gather rounded, which a float32 all-gather would not have rounded. This pass names
-those parameters in one ``UserWarning`` that says what to do. It changes nothing.
+nothing that an op reads otherwise. Compiled with another policy (an override pinning a
+module to float32 since the plan), an op may read such a parameter in float32; it then
+reads the values the low all-gather rounded, which a float32 all-gather would not have
+rounded. This pass names those parameters in one ``UserWarning`` that says what to do. It
+changes nothing.
 
 Reads: ``meta["amp_graph.fsdp_planned"]`` and ``meta["amp_graph.fsdp_gathered_dtype"]`` on
 parameter reads (written by the capture), ``meta["amp"]`` of their users. Graphs without
