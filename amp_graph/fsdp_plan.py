@@ -221,9 +221,15 @@ def _splits(
     """The largest child modules of ``unit`` (not units themselves) whose every parameter
     read is read only low; ``owned``: the unit's parameters -> read only low (None: unread)."""
     found: list[str] = []
+    names: dict[int, list[str]] = {}  # a tied parameter's every name
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+
+    def holds_its_ties(child: nn.Module, path: str) -> bool:
+        return all(n.startswith(path + ".") for p in child.parameters() for n in names[id(p)])
 
     def visit(path: str) -> None:
-        for child, _ in model.get_submodule(path).named_children():
+        for child, module in model.get_submodule(path).named_children():
             child_path = f"{path}.{child}" if path else child
             if child_path in units:
                 continue
@@ -232,7 +238,7 @@ def _splits(
                 for name, low in owned.items()
                 if low is not None and name.startswith(child_path + ".")
             ]
-            if read and all(read):
+            if read and all(read) and holds_its_ties(module, child_path):
                 found.append(child_path)
             elif read:
                 visit(child_path)
@@ -287,6 +293,7 @@ def plan_fsdp(
     example_inputs: Sequence[Any],
     example_kwargs: dict[str, Any] | None = None,
     device: str | torch.device | None = None,
+    split_mixed: bool = False,
 ) -> FSDPPlan:
     """Per FSDP2 unit, the ``MixedPrecisionPolicy`` that ``policy`` permits: the low
     all-gather for units whose every parameter the graph reads only in ``dtype``.
@@ -310,6 +317,10 @@ def plan_fsdp(
             there is one, else the CPU): the plan is made on a copy whose parameters and
             inputs are fake tensors there, so nothing is allocated. Meta example inputs are
             fine. Other models are planned on their own device.
+        split_mixed: also make units of the children that :attr:`FSDPPlan.split` names
+            (the largest submodules of a unit kept float32 whose every parameter read is
+            low), so that they gather low while their parent keeps the rest exact: a Llama
+            layer's attention and MLP, around its norms. More, smaller all-gathers.
 
     Returns:
         An :class:`FSDPPlan`; ``print`` it for the bytes and the reasons.
@@ -323,8 +334,6 @@ def plan_fsdp(
         )
     paths = _unit_paths(model, units)
     _check_ties_within_units(model, paths)
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     traced, inputs, kwargs = _on_compute_device(model, example_inputs, example_kwargs, device)
     compiled = amp_compile(traced, policy, dtype, example_inputs=inputs, example_kwargs=kwargs)
     gm = compiled.graph_module
@@ -334,6 +343,19 @@ def plan_fsdp(
     low_only: dict[str, bool | None] = {  # the copy's names are the model's
         name: read.get(id(p)) for name, p in traced.named_parameters() if p.is_floating_point()
     }
+    planned, split = _plan_units(model, paths, low_only, low)
+    if split_mixed and split:  # the children are read only low: one more round settles it
+        paths = _unit_paths(model, [*paths, *(p for children in split.values() for p in children)])
+        planned, split = _plan_units(model, paths, low_only, low)
+    return FSDPPlan(model=model, policy=record.policy.name, dtype=low, units=planned, split=split)
+
+
+def _plan_units(
+    model: nn.Module, paths: Sequence[str], low_only: Mapping[str, bool | None], low: torch.dtype
+) -> tuple[dict[str, UnitPlan], dict[str, list[str]]]:
+    """Each unit's plan, and per unit kept float32 the children that would gather low."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     owners = {name: _owner(name, paths) for name in low_only}
     planned: dict[str, UnitPlan] = {}
     split = {}
@@ -360,7 +382,7 @@ def plan_fsdp(
         children = _splits(model, unit, paths, owned) if exact else []
         if children:
             split[unit] = children
-    return FSDPPlan(model=model, policy=record.policy.name, dtype=low, units=planned, split=split)
+    return planned, split
 
 
 __all__ = ["FSDPPlan", "UnitPlan", "parameters_read_low", "plan_fsdp", "read_only_low"]

@@ -325,13 +325,13 @@ def _fsdp_held(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, tupl
         return min(n for n, _, _ in steps), *steps[-1][1:]
 
     def planned() -> nn.Module:
-        """Sharded as amp_graph.plan_fsdp plans it, with the units its split names."""
+        """Sharded as amp_graph.plan_fsdp plans it, the units its split names included."""
         torch.manual_seed(0)
         model = make()
-        units = [*model.blocks, model]
-        plan = amp_graph.plan_fsdp(model, units, "O1", BF16, example_inputs=(x,))
-        units += [model.get_submodule(p) for paths in plan.split.values() for p in paths]
-        return amp_graph.plan_fsdp(model, units, "O1", BF16, example_inputs=(x,)).fully_shard()
+        plan = amp_graph.plan_fsdp(
+            model, [*model.blocks, model], "O1", BF16, example_inputs=(x,), split_mixed=True
+        )
+        return plan.fully_shard()
 
     row = {}
     user = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)

@@ -452,9 +452,7 @@ def planned(rank: int) -> dict[str, Any]:
             torch.manual_seed(0)
             model = make()
             units = [*model.blocks, model]
-            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(x,))
-            units += [model.get_submodule(p) for paths in plan.split.values() for p in paths]
-            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(x,))
+            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(x,), split_mixed=True)
             return plan.fully_shard(), plan
 
         per: dict[str, Any] = {}
@@ -550,9 +548,9 @@ def planned_hf_llama(rank: int) -> dict[str, Any]:
                 model = llama()
             units = [*model.model.layers, model]
             meta_ids = ids[0].to("meta")
-            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(meta_ids,))
-            units += [model.get_submodule(p) for paths in plan.split.values() for p in paths]
-            plan = amp_graph.plan_fsdp(model, units, "O1", example_inputs=(meta_ids,))
+            plan = amp_graph.plan_fsdp(
+                model, units, "O1", example_inputs=(meta_ids,), split_mixed=True
+            )
             plan.fully_shard()
             model.to_empty(device="cpu")
             _load_full(model, llama())

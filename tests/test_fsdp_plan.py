@@ -68,6 +68,10 @@ def test_a_unit_mixing_norms_and_linears_stays_float32_and_names_what_to_split()
     assert not _low(replanned, model.blocks[0]) and replanned.split == {}
     assert replanned.units["blocks.0"].parameters == 2  # only the norms are left to it
     assert replanned.all_gather_ratio <= 0.55
+    # split_mixed=True: the same plan from one capture
+    units = [*model.blocks, model]
+    at_once = plan_fsdp(model, units, "O1", example_inputs=(x,), split_mixed=True)
+    assert at_once.units == replanned.units and at_once.split == {}
 
 
 def test_a_tied_weight_read_in_float32_anywhere_is_never_gathered_low() -> None:
@@ -84,6 +88,32 @@ def test_a_tied_weight_read_in_float32_anywhere_is_never_gathered_low() -> None:
     # FSDP2 would shard the head's and the root's alias separately: refused
     with pytest.raises(ValueError, match=r"tied parameters 'tok\.weight' and 'head\.weight'"):
         plan_fsdp(model, [*model.blocks, model.head, model], "O1", example_inputs=(ids,))
+
+
+class TiedPair(nn.Module):
+    """Two linears sharing one weight (read low by both), beside a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.norm(x)))
+
+
+def test_a_split_never_separates_tied_parameters() -> None:
+    """The unit is mixed (the norm) and both linears are read only low, but they share a
+    weight: either alone as a unit would untie it, so neither is offered; untied, both are."""
+    x = (torch.randn(2, 8),)
+    model = TiedPair()
+    plan = plan_fsdp(model, [model], "O1", example_inputs=x, split_mixed=True)
+    assert list(plan.units) == [""] and plan.split == {} and not _low(plan, "")
+    untied = TiedPair()
+    untied.b.weight = nn.Parameter(untied.a.weight.detach().clone())
+    plan = plan_fsdp(untied, [untied], "O1", example_inputs=x)
+    assert plan.split == {"": ["a", "b"]}
 
 
 def test_what_the_policy_keeps_exact_keeps_the_unit_float32() -> None:
