@@ -155,7 +155,8 @@ class FSDPPlan:
             if unit.read_exact:
                 line += f"; read in float32: {', '.join(unit.read_exact)}"
             if self.split.get(unit.path):
-                line += f"; {low} as units of their own: {', '.join(self.split[unit.path])}"
+                children = ", ".join(self.split[unit.path])
+                line += f"; {low} as units of their own (split_mixed=True): {children}"
             lines.append(line)
         return "\n".join(lines)
 
