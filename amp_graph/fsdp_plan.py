@@ -25,9 +25,9 @@ planned on a copy whose tensors are fake, on the device it will compute on: no m
 
 amp_graph never changes the policy of a unit already sharded (FSDP2 fixes its buffers at the
 first all-gather); the plan is applied by ``fully_shard`` (:meth:`FSDPPlan.fully_shard`). A
-model sharded so runs through :func:`amp_graph.compile`, the backend or ``Graph``, which
-honour the policy; called eagerly, it needs ``torch.autocast`` (its low units hold low
-parameters and do not cast inputs).
+model sharded so runs through :func:`amp_graph.compile` or ``Graph``, which honour the
+policy; called eagerly, it needs ``torch.autocast`` (its low units hold low parameters and
+do not cast inputs).
 """
 
 from __future__ import annotations
