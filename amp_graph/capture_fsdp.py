@@ -28,7 +28,7 @@ each unit's policy for :func:`amp_graph.report`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -100,19 +100,30 @@ def _stand_ins(state: Any) -> tuple[Callable, Callable]:
     return pre, post
 
 
+def owning_units(
+    units: Iterable[tuple[str, nn.Module]], *, remove_duplicate: bool = True
+) -> dict[str, str]:
+    """Parameter name -> the path of the innermost of ``units`` holding it, the unit FSDP2
+    shards it in. ``units``: (path, module) in pre-order, as ``named_modules`` yields them;
+    ``remove_duplicate=False`` names a tied parameter under each of its names."""
+    owners: dict[str, str] = {}
+    for path, module in units:  # pre-order: inner units overwrite outer ones
+        prefix = f"{path}." if path else ""
+        for name, _ in module.named_parameters(remove_duplicate=remove_duplicate):
+            owners[prefix + name] = path
+    return owners
+
+
 def _per_parameter(model: nn.Module, of_unit: Callable[[nn.Module], Any]) -> dict[str, Any]:
     """Floating parameter name -> ``of_unit(unit)`` for the innermost FSDP2 unit owning it
     (the one that shards it), where that is not None."""
-    found: dict[str, Any] = {}
-    for path, module in fsdp_units(model):  # pre-order: inner units overwrite outer ones
-        value = of_unit(module)
-        prefix = f"{path}." if path else ""
-        for name, param in module.named_parameters():
-            if value is None:
-                found.pop(prefix + name, None)
-            elif param.is_floating_point():
-                found[prefix + name] = value
-    return found
+    units = fsdp_units(model)
+    values = {path: of_unit(module) for path, module in units}
+    return {
+        name: values[path]
+        for name, path in owning_units(units).items()
+        if values[path] is not None and model.get_parameter(name).is_floating_point()
+    }
 
 
 def gathered_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
@@ -198,5 +209,6 @@ __all__ = [
     "fsdp_units_unsharded",
     "gathered_dtypes",
     "mixed_precision",
+    "owning_units",
     "planned_for",
 ]

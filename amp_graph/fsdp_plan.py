@@ -42,7 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture_fsdp import PLANNED_FOR, fsdp_module_type
+from amp_graph.capture_fsdp import PLANNED_FOR, fsdp_module_type, owning_units
 from amp_graph.compiler import compile as amp_compile
 from amp_graph.compiler import compile_record
 from amp_graph.passes.meta import AMP, Role, short
@@ -193,18 +193,20 @@ def _unit_paths(model: nn.Module, units: Iterable[nn.Module | str]) -> list[str]
     return sorted(set(paths), key=lambda path: order.get(path, len(order)))
 
 
-def _owner(name: str, units: Sequence[str]) -> str | None:
-    """The innermost unit whose subtree holds the parameter ``name``."""
-    owners = [u for u in units if u == "" or name.startswith(u + ".")]
-    return max(owners, key=len) if owners else None
+def _owners(model: nn.Module, units: Sequence[str]) -> dict[str, str]:
+    """Parameter name (each name of a tied one) -> the innermost of ``units`` (paths, in
+    the model's order) holding it."""
+    modules = [(path, model.get_submodule(path)) for path in units]
+    return owning_units(modules, remove_duplicate=False)
 
 
 def _check_ties_within_units(model: nn.Module, units: Sequence[str]) -> None:
     """A parameter tied under names in two units would be sharded by each (FSDP2 replaces
     a module's parameter with its shard, which unties it): refuse such units."""
     seen: dict[int, tuple[str, str | None]] = {}
+    owners = _owners(model, units)
     for name, param in model.named_parameters(remove_duplicate=False):
-        owner = _owner(name, units)
+        owner = owners.get(name)
         first = seen.setdefault(id(param), (name, owner))
         if first[1] != owner:
             where = [u or "<root>" for u in (first[1], owner)]
@@ -357,11 +359,11 @@ def _plan_units(
     """Each unit's plan, and per unit kept float32 the children that would gather low."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    owners = {name: _owner(name, paths) for name in low_only}
+    owners = _owners(model, paths)
     planned: dict[str, UnitPlan] = {}
     split = {}
     for unit in paths:
-        owned = {n: v for n, v in low_only.items() if owners[n] == unit}
+        owned = {n: v for n, v in low_only.items() if owners.get(n) == unit}
         exact = [n for n, v in owned.items() if v is False]
         tensors = [model.get_parameter(n) for n in owned]
         full = sum(p.numel() * p.element_size() for p in tensors)
