@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from amp_graph.passes import AMP, Role
 from graph_helpers import TrainGraph
+from hf_configs import small_llama_config
 from test_front_end import MODELS
 
 import amp_graph
@@ -60,17 +61,7 @@ def _hf(name: str) -> nn.Module:
             )
         )
     elif name == "llama":
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                **small,
-            )
-        )
+        model = transformers.LlamaForCausalLM(small_llama_config())
     else:
         model = transformers.T5ForConditionalGeneration(
             transformers.T5Config(

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from graph_helpers import TrainGraph
+from hf_configs import small_llama_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -198,15 +199,7 @@ def _hf(name: str) -> nn.Module:
         config._attn_implementation = "eager"  # softmax is an op of its own
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            **small,
-        )
+        config = small_llama_config()
         config._attn_implementation = "eager"
         model = transformers.LlamaForCausalLM(config)
     model.gradient_checkpointing_enable()

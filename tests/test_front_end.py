@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import zoo
 from amp_graph.passes import AMP, REGION, Role
 from conftest import PlanReference, skip_where_cpu_lacks_kernels_of
+from hf_configs import small_llama_config
 from oracles import (
     assert_bitwise_cpu_autocast,
     assert_outputs_equal,
@@ -430,17 +431,7 @@ def _hf_models():
             {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids[:, 0] % 2},
         ),
         "llama": (
-            lambda: transformers.LlamaForCausalLM(
-                transformers.LlamaConfig(
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=64,
-                    **small,
-                )
-            ),
+            lambda: transformers.LlamaForCausalLM(small_llama_config()),
             {"input_ids": ids, "labels": ids},
         ),
         "t5": (

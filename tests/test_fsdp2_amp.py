@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from dist_helpers import end_rank
+from hf_configs import small_llama_config
 
 WORLD = 2
 STEPS = 3
@@ -128,6 +129,26 @@ def train_compiled(step_model: nn.Module, model: nn.Module, rank: int) -> list[f
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def train_counting(
+    model: nn.Module, loss_of: Callable[[Any], torch.Tensor], inputs: list[Any]
+) -> tuple[list[float], int]:
+    """AdamW over ``model``'s parameters, a step on ``loss_of(x)`` per input: the losses,
+    and the bytes the last step's forward and backward all-gathered."""
+    from amp_graph.inspect.traffic import CollectiveBytes
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, gathered = [], 0
+    for x in inputs:
+        opt.zero_grad(set_to_none=True)
+        with CollectiveBytes() as counted:
+            loss = loss_of(x)
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        gathered = counted.all_gather
+    return losses, gathered
 
 
 # ---- the scenarios, one per test: each runs on every rank and returns what it measured ----
@@ -377,7 +398,6 @@ def read_low(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import amp_graph
-    from amp_graph.inspect.traffic import CollectiveBytes
     from amp_graph.models import ResidualMLP
 
     def sharded(**kwargs: Any) -> nn.Module:
@@ -397,19 +417,12 @@ def read_low(rank: int) -> dict[str, Any]:
     for name, kwargs in (("plain", {}), ("proposed", {"mp_policy": proposed})):
         model = sharded(**kwargs)
         compiled = amp_graph.compile(model, policy="O1", dtype=torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        gathered = []
-        for x in xs:
-            opt.zero_grad(set_to_none=True)
-            with CollectiveBytes() as counted:
-                compiled(x).float().square().mean().backward()
-            gathered.append(counted.all_gather)
-            opt.step()
+        _, gathered = train_counting(model, lambda x, c=compiled: c(x).float().square().mean(), xs)
         report = amp_graph.report(compiled)
         results[name] = {
             "params": full_parameters(model),
             "read_low": report.fsdp_read_low,
-            "all_gather": gathered[-1],
+            "all_gather": gathered,
             "totals": report.totals(),
         }
     return results
@@ -421,7 +434,6 @@ def planned(rank: int) -> dict[str, Any]:
     per block with float32 all-gathers: trained through compile and ``Graph`` (O1, bf16)."""
     import amp_graph
     from amp_graph import models
-    from amp_graph.inspect.traffic import CollectiveBytes
 
     class TrainStep(amp_graph.Graph):
         def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -459,14 +471,9 @@ def planned(rank: int) -> dict[str, Any]:
         for variant, build in (("plain", plain), ("planned", by_plan)):
             model, plan = build()
             compiled = amp_graph.compile(model, "O1", torch.bfloat16)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            gathered = []
-            for x in xs:
-                opt.zero_grad(set_to_none=True)
-                with CollectiveBytes() as counted:
-                    compiled(x).float().square().mean().backward()
-                gathered.append(counted.all_gather)
-                opt.step()
+            _, gathered = train_counting(
+                model, lambda x, c=compiled: c(x).float().square().mean(), xs
+            )
             graph_model, _ = build()
             step = TrainStep(graph_model, torch.optim.AdamW(graph_model.parameters(), lr=1e-2))
             graph_losses = [step(x).item() for x in xs]
@@ -474,7 +481,7 @@ def planned(rank: int) -> dict[str, Any]:
                 "params": full_parameters(model),
                 "graph_params": full_parameters(graph_model),
                 "graph_losses": graph_losses,
-                "all_gather": gathered[-1],
+                "all_gather": gathered,
                 "planned_ratio": plan.all_gather_ratio if plan else 1.0,
                 "report": amp_graph.report(compiled).totals(),
             }
@@ -518,21 +525,10 @@ def planned_hf_llama(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import amp_graph
-    from amp_graph.inspect.traffic import CollectiveBytes
 
     def llama() -> nn.Module:
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=100,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
-        return transformers.LlamaForCausalLM(config)
+        return transformers.LlamaForCausalLM(small_llama_config())
 
     gen = torch.Generator().manual_seed(rank)
     ids = [torch.randint(0, 100, (2, 16), generator=gen) for _ in range(STEPS)]
@@ -557,19 +553,13 @@ def planned_hf_llama(rank: int) -> dict[str, Any]:
             results["plan"] = str(plan)
             results["planned_ratio"] = plan.all_gather_ratio
         compiled = amp_graph.compile(model, "O1", torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for x in ids:
-            opt.zero_grad(set_to_none=True)
-            with CollectiveBytes() as counted:
-                loss = compiled(input_ids=x, labels=x).loss
-                loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses, gathered = train_counting(
+            model, lambda x, c=compiled: c(input_ids=x, labels=x).loss, ids
+        )
         results[variant] = {
             "params": full_parameters(model),
             "losses": losses,
-            "all_gather": counted.all_gather,
+            "all_gather": gathered,
         }
     return results
 

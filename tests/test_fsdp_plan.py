@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from hf_configs import small_llama_config
 
 import amp_graph
 from amp_graph.fsdp_plan import FSDPPlan, plan_fsdp
@@ -134,18 +135,7 @@ def test_what_the_policy_keeps_exact_keeps_the_unit_float32() -> None:
 def test_hf_llama_layers_gather_float32_and_their_attention_and_mlp_low() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=100,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
-    )
+    model = transformers.LlamaForCausalLM(small_llama_config())
     ids = torch.randint(0, 100, (2, 16))
     layers = list(model.model.layers)
     plan = plan_fsdp(model, [*layers, model], "O1", example_inputs=(ids,))
@@ -182,15 +172,7 @@ def test_a_model_built_on_the_meta_device_is_planned_as_the_materialized_one() -
     and shards it before materializing it: the plan is made then, on fake tensors (meta
     tensors have no autocast, which SDPA's dtype check relies on), allocating nothing."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
+    config = small_llama_config()
     with torch.device("meta"):
         meta = transformers.LlamaForCausalLM(config)
     real = transformers.LlamaForCausalLM(config)
