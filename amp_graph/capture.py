@@ -235,7 +235,8 @@ def capture_module(
     )
     # FSDP2: every rank captures its units unsharded with their hooks detached
     # (amp_graph/capture_fsdp.py); the pass fsdp_hooks calls the hooks in the graph
-    fsdp = fsdp_units_unsharded(model)
+    casts_nothing = autocast_dtype is None and (policy is None or policy.changes_nothing)
+    fsdp = fsdp_units_unsharded(model, casts_nothing)
     # Export flattens the output right after the forward returns: the hook registers the
     # output's dataclass types before that. Removed after, also when export fails.
     hook = model.register_forward_hook(_register_output_dataclasses)

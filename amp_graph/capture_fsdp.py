@@ -181,13 +181,39 @@ def _detached(hooks: dict[int, Any], hook_id: int, stand_in: Callable) -> Iterat
         hooks.update(current)  # hooks registered meanwhile, after, as registered
 
 
+def _check_inputs_reach_low_units(units: list[tuple[str, nn.Module]], states: list) -> None:
+    """Under a policy that casts nothing (O0), a unit that all-gathers its parameters in a
+    low dtype and leaves its inputs as they come (``cast_forward_inputs=False``, as
+    ``plan_fsdp`` shards) would meet float32 inputs with low weights: torch's "mat1 and
+    mat2 must have the same dtype" at the first matmul. Say which units, and the ways out."""
+    uncast = [
+        (path or "<root>", state._mp_policy.param_dtype)
+        for (path, _), state in zip(units, states, strict=True)
+        if state._mp_policy.param_dtype not in (None, torch.float32)
+        and not state._mp_policy.cast_forward_inputs
+    ]
+    if uncast:
+        names = ", ".join(repr(path) for path, _ in uncast[:4]) + (", ..." if uncast[4:] else "")
+        raise UnsupportedFSDP(
+            f"the policy casts nothing (O0), but the FSDP2 units {names} all-gather their "
+            f"parameters in {short(uncast[0][1])} with cast_forward_inputs=False (as "
+            "amp_graph.plan_fsdp shards for a policy that computes in the low dtype), so "
+            "their float32 inputs would meet low-precision weights. Compile with the policy "
+            "the units were planned for (O1, say), or shard them with MixedPrecisionPolicy() "
+            "(float32 all-gathers) or with cast_forward_inputs=True."
+        )
+
+
 @contextlib.contextmanager
-def fsdp_units_unsharded(model: nn.Module) -> Iterator[list[str]]:
+def fsdp_units_unsharded(model: nn.Module, casts_nothing: bool = False) -> Iterator[list[str]]:
     """Within: every FSDP2 unit of ``model`` unsharded, its forward hooks detached (stand-ins
     making their casts in their places). Yields the units' paths (empty for a model without
-    FSDP2, for which this does nothing)."""
+    FSDP2, for which this does nothing). ``casts_nothing``: the capture's policy casts no
+    op (O0), so a unit gathering low must cast its own inputs."""
     units = fsdp_units(model)
     states = [_check_supported(path, module) for path, module in units]
+    if casts_nothing:
+        _check_inputs_reach_low_units(units, states)
     with contextlib.ExitStack() as stack:
         for (_, module), state in zip(units, states, strict=True):
             pre, post = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id

@@ -429,6 +429,13 @@ class Policy:
         """No table and a FOLLOW default (O0): nothing is ever cast but by overrides."""
         return not (self.allow or self.deny or self.promote) and self.default is Rule.FOLLOW
 
+    @property
+    def changes_nothing(self) -> bool:
+        """:attr:`casts_nothing`, and no override or fp8 that would: every op computes in the
+        dtypes the model gives it (O0 as preset)."""
+        overridden = self.ops or self.module_types or self.modules or self.nodes
+        return self.casts_nothing and not overridden and self.fp8 is None
+
     # ---- lookup ---------------------------------------------------------------------
 
     def decide(self, facts: OpFacts) -> Decision:

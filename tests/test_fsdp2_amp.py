@@ -322,7 +322,21 @@ def refusals(rank: int) -> dict[str, Any]:
         masters = ""
     except ValueError as error:
         masters = str(error)
+    # O0 casts nothing: units gathering bf16 must cast their own inputs (FSDP2's default)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    x = batches(rank)[0][0]
+    uncast = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)
+    try:
+        amp_graph.compile(sharded_model(mp_policy=uncast), policy="O0")(x)
+        o0_uncast = ""
+    except amp_graph.CaptureError as error:
+        o0_uncast = str(error)
+    casting = sharded_model(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    o0_out = amp_graph.compile(casting, policy="O0")(x)
     return {
+        "o0_uncast": o0_uncast,
+        "o0_casting": (o0_out.dtype == torch.bfloat16, torch.equal(o0_out, casting(x))),
         "masters": masters,
         "failed": failed,
         "hooks_kept": before == _hooks(branching),
@@ -843,6 +857,12 @@ def test_ddp_of_compiled_module_matches_ddp_autocast(tmp_path: Path) -> None:
 def test_fsdp2_refusals_say_what_to_do_and_leave_fsdp_as_it_was(tmp_path: Path) -> None:
     for result in run_ranks("refusals", tmp_path):
         assert "already are the masters" in result["masters"]
+        assert (
+            "casts nothing (O0), but the FSDP2 units '<root>', 'blocks.0', 'blocks.1'"
+            in result["o0_uncast"]
+            and "cast_forward_inputs=False" in result["o0_uncast"]
+        )
+        assert result["o0_casting"] == (True, True)  # FSDP2's own casts, honoured
         assert "branches on the values inside a tensor" in result["failed"]
         assert result["hooks_kept"] and result["resharded"] and result["grads"]
         assert result["pinned"]

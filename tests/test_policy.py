@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -247,3 +249,14 @@ def test_plan_reference_matches_bitwise(policy):
     model = models.GPT().eval()
     compiled = compile_checked(model, policy, example_inputs=IDX)
     assert torch.equal(compiled(*IDX), PlanReference(compiled).run(*IDX))
+
+
+def test_changes_nothing_is_o0_without_overrides_or_fp8() -> None:
+    """What the capture asks before telling FSDP2 users that O0 leaves their units' inputs
+    float32: O0 as preset changes nothing; an override or fp8 on top of it may."""
+    o0 = Policy.preset("O0")
+    assert o0.casts_nothing and o0.changes_nothing
+    assert not o0.override(modules={"blocks.*": "allow"}).changes_nothing
+    assert not o0.override(ops={"linear": "allow"}).changes_nothing
+    assert not dataclasses.replace(o0, fp8=Policy.preset("fp8").fp8).changes_nothing
+    assert not Policy.preset("O1").changes_nothing
