@@ -3,7 +3,11 @@
 Setups (bf16 on a CPU by default; fused optimizers everywhere, hand-written loops included):
 
 * GPT-style decoder with SGD (momentum 0.9) and with AdamW; the demo's BatchNorm ConvNet
-  (width 32, 8x8 images, batch 128) with AdamW; ``--medium`` adds a larger GPT with AdamW.
+  (width 32, 8x8 images, batch 128) with AdamW; ``--medium`` adds a larger GPT with AdamW;
+  ``--large [BATCH]`` a GPT-2-small-sized one (12 layers, dim 768, BATCH x 512 tokens, 8 by
+  default; vocabulary 8192, about 92M parameters) with AdamW, for a GPU, where the small ones
+  are bound by Python and kernel launches (on an H100 8 sequences still are: the GPU works
+  11 ms of a 32 ms step; 64 keep it busy); ``--only TEXT`` keeps the setups whose name contains it.
 
 Sections:
 
@@ -28,6 +32,7 @@ Sections:
     python benchmarks/graph_bench.py                 # the run recorded in BENCHMARKS.md
     python benchmarks/graph_bench.py --quick
     python benchmarks/graph_bench.py --device cuda --dtype fp16
+    python benchmarks/graph_bench.py --device cuda --dtype bf16 --large 64 --only "12 layers"
 """
 
 from __future__ import annotations
@@ -79,17 +84,20 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
 
-def setups(device: str, quick: bool, medium: bool) -> list[Setup]:
+def setups(device: str, quick: bool, medium: bool, large: int | None) -> list[Setup]:
     torch.manual_seed(0)
     out = []
     all_sections = frozenset({"step", "compiled", "accumulation"})
-    gpts = {"GPT (2 layers, dim 64, 4x32 tokens)": (4, 32, 64, 2)}
+    # name: (batch, tokens, dim, heads, layers, vocabulary)
+    gpts = {"GPT (2 layers, dim 64, 4x32 tokens)": (4, 32, 64, 8, 2, 512)}
     if medium:
-        gpts["GPT (2 layers, dim 128, 8x64 tokens)"] = (8, 64, 128, 2)
-    for i, (name, (batch, seq, dim, layers)) in enumerate(gpts.items()):
-        base = models.GPTWithLoss(vocab=512, block=seq, dim=dim, heads=8, layers=layers)
-        idx = torch.randint(0, 512, (batch, seq), device=device)
-        targets = torch.randint(0, 512, (batch, seq), device=device)
+        gpts["GPT (2 layers, dim 128, 8x64 tokens)"] = (8, 64, 128, 8, 2, 512)
+    if large:
+        gpts[f"GPT (12 layers, dim 768, {large}x512 tokens)"] = (large, 512, 768, 12, 12, 8192)
+    for i, (name, (batch, seq, dim, heads, layers, vocab)) in enumerate(gpts.items()):
+        base = models.GPTWithLoss(vocab=vocab, block=seq, dim=dim, heads=heads, layers=layers)
+        idx = torch.randint(0, vocab, (batch, seq), device=device)
+        targets = torch.randint(0, vocab, (batch, seq), device=device)
         for opt in [adamw] if i else [sgd, adamw]:
             sections = all_sections if (i == 0 and opt is adamw) else frozenset({"step"})
             out.append(
@@ -395,6 +403,11 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--medium", action="store_true", help="add a larger GPT (slow on CPU)")
+    parser.add_argument(
+        "--large", nargs="?", type=int, const=8, default=None, metavar="BATCH",
+        help="add a GPT-2-small-sized GPT, BATCH sequences of 512 tokens (8; for a GPU)",
+    )  # fmt: skip
+    parser.add_argument("--only", default=None, help="keep the setups whose name contains it")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled section")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -410,7 +423,11 @@ def main() -> int:
         f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads; "
         f"{repeats} interleaved rounds, medians; fused SGD (momentum 0.9) / AdamW everywhere\n"
     )
-    all_setups = setups(device, args.quick, args.medium)
+    all_setups = setups(device, args.quick, args.medium, args.large)
+    if args.only:
+        all_setups = [s for s in all_setups if args.only in s.name]
+        if not all_setups:
+            parser.error(f"--only {args.only!r} matches no setup")
     for setup in all_setups:
         step_time(setup, dtype, repeats, device)
     for setup in all_setups:
