@@ -49,7 +49,7 @@ from amp_graph.amp_request import (
     resolve,
     validate_module_overrides,
 )
-from amp_graph.capture import Captured, capture_module
+from amp_graph.capture import Captured, capture_for_policy
 from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place
 from amp_graph.output_error import output_error
 from amp_graph.passes.graph_copy import copy_graph_module
@@ -280,14 +280,13 @@ class _SharedCaptures(CompiledModule):
             self._store[key] = (
                 super()._capture_graph(args, kwargs, dynamic)
                 if isinstance(shapes, str)
-                else capture_module(
+                else capture_for_policy(
                     self.model,
                     args,
                     kwargs,
+                    self.policy,
+                    self.dtype,
                     device_type=self.device_type,
-                    autocast_dtype=None if self.policy.casts_nothing else self.dtype,
-                    policy=self.policy,
-                    low_dtype=self.dtype,
                     dynamic_shapes=shapes,
                 )
             )

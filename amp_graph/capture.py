@@ -501,6 +501,31 @@ def _bound(value: Any) -> int | None:
         return None
 
 
+def capture_for_policy(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    policy: Policy,
+    dtype: torch.dtype,
+    *,
+    device_type: str,
+    **options: Any,
+) -> Captured:
+    """:func:`capture_module` for a policy computing in ``dtype``: the model's Python sees
+    the dtypes ``policy`` gives each value, and torch.autocast in ``dtype`` unless the
+    policy casts nothing (O0). ``options``: :func:`capture_module` 's others."""
+    return capture_module(
+        model,
+        args,
+        kwargs,
+        device_type=device_type,
+        autocast_dtype=None if policy.casts_nothing else dtype,
+        policy=policy,
+        low_dtype=dtype,
+        **options,
+    )
+
+
 _STATE_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
 
 
@@ -684,6 +709,7 @@ __all__ = [
     "Captured",
     "ShapeGuard",
     "capture_autocast",
+    "capture_for_policy",
     "capture_graph",
     "capture_module",
     "gc_paused",

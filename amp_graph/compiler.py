@@ -34,7 +34,7 @@ from amp_graph.amp_request import (
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.capture import Captured, CaptureError, capture_module, export_refused
+from amp_graph.capture import Captured, CaptureError, capture_for_policy, export_refused
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.graph_copy import copy_graph, graph_module_over
@@ -420,17 +420,15 @@ class CompiledModule(nn.Module):
         traced = model if isinstance(model, fx.GraphModule) else None
         if traced is not None:
             model = graph_code_module(traced)
-        autocast_dtype = None if self.policy.casts_nothing else self.dtype
         with _class_forward(model) if self._in_place else contextlib.nullcontext():
-            captured = capture_module(
+            captured = capture_for_policy(
                 model,
                 args,
                 kwargs,
+                self.policy,
+                self.dtype,
                 device_type=self.device_type,
-                autocast_dtype=autocast_dtype,
                 dynamic=dynamic,
-                policy=self.policy,
-                low_dtype=self.dtype,
             )
         if traced is not None:
             carry_module_stacks(captured.graph_module, traced)

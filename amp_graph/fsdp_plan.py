@@ -161,17 +161,25 @@ class FSDPPlan:
         return "\n".join(lines)
 
 
-def _module_path(model: nn.Module, module: nn.Module) -> str:
-    for path, candidate in model.named_modules():
-        if candidate is module:
-            return path
-    raise ValueError(
+def _not_a_submodule(module: nn.Module) -> ValueError:
+    return ValueError(
         f"the unit {type(module).__name__} is not a submodule of the model; give modules "
         "of the model being planned (or their paths, '' for the model itself)"
     )
 
 
+def _module_path(model: nn.Module, module: nn.Module) -> str:
+    for path, candidate in model.named_modules():
+        if candidate is module:
+            return path
+    raise _not_a_submodule(module)
+
+
 def _unit_paths(model: nn.Module, units: Iterable[nn.Module | str]) -> list[str]:
+    named = list(model.named_modules())  # one walk for every unit given as a module
+    path_of: dict[int, str] = {}
+    for path, module in named:
+        path_of.setdefault(id(module), path)
     paths = []
     for unit in units:
         if isinstance(unit, str):
@@ -181,14 +189,16 @@ def _unit_paths(model: nn.Module, units: Iterable[nn.Module | str]) -> list[str]
                 raise ValueError(f"plan_fsdp: no submodule {unit!r} in the model") from error
             paths.append(unit)
         elif isinstance(unit, nn.Module):
-            paths.append(_module_path(model, unit))
+            if id(unit) not in path_of:
+                raise _not_a_submodule(unit)
+            paths.append(path_of[id(unit)])
         else:
             raise TypeError(
                 f"plan_fsdp: units are modules or their paths; got {type(unit).__name__}"
             )
     if not paths:
         raise ValueError("plan_fsdp: no units given (the modules you will fully_shard)")
-    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    order = {path: i for i, (path, _) in enumerate(named)}
     # the model's order, as FSDP2 runs them (a module shared under two names: last)
     return sorted(set(paths), key=lambda path: order.get(path, len(order)))
 

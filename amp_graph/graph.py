@@ -57,7 +57,7 @@ from amp_graph.amp_request import (
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.capture import Captured, capture_module
+from amp_graph.capture import Captured, capture_for_policy
 from amp_graph.capture_fsdp import fsdp_units
 from amp_graph.compiler import COMPILE_META, CaptureCache, rewrite
 from amp_graph.master_weights import MasterWeights
@@ -437,21 +437,12 @@ class Graph:
         if policy.master_weights and self.training and self._master is None:
             _refuse_masters_of_sharded(root, policy)
             self._master = MasterWeights.create(self._modules, self._optimizers, dtype)
-        autocast_dtype = None if policy.casts_nothing else dtype
         # The graph reads the Graph's modules as its own attributes (self.model.fc.weight),
         # unless a module's name would shadow a GraphModule attribute (then self.root.model).
         names = set(dict(root.named_children()))
         attr = "root" if names & set(dir(fx.GraphModule)) else None
-        captured = capture_module(
-            root,
-            args,
-            {},
-            device_type=device,
-            autocast_dtype=autocast_dtype,
-            dynamic=dynamic,
-            model_attr=attr,
-            policy=policy,
-            low_dtype=dtype,
+        captured = capture_for_policy(
+            root, args, {}, policy, dtype, device_type=device, dynamic=dynamic, model_attr=attr
         )
         validate_node_overrides(policy, [n.name for n in captured.graph_module.graph.nodes])
         rewrite(captured.graph_module, policy, dtype, device, seconds={"capture": captured.seconds})

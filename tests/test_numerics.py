@@ -539,13 +539,13 @@ def test_autopolicy_captures_once_per_input_signature_and_demotion_set(monkeypat
     import amp_graph.compiler as compiler
 
     calls = []
-    capture = compiler.capture_module
+    capture = compiler.capture_for_policy
 
-    def counting(*args, **kwargs):
-        calls.append((tuple(args[1][0].shape), frozenset(kwargs["policy"].nodes)))
-        return capture(*args, **kwargs)
+    def counting(model, args, kwargs, policy, *rest, **options):
+        calls.append((tuple(args[0].shape), frozenset(policy.nodes)))
+        return capture(model, args, kwargs, policy, *rest, **options)
 
-    monkeypatch.setattr(compiler, "capture_module", counting)
+    monkeypatch.setattr(compiler, "capture_for_policy", counting)
     torch.manual_seed(0)
     model = ExpOfLargeActivations()
     inputs = [*samples(2), (torch.randn(3, 16),)]  # two signatures

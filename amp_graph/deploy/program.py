@@ -32,7 +32,7 @@ from amp_graph.amp_request import (
     validate_node_overrides,
 )
 from amp_graph.autopolicy import AutopolicyError, as_call, autopolicy, default_tol
-from amp_graph.capture import capture_module, gc_paused
+from amp_graph.capture import capture_for_policy, gc_paused
 from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
 from amp_graph.output_error import OutputError, output_error
 from amp_graph.passes.aten_casts import aten_casts
@@ -267,14 +267,13 @@ def export(
         # islands quote ("in O2's deny table")
         inference = dataclasses.replace(base, recompute_casts=False, name=table_name)
         start = time.perf_counter()
-        captured = capture_module(
+        captured = capture_for_policy(
             model,
             args,
             kwargs,
+            inference,
+            dtype,
             device_type=request.device_type,
-            autocast_dtype=None if inference.casts_nothing else dtype,
-            policy=inference,
-            low_dtype=dtype,
             dynamic_shapes=dynamic_shapes,
             code_on_call=True,  # the graph is lifted, never called
         )
