@@ -131,6 +131,29 @@ def train_compiled(step_model: nn.Module, model: nn.Module, rank: int) -> list[f
     return losses
 
 
+def loss_step(
+    model: nn.Module, opt: torch.optim.Optimizer, policy: str, micro_batches: int = 1
+) -> Any:
+    """An ``amp_graph.Graph`` training ``model`` on ``loss_fn(model(x), y)`` with ``opt``,
+    under ``policy`` in bf16, ``micro_batches`` per step."""
+    import amp_graph
+
+    class LossStep(amp_graph.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, policy=policy, dtype=torch.bfloat16)
+            self.config.set_gradient_accumulation_steps(micro_batches)
+
+        def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(self.model(x), y)
+            loss.backward()
+            return loss
+
+    return LossStep()
+
+
 def train_counting(
     model: nn.Module, loss_of: Callable[[Any], torch.Tensor], inputs: list[Any]
 ) -> tuple[list[float], int]:
@@ -177,23 +200,8 @@ def compile_bf16(rank: int) -> dict[str, Any]:
 def graph_bf16(rank: int, micro_batches: int = 1) -> dict[str, Any]:
     """``micro_batches`` > 1: gradient accumulation, where the casts of FSDP parameters must
     stay inside the build graph (outside its unit's calls a parameter is a shard)."""
-    import amp_graph
-
-    class TrainStep(amp_graph.Graph):
-        def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-            super().__init__()
-            self.model = model
-            self.add_optimizer(opt)
-            self.config.enable_amp(True, policy="O1", dtype=torch.bfloat16)
-            self.config.set_gradient_accumulation_steps(micro_batches)
-
-        def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(self.model(x), y)
-            loss.backward()
-            return loss
-
     model = sharded_model()
-    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step = loss_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O1", micro_batches)
     losses = [step(x, y).item() for x, y in batches(rank)]
     reference = sharded_model()
     return {
@@ -305,20 +313,11 @@ def refusals(rank: int) -> dict[str, Any]:
     loss = loss_fn(branching(batches(rank)[0][0]), batches(rank)[0][1])
     loss.backward()  # eager FSDP still works after the failed capture
 
-    class O2Step(amp_graph.Graph):
-        def __init__(self, model: nn.Module) -> None:
-            super().__init__()
-            self.model = model
-            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-            self.config.enable_amp(True, policy="O2", dtype=torch.bfloat16)
-
-        def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(self.model(x), y)
-            loss.backward()
-            return loss
-
     try:
-        O2Step(sharded_model())(*batches(rank)[0])
+        masters_model = sharded_model()
+        loss_step(masters_model, torch.optim.SGD(masters_model.parameters(), lr=0.1), "O2")(
+            *batches(rank)[0]
+        )
         masters = ""
     except ValueError as error:
         masters = str(error)
