@@ -5,6 +5,7 @@ cannot be exported."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from model_zoo import MODELS, build, ids
 
 import amp_graph
 from amp_graph import deploy, models
@@ -23,94 +25,6 @@ from amp_graph.deploy.program import CAST_OPS
 BF16, FP16 = torch.bfloat16, torch.float16
 TO_COPY = torch.ops.aten._to_copy.default
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# ---- models as people write them --------------------------------------------------------
-
-
-def _ids(batch: int = 2, seq: int = 12) -> torch.Tensor:
-    return torch.randint(0, 100, (batch, seq))
-
-
-def _gpt2():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_positions=32, n_embd=32, n_layer=2, n_head=2, vocab_size=100, use_cache=False
-    )
-    return transformers.GPT2LMHeadModel(config), {"input_ids": _ids()}
-
-
-def _bert():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        vocab_size=100,
-    )
-    ids = _ids()
-    model = transformers.BertForSequenceClassification(config)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def _vit():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.ViTConfig(
-        image_size=32,
-        patch_size=8,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=3,
-    )
-    model = transformers.ViTForImageClassification(config)
-    return model, {"pixel_values": torch.randn(2, 3, 32, 32)}
-
-
-def _t5_encoder():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(
-        d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100, use_cache=False
-    )
-    return transformers.T5EncoderModel(config), {"input_ids": _ids()}
-
-
-def _unet():
-    diffusers = pytest.importorskip("diffusers")
-    unet = diffusers.UNet2DModel(
-        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
-        block_out_channels=(32, 64), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8,
-    )  # fmt: skip
-    return unet, {"sample": torch.randn(2, 3, 8, 8), "timestep": torch.tensor([3, 5])}
-
-
-def _convnet():
-    """The ConvNet with batch norm, its running statistics moved off their initial values
-    by a few training-mode calls (so that eval mode reads statistics of its own)."""
-    model = models.ConvNet(in_channels=3, channels=8)
-    with torch.no_grad():
-        for _ in range(3):
-            model(torch.randn(8, 3, 16, 16) * 3 + 1)
-    return model, {"x": torch.randn(2, 3, 16, 16)}
-
-
-MODELS = {
-    "gpt2": _gpt2,
-    "bert": _bert,
-    "vit": _vit,
-    "t5_encoder": _t5_encoder,
-    "unet": _unet,
-    "convnet_bn": _convnet,
-}
-
-
-def _build(name: str):
-    torch.manual_seed(0)
-    return MODELS[name]()
 
 
 def _leaves(value) -> list[torch.Tensor]:
@@ -140,7 +54,7 @@ def _assert_bit_equal(got, want) -> None:
 @pytest.mark.parametrize("policy", ["O1", "O2"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_program_is_bit_equal_to_the_compiled_model_in_eval_without_grad(name, policy):
-    model, kwargs = _build(name)
+    model, kwargs = build(name)
     model.train()
     program = amp_graph.export(model, (), kwargs, policy=policy, dtype=BF16)
     assert model.training, "the model's own mode is restored after the export"
@@ -195,7 +109,7 @@ def test_islands_are_every_op_computing_in_float32_and_say_why():
 
 
 def test_o2_program_state_is_about_half_the_float32_programs():
-    model, kwargs = _build("gpt2")
+    model, kwargs = build("gpt2")
     program = amp_graph.export(model, (), kwargs, policy="O2", dtype=BF16)
     float32 = float32_program(model, (), kwargs)
     ratio = state_bytes(program) / state_bytes(float32)
@@ -207,7 +121,7 @@ def test_o2_program_state_is_about_half_the_float32_programs():
 def test_tied_weights_are_stored_once():
     """GPT-2 ties lm_head to wte: O1 reads wte in float32 (the embedding) and in bf16 (the
     head), so it stays float32; O2 reads it in bf16 only, so it is stored in bf16, once."""
-    model, kwargs = _build("gpt2")
+    model, kwargs = build("gpt2")
     o1 = amp_graph.export(model, (), kwargs, policy="O1", dtype=BF16)
     assert "transformer.wte.weight" not in amp_graph.export_info(o1).stored_low
     o2 = amp_graph.export(model, (), kwargs, policy="O2", dtype=BF16)
@@ -216,24 +130,24 @@ def test_tied_weights_are_stored_once():
 
 
 def test_dynamic_batch_and_sequence():
-    model, _ = _build("gpt2")
+    model, _ = build("gpt2")
     batch, seq = torch.export.Dim("batch", max=16), torch.export.Dim("seq", max=32)
     program = amp_graph.export(
         model,
         (),
-        {"input_ids": _ids(2, 12)},
+        {"input_ids": ids(2, 12)},
         dtype=BF16,
         dynamic_shapes={"input_ids": {0: batch, 1: seq}},
     )
     for shape in [(1, 5), (3, 12), (7, 31)]:
-        kwargs = {"input_ids": _ids(*shape)}
+        kwargs = {"input_ids": ids(*shape)}
         with torch.no_grad():
             got = program.module()(**kwargs)
         _assert_bit_equal(got, _compiled_eval(model, "O1", BF16, kwargs))
 
 
 def test_a_compiled_module_exports_with_its_policy_and_dtype():
-    model, kwargs = _build("bert")
+    model, kwargs = build("bert")
     compiled = amp_graph.compile(model, "O2", FP16)
     program = amp_graph.export(compiled, (), kwargs)
     info = amp_graph.export_info(program)
@@ -258,9 +172,9 @@ def test_torch_export_of_a_compiled_module_points_to_amp_graph_export():
 
 TARGET_MODELS = {
     # (model, example input, a bigger batch, the batch dimension's spec)
-    "gpt2": lambda: (_build("gpt2")[0], _ids(2, 12), _ids(5, 12), {"input_ids": {0: "b"}}),
+    "gpt2": lambda: (build("gpt2")[0], ids(2, 12), ids(5, 12), {"input_ids": {0: "b"}}),
     "convnet_bn": lambda: (
-        _build("convnet_bn")[0],
+        build("convnet_bn")[0],
         torch.randn(2, 3, 16, 16),
         torch.randn(5, 3, 16, 16),
         {"x": {0: "b"}},
@@ -357,7 +271,7 @@ def test_onnx_names_the_op_and_dtype_its_cpu_runtime_cannot_run(name, op, tmp_pa
 
 
 def test_bad_formats_and_paths(tmp_path):
-    model, kwargs = _build("convnet_bn")
+    model, kwargs = build("convnet_bn")
     program = amp_graph.export(model, (), kwargs, dtype=BF16)
     with pytest.raises(ValueError, match="pt2, aoti, onnx"):
         deploy.save(program, tmp_path / "m.trt", "tensorrt")
@@ -503,7 +417,7 @@ def test_calibration_names_nodes_of_the_graph_it_exports(dynamic):
 
 
 def test_calibration_samples_of_the_wrong_structure_name_the_signature():
-    model, _ = _build("convnet_bn")
+    model, _ = build("convnet_bn")
     x = torch.randn(2, 3, 16, 16)
     with pytest.raises(TypeError, match=r"sample 1 .* does not fit ConvNet\.forward\(x"):
         amp_graph.export(model, (x,), calibration=[(x,), (x, x)])
@@ -559,7 +473,7 @@ def test_a_model_that_writes_its_buffers_is_refused_clearly():
 
 
 def test_fp8_and_bad_arguments_are_refused():
-    model, kwargs = _build("convnet_bn")
+    model, kwargs = build("convnet_bn")
     with pytest.raises(NotImplementedError, match="fp8"):
         amp_graph.export(model, (), kwargs, policy="fp8")
     with pytest.raises(ValueError, match="dtype is the low-precision compute dtype"):
@@ -590,6 +504,7 @@ def test_cli_export_with_calibration_prints_sizes_casts_islands_and_error(tmp_pa
          "2,16", "--dtype", "fp16", "--calibrate", str(samples), "--dynamic-batch",
          "--format", "pt2", "-o", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},  # test_deploy's model_zoo
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     text = done.stdout
