@@ -43,15 +43,17 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture_dtypes import (
-    capture_under_policy,
-    half_model_view,
-    kept_apart,
-    mark_capture_plans,
-    mark_checkpoint_regions,
+from amp_graph.capture_casts import (
+    CastKeepingInterpreter,
     mark_dtype_reads,
     strip_aliases,
     strip_widening_casts,
+)
+from amp_graph.capture_dtypes import (
+    capture_under_policy,
+    half_model_view,
+    mark_capture_plans,
+    mark_checkpoint_regions,
 )
 from amp_graph.capture_fsdp import (
     FSDP_MIXED_PRECISION,
@@ -68,6 +70,7 @@ from amp_graph.passes.meta import (
     FSDP_PLANNED,
     FSDP_UNITS,
     MODEL_ROOT,
+    TRACED_NOOP_CAST,
     model_root,
 )
 from amp_graph.policy import Policy
@@ -388,24 +391,6 @@ def _check_checkpoints_within_units(gm: fx.GraphModule, units: list[str]) -> Non
             )
 
 
-class _CastKeepingInterpreter(fx.Interpreter):
-    """Runs dynamo's graph under ``make_fx``, keeping a value's later uses apart from a cast
-    of it that returns it itself (dynamo traces in float32, where ``h.float()`` is ``h``):
-    such a cast is given an alias of its input, removed after the trace
-    (:func:`amp_graph.capture_dtypes.kept_apart`)."""
-
-    def __init__(self, gm: fx.GraphModule, aliases: set[str]) -> None:
-        super().__init__(gm)
-        self.aliases = aliases
-
-    def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        return super().call_method(target, kept_apart(target, args, kwargs, self.aliases), kwargs)
-
-    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        args = kept_apart(target, args, kwargs, self.aliases)
-        return super().call_function(target, args, kwargs)
-
-
 def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Retrace a graph dynamo captured (torch-level calls) down to pre-dispatch aten ops.
 
@@ -433,10 +418,11 @@ def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Graph
             values.append(fake_mode.from_tensor(value))
 
     aliases: set[str] = set()
+    baked: set[str] = set()
 
     def run(*args: Any) -> Any:
         with fx_traceback.preserve_node_meta():
-            return _CastKeepingInterpreter(gm, aliases).run(*args)
+            return CastKeepingInterpreter(gm, aliases, baked).run(*args)
 
     with fake_mode:
         traced = make_fx(run, pre_dispatch=True)(*values)
@@ -448,6 +434,9 @@ def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Graph
                 new.meta[key] = old.meta[key]
         if hasattr(new, "_rename"):  # dynamo's names (l_x_) read better than arg0_1
             new._rename(old.name)
+    for node in traced.graph.nodes:
+        if node.name in baked:
+            node.meta[TRACED_NOOP_CAST] = True
     traced.recompile()
     traced.meta.update(getattr(gm, "meta", {}))
     return traced

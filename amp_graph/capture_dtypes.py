@@ -42,22 +42,22 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.node import map_aggregate
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_graph.passes.assign_dtypes import (
-    compute_dtype_for,
-    effective_rule,
-    fact,
-    read_dtypes,
-    track_pinning,
+from amp_graph.capture_casts import (
+    CompositePromoteMode,
+    newest_node,
+    promoted,
+    proxy_tracer,
+    traced_nodes,
 )
+from amp_graph.passes.assign_dtypes import compute_dtype_for, fact, read_dtypes
 from amp_graph.passes.classify import classify_node
+from amp_graph.passes.float32_islands import Float32Islands, effective_rule, track_islands
 from amp_graph.passes.meta import (
     CAPTURE_PLAN,
     CHECKPOINT_REGION,
-    DTYPE_READ,
     NOT_TENSOR,
     UNKNOWN,
     AmpInfo,
@@ -73,36 +73,9 @@ log = logging.getLogger(__name__)
 
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
 _LOW = (torch.float16, torch.bfloat16)
-# `x.dtype` reaches a torch-function mode as this descriptor's __get__ (a new bound
-# method-wrapper on each access: compare the descriptor)
-_DTYPE_DESCRIPTOR = torch.Tensor.dtype
-
-# The casts a model writes as tensor methods, and the dtype each names (None: read from its
-# arguments). One that changes nothing where the model is traced (``x.float()`` of a value
-# that is float32 there) returns its input itself, and the tracer then takes every later use
-# of that input for the cast's node: where the plan gives the input another dtype (an O2
-# input, cast at entry), those uses would read the cast's float32.
-_CAST_METHODS: dict[str, torch.dtype | None] = {
-    "float": torch.float32,
-    "double": torch.float64,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "to": None,
-    "type": None,
-    "type_as": None,
-}
-_CAST_METHOD_NAMES = {getattr(torch.Tensor, name): name for name in _CAST_METHODS}
-
-
 # Not recorded for reuse: under the capture's casts, torch 2.11's CPU kernels for these give
 # LSTM's h and c an extra dimension in bf16 (2.13's do not); a fake run of the op is right.
 _RECURRENT = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
-
-
-def _newest(graph: fx.Graph) -> fx.Node | None:
-    """The graph's last node. ``reversed(graph.nodes)`` is an iterator on torch 2.13 but an
-    iterable on 2.11: ``iter`` serves both."""
-    return next(iter(reversed(graph.nodes)), None)
 
 
 class _Plan:
@@ -152,7 +125,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         super().__init__()
         self.tracer, self.model, self.policy, self.low = tracer, model, policy, low
         self.user_inputs = user_inputs  # the nodes of the tensors the model was called with
-        self.pinned: set[fx.Node] = set()
+        self.islands = Float32Islands()  # O2's float32 islands, as assign_dtypes tracks them
         self.known_types: dict[str, type] = {}  # module path -> type (classify_node)
         self.planned: dict[fx.Node, Any] = {}  # planned dtype facts of nodes already seen
         self.plans: dict[fx.Node, _Plan | None] = {}
@@ -176,7 +149,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         """The node whose value is being computed: the tracer's newest node, while it has
         no value yet (a kernel run for anything else finds a node with one)."""
         graph = self.tracer.graph
-        node = _newest(graph)
+        node = newest_node(graph)
         if node is None or node.op != "call_function" or "val" in node.meta:
             return None
         return node
@@ -193,7 +166,7 @@ class PolicyDtypeMode(TorchDispatchMode):
 
     def _catch_up_to_end(self) -> None:
         """Note the nodes recorded after the last kernel that needed a plan."""
-        last = _newest(self.tracer.graph)
+        last = newest_node(self.tracer.graph)
         if last is not None and last is not self.seen:
             self._catch_up(last)
             self._note(last)
@@ -213,6 +186,11 @@ class PolicyDtypeMode(TorchDispatchMode):
             self.planned[node] = self._entry_dtype(node, value)
             return
         self.planned[node] = fact(value) if "val" in node.meta else UNKNOWN
+        if node.target is torch.ops.aten.type_as.default and len(node.args) > 1:
+            # the graph's type_as reads its other input's dtype when it runs: the planned one
+            other = self.planned.get(node.args[1], UNKNOWN)
+            if is_castable(other) and is_castable(self.planned[node]):
+                self.planned[node] = other
         plan = self.plans.get(node)
         if plan is not None:
             recurrent = getattr(node.target, "__name__", "").split(".")[0] in _RECURRENT
@@ -228,7 +206,23 @@ class PolicyDtypeMode(TorchDispatchMode):
                 self.records[node.name] = plan.record()
         if plan is not None:
             facts = tensor_facts(self._facts((node.args, node.kwargs)))
-            track_pinning(node, plan.amp, facts, self.planned[node], self.pinned)
+            track_islands(node, plan.amp, facts, self.planned[node], self.islands, self.planned)
+
+    def planned_dtype(self, value: torch.Tensor) -> torch.dtype:
+        """The dtype the plan gives a traced tensor: what ``value.dtype`` means in the graph.
+
+        It differs from the captured value's own dtype where the capture cannot give the
+        value its planned dtype: a graph input that O2 and O3 cast at entry is float32
+        while traced. A value the tracer does not hold (a constant), or one the plan does
+        not know, keeps its own."""
+        nodes = traced_nodes([value], self.tracer)
+        if len(nodes) != 1 or value.dtype not in _CASTABLE:
+            return value.dtype
+        (node,) = nodes
+        if node not in self.planned:
+            self._catch_up_to_end()
+        planned = self.planned.get(node, UNKNOWN)
+        return planned if isinstance(planned, torch.dtype) and planned in _CASTABLE else value.dtype
 
     def _inputs_as_planned(self, node: fx.Node) -> bool:
         """Whether each input's captured value has its planned dtype, so that a kernel the mode
@@ -293,7 +287,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         facts = tensor_facts(self._facts((node.args, node.kwargs)))
         compute = None
         if amp.role is Role.OP:
-            rule = effective_rule(node, amp, self.pinned)
+            rule = effective_rule(node, amp, self.islands, self.planned)
             compute = compute_dtype_for(rule, facts, amp.low_dtype or self.low)
         # each node argument's planned dtype, in argument order (map_arg visits them all)
         arg_dtypes: list[Any] = []
@@ -366,153 +360,6 @@ def _in_reentrant_checkpoint() -> bool:
     return False
 
 
-class CompositePromoteMode(TorchFunctionMode):
-    """Widens the mixed floating inputs of composite promote ops before they check dtypes,
-    and notes which traced values' low dtype the model's Python reads.
-
-    A composite op (``bilinear``, ``tensordot``) checks that its inputs share one dtype in
-    its own C++ body, above any dispatch mode; CUDA autocast promotes them first (its
-    kernel runs above the composite), CPU autocast does not list them. So where the policy
-    promotes such an op and the model mixes dtypes, this mode casts the inputs to the
-    widest one at the call. The casts are recorded (this mode is above the tracer); their
-    node names are kept in ``casts`` and :func:`strip_widening_casts` removes them after
-    the capture, leaving the op with the inputs the model gave it, as CUDA autocast's
-    graphs have it. The passes then insert the casts the policy decides.
-
-    A read of a tensor's ``.dtype`` that gives a low dtype adds the tensor's node name to
-    ``dtype_reads``: whatever the model builds from it (``torch.finfo(dtype).min`` masks,
-    ``.to(x.dtype)``) is a constant of the graph, and only a capture in which that value is
-    float32 changes it (:data:`amp_graph.passes.meta.DTYPE_READ`).
-
-    A tensor-method cast that returns its input itself where the model is traced
-    (``x.float()`` of an input that is float32 there but low in the plan, as O2's inputs
-    are) is given an alias of its input (:func:`kept_apart`; names in ``aliases``), so
-    that later uses of ``x`` read ``x``, not the cast. One mode does the three jobs: a
-    torch-function mode costs every torch call of the capture.
-    """
-
-    def __init__(
-        self,
-        tracer: Any,
-        policy: Policy,
-        casts: set[str],
-        dtype_reads: set[str],
-        aliases: set[str],
-    ) -> None:
-        super().__init__()
-        self.tracer, self.policy, self.casts = tracer, policy, casts
-        self.dtype_reads, self.aliases = dtype_reads, aliases
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        args = kept_apart(func, args, kwargs, self.aliases, self.tracer)
-        if getattr(func, "__self__", None) is _DTYPE_DESCRIPTOR:
-            dtype = func(*args, **kwargs)
-            if dtype in _LOW:
-                self.dtype_reads.update(n.name for n in _traced_nodes(list(args), self.tracer))
-            return dtype
-        if _composite_promote(func, self.policy):
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            floating = {
-                v.dtype for v in leaves if isinstance(v, torch.Tensor) and v.dtype in _CASTABLE
-            }
-            if len(floating) > 1:
-                wide = _promoted(sorted(floating, key=str))
-                for i, value in enumerate(leaves):
-                    if isinstance(value, torch.Tensor) and value.dtype in floating - {wide}:
-                        leaves[i] = value.to(wide)
-                        self.casts.add(_newest(self.tracer.graph).name)
-                args, kwargs = pytree.tree_unflatten(leaves, spec)
-        return func(*args, **kwargs)
-
-
-def _cast_target(name: str, args: tuple, kwargs: dict) -> torch.dtype | None:
-    """The dtype the tensor-method cast ``name`` converts ``args[0]`` to, where it names one."""
-    fixed = _CAST_METHODS.get(name)
-    if fixed is not None:
-        return fixed
-    candidates = [*args[1:], kwargs.get("dtype"), kwargs.get("other")]
-    for value in candidates:
-        if isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, torch.Tensor):
-            return value.dtype
-    return None
-
-
-def is_noop_cast(name: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether the tensor-method cast ``name`` (a method name or ``torch.Tensor``'s method)
-    returns its input itself here: a cast to the dtype the input has, without ``copy=True``."""
-    try:
-        name = name if isinstance(name, str) else _CAST_METHOD_NAMES.get(name)
-    except TypeError:  # an unhashable callable: no tensor method
-        return False
-    if name not in _CAST_METHODS or not args or not isinstance(args[0], torch.Tensor):
-        return False
-    return not kwargs.get("copy", False) and _cast_target(name, args, kwargs) == args[0].dtype
-
-
-def kept_apart(func: Any, args: tuple, kwargs: dict, names: set[str], tracer: Any = None) -> tuple:
-    """The arguments to call ``func`` with: as given, or, for a cast that would return its
-    input itself (:func:`is_noop_cast`), with an ``aten.alias`` of that input, recorded by
-    ``tracer`` (default: the running pre-dispatch tracer; its node name is added to
-    ``names``). The cast then returns the alias, and later uses of the input keep their own
-    node. :func:`strip_aliases` removes the alias after the capture, leaving ``cast(x)``."""
-    if not is_noop_cast(func, args, kwargs):
-        return args
-    alias = torch.ops.aten.alias.default(args[0])
-    tracer = tracer if tracer is not None else _proxy_tracer()
-    if tracer is not None:
-        names.add(_newest(tracer.graph).name)
-    return (alias, *args[1:])
-
-
-def strip_aliases(gm: fx.GraphModule, names: set[str]) -> int:
-    """Remove the aliases :func:`kept_apart` recorded; returns how many."""
-    return _bypass(gm, names, ("aten::alias",))
-
-
-@functools.lru_cache(maxsize=512)
-def _composite_op_name(func: Any) -> str | None:
-    """The aten op a torch-level function runs, when that op is a composite."""
-    try:
-        name = torch.overrides.resolve_name(func)
-    except Exception:  # not every callable can be named
-        return None
-    base = (name or "").rsplit(".", 1)[-1]
-    try:
-        composite = torch._C._dispatch_has_kernel_for_dispatch_key(
-            f"aten::{base}", "CompositeImplicitAutograd"
-        )
-    except RuntimeError:  # no aten op of that name (a dunder, a property)
-        return None
-    return base if composite else None
-
-
-def _composite_promote(func: Any, policy: Policy) -> bool:
-    name = _composite_op_name(func)
-    return name is not None and name in policy.promote and name not in policy.ops
-
-
-def strip_widening_casts(gm: fx.GraphModule, names: set[str]) -> int:
-    """Remove the casts :class:`CompositePromoteMode` recorded; returns how many."""
-    return _bypass(gm, names, ("aten::to", "aten::_to_copy"))
-
-
-def _bypass(gm: fx.GraphModule, names: set[str], ops: tuple[str, ...]) -> int:
-    """Remove the nodes named in ``names`` that run one of ``ops`` (aten schema names), each
-    replaced by its first argument: what the capture's modes recorded only to steer the
-    trace. Returns how many."""
-    removed = 0
-    for node in list(gm.graph.nodes):
-        op = getattr(node.target, "_schema", None)
-        if node.name in names and op is not None and op.name in ops:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            removed += 1
-    return removed
-
-
 @functools.lru_cache(maxsize=2048)
 def _computes_tensors(func: Any) -> bool:
     """An aten kernel that returns tensors and is not a cast."""
@@ -536,13 +383,6 @@ def mark_capture_plans(
         record = records.get(node.name)
         if record is not None and node.op == "call_function":
             node.meta[CAPTURE_PLAN] = record
-
-
-def mark_dtype_reads(gm: fx.GraphModule, names: set[str]) -> None:
-    """``meta[DTYPE_READ] = True`` on the nodes whose low dtype the model's Python read."""
-    for node in gm.graph.nodes:
-        if node.name in names:
-            node.meta[DTYPE_READ] = True
 
 
 def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None:
@@ -625,7 +465,7 @@ def _targets(func: Any, tensors: list[int], plan: _Plan) -> tuple[dict[int, Any]
         # the node's own kernel: each input gets its planned dtype back (autocast's casts,
         # where the policy makes none, undone)
         return dict(zip(tensors, plan.inputs, strict=True)), False
-    wide = _promoted([d for d in plan.inputs if isinstance(d, torch.dtype)])
+    wide = promoted([d for d in plan.inputs if isinstance(d, torch.dtype)])
     return (dict.fromkeys(tensors, wide) if wide is not None else {}), True
 
 
@@ -658,16 +498,6 @@ def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.ops.aten._to_copy.default(value, dtype=dtype)
 
 
-def _promoted(dtypes: list[torch.dtype]) -> torch.dtype | None:
-    floating = [d for d in dtypes if d in _CASTABLE]
-    if not floating:
-        return None
-    out = floating[0]
-    for dtype in floating[1:]:
-        out = torch.promote_types(out, dtype)
-    return out
-
-
 def _written_positions(func: Any) -> set[int]:
     """Flat argument positions a kernel writes in place (``self`` of ``add_``)."""
     op_schema = getattr(func, "_schema", None)
@@ -678,30 +508,6 @@ def _written_positions(func: Any) -> set[int]:
         for i, argument in enumerate(op_schema.arguments)
         if argument.alias_info is not None and argument.alias_info.is_write
     }
-
-
-def _traced_nodes(values: list[Any], tracer: Any) -> set[fx.Node]:
-    """The graph nodes the tracer holds for these tensors (the model's inputs)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_slot
-
-    nodes = set()
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            try:
-                nodes.add(get_proxy_slot(value, tracer).proxy.node)
-            except (AttributeError, KeyError, RuntimeError):  # not traced: a constant
-                continue
-    return nodes
-
-
-def _proxy_tracer() -> Any:
-    """The pre-dispatch tracer of the running ``torch.export``, or None."""
-    try:
-        from torch._ops import _get_dispatch_mode_pre_dispatch
-    except ImportError:
-        return None
-    mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
-    return getattr(mode, "tracer", None)
 
 
 class capture_under_policy:
@@ -728,20 +534,25 @@ class capture_under_policy:
         self._own_forward: Any = None
 
     def _forward(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        tracer = _proxy_tracer()
+        tracer = proxy_tracer()
         if tracer is None:
             log.warning(
                 "amp_graph: no pre-dispatch tracer found; the model's Python sees "
                 "torch.autocast's dtypes during capture, not the policy's"
             )
             return forward(*args, **kwargs)
-        user_inputs = _traced_nodes(pytree.tree_leaves((args, kwargs)), tracer)
+        user_inputs = traced_nodes(pytree.tree_leaves((args, kwargs)), tracer)
         dtypes = PolicyDtypeMode(tracer, self.model, self.policy, self.low, user_inputs)
         try:
             with (
                 dtypes,
                 CompositePromoteMode(
-                    tracer, self.policy, self.widening_casts, self.dtype_reads, self.aliases
+                    tracer,
+                    self.policy,
+                    self.widening_casts,
+                    self.dtype_reads,
+                    self.aliases,
+                    dtypes.planned_dtype,
                 ),
             ):
                 return forward(*args, **kwargs)
@@ -821,15 +632,9 @@ class half_model_view:
 
 
 __all__ = [
-    "CompositePromoteMode",
     "PolicyDtypeMode",
     "capture_under_policy",
     "half_model_view",
-    "is_noop_cast",
-    "kept_apart",
     "mark_capture_plans",
     "mark_checkpoint_regions",
-    "mark_dtype_reads",
-    "strip_aliases",
-    "strip_widening_casts",
 ]

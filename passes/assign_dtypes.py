@@ -11,7 +11,8 @@ This is torch.autocast's per-op logic, run once over the graph instead of at eve
 float64, integer and bool tensors are never cast (autocast's eligibility rule). With
 policies whose default is ``ALLOW`` (O2, O3), a value the model itself cast to float32
 (``x.float()`` in an RMSNorm) stays float32 until the model casts again: ops that read
-it compute in float32, as they would in Apex O2 (see :func:`track_pinning`).
+it compute in float32, as they would in Apex O2, and so do values the forward makes from
+integers (a sinusoidal timestep encoding; see :mod:`amp_graph.passes.float32_islands`).
 
 Output dtypes come from fake values: every node of the captured graph has one in
 ``meta["val"]``, so torch computes them. The capture under the policy computed each value
@@ -41,11 +42,11 @@ from torch.fx.node import map_aggregate
 from amp_graph.policy import Rule, autocast_tables, base_name
 
 from . import schema
+from .float32_islands import Float32Islands, effective_rule, track_islands
 from .meta import (
     AMP,
     CAPTURE_PLAN,
     FSDP_GATHERED_DTYPE,
-    LOW_PRECISION,
     NOT_TENSOR,
     UNKNOWN,
     VAL,
@@ -156,7 +157,7 @@ class _Planner(fx.Interpreter):
         # independent check of the plan).
         self.gm, self.low, self.cast_inputs, self.plan = gm, low, cast_inputs, plan
         self.facts: dict[fx.Node, DtypeFact] = {}
-        self.pinned: set[fx.Node] = set()
+        self.islands = Float32Islands()
         self.changed = 0
         self.fake_mode = self._fake_mode()
         self.casts: dict[tuple[int, torch.dtype], tuple[Any, Any]] = {}
@@ -258,7 +259,7 @@ class _Planner(fx.Interpreter):
                     lambda a: self.facts[a] if isinstance(a, fx.Node) else fact(a),
                 )
             )
-            rule = effective_rule(node, amp, self.pinned)
+            rule = effective_rule(node, amp, self.islands, self.facts)
             low = amp.low_dtype or self.low
             compute = compute_dtype_for(rule, facts, low) if amp.role is Role.OP else None
             amp.compute_dtype = compute
@@ -271,7 +272,7 @@ class _Planner(fx.Interpreter):
                 args, kwargs = self._cast((args, kwargs), compute)
             out = self._evaluate(node, amp, args, kwargs)
         if self.plan:
-            track_pinning(node, amp, facts, fact(out), self.pinned)
+            track_islands(node, amp, facts, fact(out), self.islands, self.facts)
         return out
 
     def _as_captured(self, node: fx.Node, compute: torch.dtype | None) -> bool:
@@ -350,51 +351,6 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def effective_rule(node: fx.Node, amp: AmpInfo, pinned: set[fx.Node]) -> Rule:
-    """The node's rule, after the pinning rule of :func:`track_pinning`: a default ALLOW
-    reading a pinned float32 value computes in float32."""
-    rule = amp.rule or Rule.FOLLOW
-    pinned_inputs = [a for a in node.all_input_nodes if a in pinned]
-    if rule is Rule.ALLOW and amp.source == "default" and pinned_inputs:
-        # float32, not "follow": its other inputs may be low, and an op such as
-        # scaled_dot_product_attention needs one dtype
-        amp.detail = (
-            f"{amp.detail}; but input {pinned_inputs[0].name!r} descends from a "
-            "float32 cast written in the model, which default rules never undo: "
-            "computes in float32"
-        )
-        return Rule.DENY
-    return rule
-
-
-def track_pinning(
-    node: fx.Node,
-    amp: AmpInfo,
-    input_facts: list[DtypeFact],
-    out: DtypeFact,
-    pinned: set[fx.Node],
-) -> None:
-    """Add ``node`` to ``pinned`` when it holds a float32 value the model upcast itself.
-
-    Only a cast written in the model that changes a low-precision (or unproven) value to
-    float32 starts a pinned region (``h = x.float()`` in an RMSNorm); what is computed
-    from it stays pinned while wide. Any other cast the model wrote ends the region:
-    the cast back (``h.type_as(x)``, ``h.to(input_dtype)``), ``.to(device)``,
-    ``.to(memory_format=)``, a ``.float()`` of what already is float32, integer-to-float
-    conversions (``arange(T).float()``). So O2 and O3 keep exactly the model's float32
-    islands in float32, and nothing after them.
-    """
-    if amp.role is Role.USER_CAST:
-        source = input_facts[0] if input_facts else UNKNOWN
-        upcast = out == torch.float32 and (source is UNKNOWN or source in LOW_PRECISION)
-        if upcast:
-            pinned.add(node)
-        return
-    wide = out in (torch.float32, torch.float64)
-    if wide and any(a in pinned for a in node.all_input_nodes):
-        pinned.add(node)
-
-
 def _same_dtypes_as(captured: Any, inputs: Any) -> bool:
     """Every tensor input has the dtype of the captured value: a view, or a pointwise op of
     inputs all of one dtype, then computes that value again."""
@@ -467,9 +423,7 @@ __all__ = [
     "assign_dtypes",
     "cast_value",
     "compute_dtype_for",
-    "effective_rule",
     "fact",
     "propagate_dtypes",
     "read_dtypes",
-    "track_pinning",
 ]

@@ -34,6 +34,13 @@ captured (``x.dtype``, ``torch.finfo(x.dtype).min``, ``.to(x.dtype)``), so the g
 constants and casts derived from it that no pass can tell from the model's own
 (amp_graph.capture_dtypes)."""
 
+TRACED_NOOP_CAST = "amp_graph.traced_noop_cast"
+"""``node.meta`` key, True: a cast the model wrote that changed no dtype where it was traced
+with the model's own dtypes (the ``torch.compile`` backend: dynamo traces float32 where the
+plan is low). Its target may be a dtype the model read from a tensor (``x.to(y.dtype)``),
+which dynamo bakes in as a constant, so it never starts a float32 island
+(:mod:`amp_graph.passes.float32_islands`)."""
+
 CAPTURE_PLAN = "amp_graph.capture_plan"
 """``node.meta`` key: ``(op, compute dtype, dtype facts of node.all_input_nodes as the op
 reads them, after the cast to the compute dtype)``, the decision under which the capture

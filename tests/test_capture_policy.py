@@ -309,7 +309,7 @@ def test_a_cast_that_changes_nothing_at_capture_leaves_the_value_it_casts_alone(
 def test_which_tensor_method_casts_return_their_input_itself() -> None:
     """is_noop_cast must agree with torch: a cast it calls a no-op returns its input object,
     and one it does not returns a new tensor (or changes nothing of the dtype)."""
-    from amp_graph.capture_dtypes import is_noop_cast
+    from amp_graph.capture_casts import is_noop_cast
 
     x, low = torch.randn(2), torch.randn(2, dtype=torch.bfloat16)
     calls = [

@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "amp_graph.amp_request",
             "amp_graph.capture",
+            "amp_graph.capture_casts",
             "amp_graph.capture_dtypes",
             "amp_graph.capture_fsdp",
             "amp_graph.compiler",

@@ -15,6 +15,7 @@ import torch.fx as fx
 from amp_graph.capture_fsdp import FSDP_MIXED_PRECISION
 from amp_graph.compiler import CompileRecord, compile_record, unwrap
 from amp_graph.fsdp_plan import read_only_low
+from amp_graph.monitoring.selection import is_default
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.passes.recompute_casts import copy_dtype
 from amp_graph.policy import Rule, nearest
@@ -85,6 +86,10 @@ class Report:
     # FSDP2 units (no param_dtype yet) whose every parameter read is a cast to the low
     # dtype: param_dtype there halves their all-gathers and changes no value
     fsdp_read_low: list[str] = field(default_factory=list)
+    # matrix products and convolutions: how many, and those computing in float32 (or
+    # float64), each with the reason its rule gives: node name -> detail
+    products: int = 0
+    wide_products: dict[str, str] = field(default_factory=dict)
     graph_module: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     def row(self, name: str) -> NodeRow:
@@ -105,6 +110,7 @@ class Report:
             f"call: {bytes_text(self.cast_bytes)}\n"
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
+            + _products_text(self.products, self.wide_products, self.dtype)
             + _fsdp_text(self.fsdp_mixed_precision)
             + _read_low_text(self.fsdp_read_low, self.dtype)
         )
@@ -155,6 +161,36 @@ class Report:
         from amp_graph.inspect import draw
 
         return draw(self._compiled(), **options)
+
+
+def _products_text(products: int, wide: dict[str, str], dtype: str) -> str:
+    """One line, and one more per float32 product (the first few): where the GEMMs run."""
+    if not products:
+        return ""
+    text = f"\nmatrix products and convolutions: {products - len(wide)} of {products} in {dtype}"
+    shown = list(wide.items())[:_WIDE_SHOWN]
+    text += "".join(f"\n  {name} in float32: {why}" for name, why in shown)
+    if len(wide) > len(shown):
+        text += f"\n  and {len(wide) - len(shown)} more (Report.wide_products)"
+    return text
+
+
+_WIDE_SHOWN = 5
+
+
+def wide_products(gm: fx.GraphModule) -> tuple[int, dict[str, str]]:
+    """The matrix products and convolutions of a compiled graph (as the monitor selects them
+    by default), and those computing in float32 or float64, with their rule's reason."""
+    count, wide = 0, {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not is_default(node):
+            continue
+        count += 1
+        amp: AmpInfo = node.meta[AMP]
+        computes = amp.compute_dtype or amp.out_dtype
+        if computes in (torch.float32, torch.float64):
+            wide[node.name] = amp.detail or str(amp.rule)
+    return count, wide
 
 
 def _fsdp_text(units: dict[str, str]) -> str:
@@ -251,6 +287,7 @@ def report(compiled: Any) -> Report:
     ops = Counter(
         r.out for r in rows if r.role in (str(Role.OP), str(Role.USER_CAST), str(Role.INPLACE))
     )
+    products, wide = wide_products(compiled)
     return Report(
         policy=record.policy.name,
         dtype=short(record.dtype),
@@ -267,6 +304,8 @@ def report(compiled: Any) -> Report:
         recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
         fsdp_mixed_precision=dict(compiled.meta.get(FSDP_MIXED_PRECISION, {})),
         fsdp_read_low=fsdp_units_read_low(compiled, record.dtype),
+        products=products,
+        wide_products=wide,
         graph_module=compiled,
     )
 
