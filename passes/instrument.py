@@ -22,7 +22,7 @@ changes nothing); row ``i`` of the sink's buffer is ``probes[i]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +60,9 @@ class Probe:
     run_dtype: torch.dtype  # what "underflow" is counted against
     weight: bool  # read from a parameter
     backward: bool  # a gradient
+    # the node's place in the forward: (its index in the graph,), or, inside a checkpoint
+    # region, (the index of the region's call, its index in the region)
+    position: tuple[int, ...] = ()
 
     @property
     def where(self) -> str:
@@ -116,9 +119,12 @@ class _Instrumenter:
     """Inserts the probes of one graph; each probe's row is its index in ``probes``, which
     the graphs of one instrumentation share (a region's rows follow its caller's)."""
 
-    def __init__(self, graph_name: str, probes: list[Probe]) -> None:
+    def __init__(
+        self, graph_name: str, probes: list[Probe], positions: dict[str, tuple[int, ...]]
+    ) -> None:
         self.graph_name = graph_name
         self.probes = probes
+        self.positions = positions  # node name -> Probe.position
 
     def instrument(self, graph: fx.Graph, selected: Callable[[fx.Node], bool]) -> None:
         chosen = [n for n in graph.nodes if n.op == "call_function" and selected(n)]
@@ -160,6 +166,7 @@ class _Instrumenter:
                 run_dtype=run_dtype,
                 weight=weight,
                 backward=backward,
+                position=self.positions.get(node.name, ()),
             )
         )
         row = len(self.probes) - 1
@@ -254,13 +261,21 @@ def instrument(
     probes: list[Probe] = []
     copied = copy_graph_module(gm)
     setattr(copied, SINK_ATTR, sink)
-    _Instrumenter("", probes).instrument(copied.graph, selected)
+    index = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+    _Instrumenter("", probes, {n: (i,) for n, i in index.items()}).instrument(
+        copied.graph, selected
+    )
     instrumented = [copied]
     for name in _region_graphs(gm):
         region = copy_graph_module(getattr(gm, name))
         setattr(region, SINK_ATTR, sink)
         before = len(probes)
-        _Instrumenter(name, probes).instrument(region.graph, selected)
+        call = next(
+            (i for i, n in enumerate(gm.graph.nodes) if n.op == "call_module" and n.target == name),
+            len(index),
+        )
+        inside = {n.name: (call, j) for j, n in enumerate(region.graph.nodes)}
+        _Instrumenter(name, probes, inside).instrument(region.graph, selected)
         if len(probes) > before:
             setattr(copied, name, region)
             instrumented.append(region)
@@ -269,6 +284,21 @@ def instrument(
         module.graph.lint()
         module.recompile()
     return InstrumentResult(copied, tuple(probes), sink)
+
+
+def computed_order(probes: Sequence[Probe]) -> list[int]:
+    """The probes' indices in the order a step computes what they measure: every forward
+    probe in graph order (a node's operands, then its output), then the backward probes
+    node by node in reverse graph order, as autograd runs a backward (a node's output
+    gradient arrives before the gradients its backward computes)."""
+
+    def key(i: int) -> tuple:
+        probe = probes[i]
+        if not probe.backward:
+            return (0, probe.position, probe.role == "output")
+        return (1, tuple(-p for p in probe.position), probe.role != "grad_output")
+
+    return sorted(range(len(probes)), key=key)
 
 
 def describe(probe: Probe) -> str:

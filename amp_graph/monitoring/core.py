@@ -17,7 +17,7 @@ import importlib.util
 import logging
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from amp_graph.passes.graph_copy import copy_graph_module
-from amp_graph.passes.instrument import Probe, _region_graphs, instrument
+from amp_graph.passes.instrument import Probe, _region_graphs, computed_order, instrument
 from amp_graph.passes.meta import model_root
 from amp_graph.policy import nearest
 from amp_graph.tensor_stats import STAT_GROUPS, STATS, StatsSink
@@ -50,6 +50,7 @@ class _Instrumented:
     probes: tuple[Probe, ...]
     sink: StatsSink
     device: torch.device
+    order: list[int] = field(default_factory=list)  # computed_order(probes): rows' order
 
 
 @dataclass
@@ -225,7 +226,14 @@ class Monitor:
         if build is not None:  # a Graph's step: the same step around the instrumented build
             runs = copy_graph_module(gm)
             runs.build = result.graph_module
-        made = _Instrumented(weakref.ref(gm), runs, result.probes, result.sink, _device(inner))
+        made = _Instrumented(
+            weakref.ref(gm),
+            runs,
+            result.probes,
+            result.sink,
+            _device(inner),
+            computed_order(result.probes),
+        )
         self._instrumented[id(gm)] = made
         return made if result.probes else None
 
@@ -261,13 +269,14 @@ class Monitor:
         offset, width = 0, len(STATS)
         for entry in pending:
             loss_scale = next(scales) if entry.loss_scale is not None else None
-            for probe in entry.instrumented.probes:
-                row = values[offset : offset + width]
-                offset += width
+            probes = entry.instrumented.probes
+            for i in entry.instrumented.order:  # the order the step computed them
+                row = values[offset + i * width : offset + (i + 1) * width]
                 if row[STATS.index("numel")]:  # a probe that never ran this step
                     rows.append(
-                        make_row(probe, entry.step, row, self.stats, loss_scale, self._rank)
+                        make_row(probes[i], entry.step, row, self.stats, loss_scale, self._rank)
                     )
+            offset += width * len(probes)
         self._rows.extend(rows)
         self._write(rows)
 

@@ -64,7 +64,9 @@ def make_row(
 
 
 class History:
-    """Rows of the monitor's statistics (see the module), oldest first.
+    """Rows of the monitor's statistics (see the module), oldest first: by step, then in the
+    order the step computed what they measure (every forward probe in graph order, then the
+    backward ones in reverse graph order; :func:`amp_graph.passes.instrument.computed_order`).
 
     ``history.where(role="output", step=100)`` filters; ``history.column("underflow")`` is
     one statistic; ``to_csv`` / ``to_jsonl`` write it; in a notebook it shows as a table.
@@ -105,8 +107,9 @@ class History:
         return [row[name] for row in self.rows]
 
     def first_nonfinite(self) -> dict | None:
-        """The first row (by step, then graph order, forward before backward) with an inf
-        or nan, or None."""
+        """The first row with an inf or nan, or None: by step, then in the order the step
+        computed the values (the forward in graph order, then the backward in reverse graph
+        order, as autograd runs it). The rows are kept in that order."""
         if "nonfinite" not in self.stats:
             raise ValueError("the monitor does not count non-finite values (stats= lacks it)")
         return next((r for r in self.rows if r["nonfinite"]), None)

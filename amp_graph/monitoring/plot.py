@@ -2,7 +2,8 @@
 
 As NVIDIA's fp8 analysis tools draw it: a row per measured tensor, labelled with its node (or
 module), role and dtype, a column per logging step, the colour on a log scale with a legend
-that gives its range; a zero is grey and a step with no value for that row is left blank.
+that gives its range; a zero is grey, a cell of inf/NaN elements black (a black bar where
+only some are), and a step with no value for that row is left blank.
 Plain SVG: no plotting library.
 """
 
@@ -20,6 +21,7 @@ LABEL_WIDTH = 300
 TOP = 46
 LEGEND_HEIGHT = 64
 ZERO_COLOUR = "#e9ecef"
+NONFINITE_COLOUR = "#212529"  # a cell with inf/NaN elements: never a zero's grey
 
 
 class Heatmap:
@@ -61,9 +63,7 @@ def matrix(
     steps = history.steps
     cells: dict[str, dict[int, tuple[float, int]]] = {}
     for row in history:
-        where = row["node"] if by == "node" else (row["module"] or "<root>")
-        label = f"{where} · {row['role']} ({row['dtype']}"
-        label += f" in {row['run_dtype']})" if row["run_dtype"] != row["dtype"] else ")"
+        label = _label(row, by)
         value, numel = row[stat], row["numel"]
         old = cells.setdefault(label, {}).get(row["step"])
         if old is not None:  # several probes in one module and role
@@ -80,17 +80,43 @@ def matrix(
     return labels, steps, values
 
 
+def _label(row: dict, by: str) -> str:
+    where = row["node"] if by == "node" else (row["module"] or "<root>")
+    label = f"{where} · {row['role']} ({row['dtype']}"
+    return label + (f" in {row['run_dtype']})" if row["run_dtype"] != row["dtype"] else ")")
+
+
+def nonfinite_cells(history: History, by: str) -> dict[tuple[str, int], str]:
+    """``(row label, step) -> "all" | "some"``: the cells whose measured elements were all, or
+    partly, inf or NaN (their statistics describe the finite elements alone, if any). Empty
+    where the monitor does not count non-finite values."""
+    if "nonfinite" not in history.stats:
+        return {}
+    counts: dict[tuple[str, int], list[int]] = {}
+    for row in history:
+        total = counts.setdefault((_label(row, by), row["step"]), [0, 0])
+        total[0] += int(row["nonfinite"])
+        total[1] += int(row["numel"])
+    return {cell: "all" if bad >= numel else "some" for cell, (bad, numel) in counts.items() if bad}
+
+
 def heatmap(history: History, stat: str = "underflow", by: str = "node") -> Heatmap:
-    """Draw ``stat`` for every row of ``history`` over its steps (see the module)."""
+    """Draw ``stat`` for every row of ``history`` over its steps (see the module). Rows come
+    in the history's order: the order a step computes their values, forward then backward.
+    A cell whose elements were all inf/NaN is black, one with some has a black bar: without
+    the mark, a statistic of no finite element would draw as a zero."""
     labels, steps, values = matrix(history, stat, by)
+    marks = nonfinite_cells(history, by)
     positive = [v for row in values for v in row if v]
     low = min(positive) if positive else 1.0
     high = max(positive) if positive else 1.0
     span = math.log10(high) - math.log10(low)
 
-    def fill(value: float | None) -> str:
+    def fill(value: float | None, mark: str | None) -> str:
         if value is None:
             return "none"
+        if mark == "all":
+            return NONFINITE_COLOUR
         if value == 0:
             return ZERO_COLOUR
         return _colour(0.5 if span == 0 else (math.log10(value) - math.log10(low)) / span)
@@ -119,12 +145,19 @@ def heatmap(history: History, stat: str = "underflow", by: str = "node") -> Heat
         out.append(f"<text x='4' y='{y + 10}'>{html.escape(label)}</text>")
         for j, value in enumerate(values[i]):
             x = LABEL_WIDTH + j * CELL_WIDTH
+            mark = marks.get((label, steps[j]))
             title = "no value" if value is None else f"{value:.4g}"
+            title += {"all": " (every element inf/NaN)", "some": " (some inf/NaN)"}.get(mark, "")
             out.append(
                 f"<rect x='{x}' y='{y}' width='{CELL_WIDTH - 1}' height='{ROW_HEIGHT - 1}' "
-                f"fill='{fill(value)}' stroke='#dee2e6'><title>{html.escape(label)}, step "
-                f"{steps[j]}: {title}</title></rect>"
+                f"fill='{fill(value, mark)}' stroke='#dee2e6'><title>{html.escape(label)}, step "
+                f"{steps[j]}: {html.escape(title)}</title></rect>"
             )
+            if mark == "some":
+                out.append(
+                    f"<rect x='{x}' y='{y + ROW_HEIGHT - 5}' width='{CELL_WIDTH - 1}' "
+                    f"height='4' fill='{NONFINITE_COLOUR}'/>"
+                )
     y = TOP + ROW_HEIGHT * len(labels) + 16
     out.append(f"<text x='4' y='{y + 9}'>legend (log scale):</text>")
     for k in range(20):
@@ -139,5 +172,13 @@ def heatmap(history: History, stat: str = "underflow", by: str = "node") -> Heat
         f"<rect x='330' y='{y}' width='10' height='10' fill='none' stroke='#adb5bd'/>"
         f"<text x='344' y='{y + 9}'>not measured that step</text>"
     )
+    if marks:
+        out.append(
+            f"<rect x='290' y='{y + 14}' width='10' height='10' fill='{NONFINITE_COLOUR}'/>"
+            f"<text x='304' y='{y + 23}'>every element inf/NaN</text>"
+            f"<rect x='430' y='{y + 14}' width='10' height='10' fill='{ZERO_COLOUR}' "
+            f"stroke='#adb5bd'/><rect x='430' y='{y + 20}' width='10' height='4' "
+            f"fill='{NONFINITE_COLOUR}'/><text x='444' y='{y + 23}'>some inf/NaN</text>"
+        )
     out.append("</svg>")
     return Heatmap("\n".join(out), labels, steps)
