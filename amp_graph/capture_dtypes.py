@@ -20,7 +20,7 @@ already recorded the op as the model wrote it (``aten.linear(x, w, b)``) when th
 sees the kernels that compute its fake value. The mode reads that node, decides it the way
 the passes will (:func:`amp_graph.passes.classify.classify_node`, then
 :func:`amp_graph.passes.assign_dtypes.compute_dtype_for` on the planned dtypes of its
-inputs, with O2's pinning rule), and casts the fake inputs of those kernels so the fake
+inputs, with O2's float32 islands), and casts the fake inputs of those kernels so the fake
 value, which the model's Python sees, has the planned dtype. The casts are below the
 tracer, so nothing of them is recorded: the graph holds the model's ops, as before, and
 the passes insert the real casts. The capture still runs under ``torch.autocast`` so that
@@ -199,7 +199,7 @@ class PolicyDtypeMode(TorchDispatchMode):
                 self.records[node.name] = plan.record()
         elif node.op == "call_function":
             # a node none of whose kernels needed a plan (a cast, a no-op .to()): its
-            # record still counts for O2's pinning
+            # record still counts for O2's float32 islands
             plan = self._decide_quietly(node)
             user_cast = plan is not None and plan.amp.role is Role.USER_CAST
             if user_cast and self._inputs_as_planned(node):

@@ -24,7 +24,7 @@ see) run on fake tensors. A node whose fake run fails is an error naming it (onl
 that returns no tensor, ``aten.item`` on data, may fail: it has no dtype to decide).
 
 Reads: ``meta["amp"]`` (role, rule, source), ``meta["val"]``, ``meta[CAPTURE_PLAN]``. Writes:
-``meta["amp"].compute_dtype``, ``.out_dtype``, ``.exact``, ``.detail`` (when the pinning
+``meta["amp"].compute_dtype``, ``.out_dtype``, ``.exact``, ``.detail`` (when a float32
 rule changes a decision), and ``meta["val"]`` (fake values under the plan). The graph is
 not changed.
 """
