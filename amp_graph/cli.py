@@ -398,21 +398,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
     broke."""
     import amp_graph
 
-    graph = None
-    if args.graph:
-        where, sep, name = args.graph.rpartition(":")
-        if not sep or not where or not name:
-            raise UsageError(
-                f"--graph is FILE.py:factory or package.module:factory; got {args.graph!r}"
-            )
-        factory = getattr(_load_module(where), name, None)
-        if not callable(factory):
-            raise UsageError(f"{where} has no callable {name!r} that builds the training Graph")
-        graph = factory()
+    graph = _built(args.graph, "--graph", "the training Graph")
+    model = _built(args.model, "--model", "the model")
     with quiet_torch(args.debug):
-        result = amp_graph.replay(args.path, graph, numerics=not args.no_numerics)
+        result = amp_graph.replay(args.path, graph, model=model, numerics=not args.no_numerics)
     print(result)
     return 0 if result.reproduced else EXIT_FAILED
+
+
+def _built(spec: str | None, flag: str, what: str) -> Any:
+    """What the factory ``FILE.py:factory`` (or ``package.module:factory``) builds, or None."""
+    if not spec:
+        return None
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise UsageError(f"{flag} is FILE.py:factory or package.module:factory; got {spec!r}")
+    factory = getattr(_load_module(where), name, None)
+    if not callable(factory):
+        raise UsageError(f"{where} has no callable {name!r} that builds {what}")
+    return factory()
 
 
 def load_samples(path: str) -> list[Any]:
@@ -619,7 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="rerun the skipped step a monitor's repro bundle recorded; name where it broke",
         description="Load the bundle amp_graph.monitor(repro_dir=...) wrote for the first "
-        "skipped step into a new Graph of the recorded class, rerun that step on the same "
+        "skipped step into a new Graph (or, for a compiled module, a new model) of the "
+        "recorded class, rerun that step on the same "
         "device, check it bit for bit, and run numerics on it (forward and backward). Exit "
         "status 0 when the step reran bit for bit.",
     )
@@ -629,6 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.py:factory",
         help="a function that builds the training Graph (default: the recorded class, "
         "called with no arguments)",
+    )
+    replay_cmd.add_argument(
+        "--model",
+        metavar="FILE.py:factory",
+        help="a compiled module's bundle: a function that builds the model (default: the "
+        "recorded class, called with no arguments)",
     )
     replay_cmd.add_argument("--no-numerics", action="store_true", help="only rerun the step")
     replay_cmd.add_argument("--debug", action="store_true", help="show tracebacks")

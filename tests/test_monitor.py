@@ -232,7 +232,8 @@ def test_gradients_are_measured_at_the_loss_scale() -> None:
     scale = 2.0**10
     (compiled(x).float().sum() * scale).backward()
     grads = monitor.history.where(role="grad_output").rows
-    assert grads[-1]["amax"] == scale  # d(scale * sum)/d(out) = scale
+    # the output layer's gradient comes first (backward runs in reverse): d(scale * sum)/d(out)
+    assert grads[0]["amax"] == scale
     reference = _reference(compiled, monitor.probes, (x,), lambda y: y.float().sum() * scale)
     _check_history(monitor, reference)
 

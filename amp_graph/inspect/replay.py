@@ -20,6 +20,7 @@ import torch
 from amp_graph.monitoring.repro import META_FILE, buffers_after, gradients
 
 from .numerics import numerics as run_numerics
+from .replay_compiled import replay_compiled, same_bits, set_rng
 
 
 @dataclass
@@ -66,27 +67,6 @@ class ReplayResult:
         return "\n".join(lines)
 
 
-def _equal(a: Any, b: Any) -> bool:
-    """The same bits: dtype, shape, values, NaNs in the same places (NaN != NaN otherwise)."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        a, b = a.detach().cpu(), b.detach().cpu()
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-        return torch.equal(nan_a, nan_b) and torch.equal(
-            a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
-        )
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-def _set_rng(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["cpu"])
-    if rng.get("cuda") is not None:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
 def _graph_from(spec: str) -> Any:
     module_name, _, qualname = spec.partition(":")
     try:
@@ -111,7 +91,14 @@ def _loss_positions(step_graph: Any) -> list[int]:
     ]
 
 
-def replay(path: str | Path, graph: Any = None, *, numerics: bool = True) -> ReplayResult:
+def replay(
+    path: str | Path,
+    graph: Any = None,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    numerics: bool = True,
+) -> ReplayResult:
     """Rerun the skipped step a monitor's repro bundle recorded, and find where it broke.
 
     ``graph``: a new instance of the training Graph (built as the training script builds
@@ -122,6 +109,12 @@ def replay(path: str | Path, graph: Any = None, *, numerics: bool = True) -> Rep
     float32 shadow, at the step's loss scale, and the result names the first non-finite
     node. It runs with the recorded number of CPU threads (a reduction's order depends on
     it). Prints nothing: ``print(result)``.
+
+    A compiled module's bundle (``amp_graph.monitor(compiled, repro_dir=..., scaler=...,
+    optimizer=...)``) takes ``model=``, a new instance of the model (None: the recorded class
+    built with no arguments), and optionally ``optimizer=`` (over ``model``'s parameters),
+    which gets its state of before the step: the forward and backward run once and are
+    compared the same way (:mod:`amp_graph.inspect.replay_compiled`).
     """
     path = Path(path)
     meta_file = path / META_FILE
@@ -135,11 +128,24 @@ def replay(path: str | Path, graph: Any = None, *, numerics: bool = True) -> Rep
         raise RuntimeError(
             f"step {meta['step']} was recorded on {meta['device']}: replay it on that device"
         )
-    if graph is None:
+    compiled = meta.get("kind") == "compile"
+    if compiled and graph is not None:
+        raise TypeError(
+            f"{path} is a compiled module's bundle: pass model= (and optimizer=), not a Graph"
+        )
+    if not compiled and (model is not None or optimizer is not None):
+        raise TypeError(f"{path} is a Graph's bundle: pass graph=, not model= or optimizer=")
+    if not compiled and graph is None:
         graph = _graph_from(meta["graph_class"])
     threads = torch.get_num_threads()
     torch.set_num_threads(meta["threads"])  # the recorded run's reduction order on the CPU
     try:
+        if compiled:
+            skipped, mismatches, report, note = replay_compiled(
+                path, meta, model, optimizer, numerics
+            )
+            reproduced = not mismatches
+            return ReplayResult(path, meta["step"], skipped, reproduced, mismatches, report, note)
         return _replay(path, meta, graph, numerics)
     finally:
         torch.set_num_threads(threads)
@@ -153,15 +159,15 @@ def _replay(path: Path, meta: dict[str, Any], graph: Any, numerics: bool) -> Rep
     graph.load_state_dict(state)
     graph.capture(*inputs)  # capturing draws random numbers: before the RNG is set
     graph.load_state_dict(state)  # again: O2's float32 masters exist once captured
-    _set_rng(rng)
+    set_rng(rng)
     before = graph.skipped_steps
     out = graph(*inputs)
     skipped = graph.skipped_steps > before
-    mismatches = [] if _equal(out, recorded["out"]) else ["output"]
+    mismatches = [] if same_bits(out, recorded["out"]) else ["output"]
     for kind, now in (("grads", gradients(graph)), ("buffers", buffers_after(graph))):
         for name in sorted(set(now) | set(recorded[kind])):
             ours, theirs = now.get(name), recorded[kind].get(name)
-            if ours is None or theirs is None or not _equal(ours, theirs):
+            if ours is None or theirs is None or not same_bits(ours, theirs):
                 mismatches.append(name if kind == "grads" else f"buffer {name}")
     note = ""
     if torch.__version__ != meta["torch"]:
@@ -170,7 +176,7 @@ def _replay(path: Path, meta: dict[str, Any], graph: Any, numerics: bool) -> Rep
     if numerics and meta["micro_batches"] == 1:
         positions = _loss_positions(graph.step_graph)
         graph.load_state_dict(state)
-        _set_rng(rng)
+        set_rng(rng)
         report = run_numerics(
             graph.build_graph,
             *inputs,

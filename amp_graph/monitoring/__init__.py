@@ -17,10 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from amp_graph.compiler import CompiledModule, _compiled_in_place
 
 from .core import CSV_NAME, JSONL_NAME, Monitor
 from .history import History
+from .repro_compiled import CompiledReproRecorder
 from .selection import DEFAULT_OPS, SELECTOR_FIELDS, NodeSelection
 
 __all__ = [
@@ -47,6 +50,8 @@ def monitor(
     scaler: Any = None,
     group: Any = None,
     repro_dir: str | Path | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
 ) -> Monitor:
     """Measure ``target``'s chosen nodes every ``every`` steps; returns the :class:`Monitor`.
 
@@ -75,11 +80,26 @@ def monitor(
             steps over it (``amax`` the largest, counts summed): a collective, so every rank
             of the group must read at the same step (``log_dir`` flushes do). Never the world
             group unless it is the one given.
-        repro_dir: (a Graph) when a step is skipped for inf/nan gradients, write what
+        repro_dir: when a step is skipped for inf/nan gradients, write what
             :func:`amp_graph.replay` needs to rerun it bit for bit under
             ``repro_dir/step_<N>/`` (the first such step; :mod:`amp_graph.monitoring.repro`
-            says what is kept per step, and what it costs).
+            and, for a compiled module, :mod:`amp_graph.monitoring.repro_compiled` say what
+            is kept per step, and what it costs). A compiled module's monitor needs the
+            loop's ``scaler=`` (which knows the step was skipped) and ``optimizer=`` (and
+            its ``scheduler=``, if any) for it.
+        optimizer / scheduler: (a compiled module, with ``repro_dir``) the optimizer that
+            ``scaler.step`` steps, and its LR scheduler: their state before the skipped step
+            goes into the bundle.
     """
+    compiled = _compiled_in_place(target) or target
+    is_compiled = isinstance(compiled, CompiledModule)
+    if is_compiled and repro_dir is not None:
+        _check_compiled_repro(scaler, optimizer, scheduler)
+    elif optimizer is not None or scheduler is not None:
+        raise ValueError(
+            "monitor optimizer= and scheduler= go with repro_dir= on a compiled module (a "
+            "Graph knows its own); drop them, or pass repro_dir="
+        )
     made = Monitor(
         every,
         nodes=nodes,
@@ -89,17 +109,15 @@ def monitor(
         tensorboard=tensorboard,
         scaler=scaler,
         group=group,
-        repro_dir=repro_dir,
+        repro_dir=None if is_compiled else repro_dir,
     )
-    compiled = _compiled_in_place(target) or target
-    if isinstance(compiled, CompiledModule):
+    if is_compiled:
+        made.attach(compiled, "_monitor", "compiled module")
         if repro_dir is not None:
-            raise ValueError(
-                "repro_dir= needs an amp_graph.Graph: its step graph runs the optimizer and "
-                "knows which step it skipped. For a compiled module, train it inside a Graph "
-                "(graph.config.enable_monitor(repro_dir=...)), or drop repro_dir"
+            made.repro = CompiledReproRecorder(
+                repro_dir, target, compiled, optimizer, scaler, scheduler
             )
-        return made.attach(compiled, "_monitor", "compiled module")
+        return made
     config = getattr(target, "config", None)
     if callable(getattr(config, "attach_monitor", None)):  # an amp_graph.Graph
         config.attach_monitor(made)
@@ -109,3 +127,24 @@ def monitor(
         f"an amp_graph.Graph; got {type(target).__name__}. Compile the model first: "
         "monitor(amp_graph.compile(model, policy=...))"
     )
+
+
+def _check_compiled_repro(scaler: Any, optimizer: Any, scheduler: Any) -> None:
+    """A compiled module's repro bundle needs the loop's scaler and optimizer: early, named."""
+    if scaler is None:
+        raise ValueError(
+            "repro_dir= on a compiled module needs scaler=, the GradScaler (amp_graph's or "
+            "torch.amp's) whose step() skips the optimizer step on inf/nan gradients: it is "
+            "how the monitor knows which step to write. monitor(compiled, repro_dir=..., "
+            "scaler=scaler, optimizer=optimizer)"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            "repro_dir= on a compiled module needs optimizer=, the torch.optim.Optimizer that "
+            f"scaler.step(optimizer) steps (its state goes into the bundle); got {optimizer!r}"
+        )
+    if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+        raise TypeError(
+            "monitor scheduler= is the optimizer's LR scheduler (with state_dict()); got "
+            f"{type(scheduler).__name__}"
+        )

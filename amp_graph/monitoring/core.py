@@ -134,7 +134,8 @@ class Monitor:
         self.flush_every = flush_every
         self.scaler = scaler
         self.group = group
-        self.repro = None if repro_dir is None else ReproRecorder(repro_dir)
+        # a Graph's; amp_graph.monitor sets a compiled module's (repro_compiled)
+        self.repro: Any = None if repro_dir is None else ReproRecorder(repro_dir)
         # the rank a row was measured on; None for rows reduced over a group
         self._rank = None if group is not None else (dist.get_rank() if _distributed() else 0)
         self.selection = NodeSelection(nodes)
@@ -188,11 +189,7 @@ class Monitor:
     def repro_path(self) -> Path | None:
         """The repro bundle of the first skipped step, or None (checks the last step first:
         a host read of its skip counter)."""
-        if self.repro is None:
-            return None
-        if self.repro.graph is not None:
-            self.repro.resolve(self.repro.graph)
-        return self.repro.written
+        return None if self.repro is None else self.repro.check()
 
     def _loss_scale(self, gm: fx.GraphModule) -> torch.Tensor | None:
         """A copy of the scale this step multiplies its loss by (before the step updates
@@ -317,6 +314,8 @@ class Monitor:
     def detach(self) -> None:
         """Stop monitoring: the target runs its own graphs only. Flushes first."""
         self.close()
+        if self.repro is not None:
+            self.repro.remove()
         if self._slot is not None:
             setattr(*self._slot, None)
             self._slot = None

@@ -119,6 +119,15 @@ class ReproRecorder:
             self._last.out = out
             self._last.skipped_after = graph.skipped_steps_counter
 
+    def check(self) -> Path | None:
+        """The bundle's path, once the step kept is known (a host read: see the module)."""
+        if self.graph is not None:
+            self.resolve(self.graph)
+        return self.written
+
+    def remove(self) -> None:
+        """Nothing to take off: a Graph calls its monitor itself."""
+
     def resolve(self, graph: Any) -> Path | None:
         """If the step kept was skipped, write its bundle (once); the path, or None."""
         last, self._last = self._last, None

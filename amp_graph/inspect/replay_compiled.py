@@ -1,0 +1,166 @@
+"""``amp_graph.replay`` of a compiled module's bundle (``"kind": "compile"``, written by
+:mod:`amp_graph.monitoring.repro_compiled`): the step's forward and backward, bit for bit.
+
+The model (a new instance, built as the training script builds it) gets the state of before
+the step; the optimizer, where given, gets its state too (replay does not step it: the
+recorded step was skipped). The model is compiled with the recorded policy and dtype and
+captured, the RNG is set as the step found it, the call runs with the recorded arguments,
+and backward starts from the gradient the loop's loss sent into each output (at the step's
+loss scale). The output, every parameter's gradient and every buffer are compared with the
+recorded ones; then :func:`amp_graph.numerics` reruns the same forward and backward beside a
+float32 shadow and names the first non-finite node.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from amp_graph.compiler import compile as compile_model
+
+from .numerics import numerics as run_numerics
+
+
+def replay_compiled(
+    path: Path,
+    meta: dict[str, Any],
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    numerics: bool,
+) -> tuple[bool, list[str], Any, str]:
+    """``(skipped again, mismatches, numerics report, note)`` of the bundle at ``path``."""
+    if model is None:
+        model = _model_from(meta["model_class"])
+    state = torch.load(path / "state.pt", weights_only=False)
+    args, kwargs = torch.load(path / "batch.pt", weights_only=False)
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    recorded = torch.load(path / "step_result.pt", weights_only=False)
+    _load(model, optimizer, state)
+    model.train(meta["training"])
+    compiled = compile_model(model, _policy(path, meta), _dtype(meta["dtype"]))
+    compiled.capture(*args, **kwargs)  # capturing draws random numbers: before the RNG is set
+    _load(model, None, state)
+    set_rng(rng)
+    out = compiled(*args, **kwargs)
+    outputs, grads = _seeded(out, recorded["output_grads"])
+    torch.autograd.backward(outputs, grads)
+    mismatches = [] if same_bits(_detached(out), recorded["out"]) else ["output"]
+    now = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for name in sorted(set(now) | set(recorded["grads"])) if meta["grads_kept"] else []:
+        ours, theirs = now.get(name), recorded["grads"].get(name)
+        if ours is None or theirs is None or not same_bits(ours, theirs):
+            mismatches.append(name)
+    for name, buffer in model.named_buffers():
+        theirs = recorded["buffers"].get(name)
+        if theirs is None or not same_bits(buffer, theirs):
+            mismatches.append(f"buffer {name}")
+    skipped = any(not bool(g.isfinite().all()) for g in now.values())
+    notes = [meta["note"]] if meta.get("note") else []
+    if torch.__version__ != meta["torch"]:
+        notes.append(f"recorded with torch {meta['torch']}, replayed with {torch.__version__}")
+    report = None
+    if numerics:
+        _load(model, None, state)
+        set_rng(rng)
+        report = run_numerics(
+            compiled,
+            *args,
+            backward=True,
+            loss_fn=lambda result: _loss_with_grads(result, recorded["output_grads"]),
+            scale=1.0,  # the recorded output gradients carry the step's loss scale
+            **kwargs,
+        )
+    for p in model.parameters():
+        p.grad = None
+    return skipped, mismatches, report, "; ".join(notes)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """The same bits: dtype, shape, values, NaNs in the same places (NaN != NaN otherwise)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        a, b = a.detach().cpu(), b.detach().cpu()
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        return torch.equal(nan_a, nan_b) and torch.equal(
+            a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
+        )
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    leaves_a, spec_a = pytree.tree_flatten(a)
+    leaves_b, spec_b = pytree.tree_flatten(b)
+    if len(leaves_a) == 1 and leaves_a[0] is a:  # a leaf that is no tensor
+        return a == b
+    return spec_a == spec_b and all(
+        same_bits(x, y) for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+def set_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _load(model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    with torch.no_grad():
+        model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _policy(path: Path, meta: dict[str, Any]) -> Any:
+    pickled = path / "policy.pt"
+    if pickled.exists():
+        return torch.load(pickled, weights_only=False)
+    return meta["policy"]  # a preset by name (policy.txt has an unpicklable one)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _seeded(out: Any, output_grads: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs the loop's loss reached, and the gradient it sent into each."""
+    leaves = pytree.tree_leaves(out)
+    pairs = [(o, g) for o, g in zip(leaves, output_grads, strict=False) if g is not None]
+    if not pairs:
+        raise ValueError(
+            "the bundle holds no gradient of the step's outputs: its backward never reached "
+            "the compiled module's outputs"
+        )
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _loss_with_grads(out: Any, output_grads: list[Any]) -> torch.Tensor:
+    """A scalar whose gradient into each output is the recorded one."""
+    outputs, grads = _seeded(out, output_grads)
+    return sum(
+        (o.float() * g.to(o.device, torch.float32)).sum()
+        for o, g in zip(outputs, grads, strict=True)
+    )
+
+
+def _detached(out: Any) -> Any:
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
+
+
+def _model_from(spec: str) -> nn.Module:
+    module_name, _, qualname = spec.partition(":")
+    try:
+        cls: Any = operator.attrgetter(qualname)(importlib.import_module(module_name))
+        return cls()
+    except Exception as error:
+        raise TypeError(
+            f"replay could not build the model {spec} with no arguments ({type(error).__name__}:"
+            f" {error}); pass model= (a new instance, built as the training script builds it)"
+        ) from None
+
+
+__all__ = ["replay_compiled", "same_bits", "set_rng"]
