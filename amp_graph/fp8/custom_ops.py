@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from .cpu_matmul import cpu_scaled_mm_is_slow, emulated_scaled_mm
 from .recipe import AMAX_FLOOR, E4M3, FP8_DTYPES, OUT_DTYPE, Granularity, get_recipe
 
 _MULTIPLE = 16  # torch._scaled_mm's alignment for the contraction dim
@@ -195,7 +196,13 @@ def _scaled_mm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b`` from float8 operands quantized as ``a_fp8 = a * a_scale``: the layouts
-    ``torch._scaled_mm`` needs and the dequantization scales (reciprocals) it takes."""
+    ``torch._scaled_mm`` needs and the dequantization scales (reciprocals) it takes. On a
+    CPU whose ``torch._scaled_mm`` is slow, the same arithmetic from float32
+    (:mod:`amp_graph.fp8.cpu_matmul`)."""
+    if a.device.type == "cpu" and cpu_scaled_mm_is_slow():
+        with _without_autocast(a.device):
+            scales = (a_scale.reciprocal(), b_scale.reciprocal())
+            return emulated_scaled_mm(a, b, *scales, bias, out_dtype)
     try:
         with _without_autocast(a.device):
             return torch._scaled_mm(
