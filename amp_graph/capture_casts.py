@@ -102,6 +102,8 @@ class CompositePromoteMode(TorchFunctionMode):
         if self.planned_dtype is not None:
             func, args, kwargs = cast_to_planned(func, args, kwargs, self.planned_dtype)
         args = kept_apart(func, args, kwargs, self.aliases, self.tracer)
+        if self.planned_dtype is not None and _is_dtype_query(func, args, kwargs):
+            return _query_as_planned(func, args[0], self.planned_dtype(args[0]))
         if getattr(func, "__self__", None) is _DTYPE_DESCRIPTOR:
             dtype = func(*args, **kwargs)
             if self.planned_dtype is not None and args and isinstance(args[0], torch.Tensor):
@@ -122,6 +124,34 @@ class CompositePromoteMode(TorchFunctionMode):
                         self.casts.add(newest_node(self.tracer.graph).name)
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
         return func(*args, **kwargs)
+
+
+# Tensor methods that answer with the dtype in another form: x.type() (a legacy type name, as
+# in h.type(x.type())) and x.element_size() (its itemsize)
+_DTYPE_QUERIES = frozenset({torch.Tensor.type, torch.Tensor.element_size})
+_LEGACY_NAMES = {
+    torch.float32: "FloatTensor",
+    torch.float16: "HalfTensor",
+    torch.bfloat16: "BFloat16Tensor",
+}
+
+
+def _is_dtype_query(func: Any, args: tuple, kwargs: dict) -> bool:
+    try:
+        known = func in _DTYPE_QUERIES
+    except TypeError:  # an unhashable callable: no tensor method
+        return False
+    return known and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+
+
+def _query_as_planned(func: Any, tensor: torch.Tensor, planned: torch.dtype) -> Any:
+    """``x.type()`` or ``x.element_size()`` as ``x`` has them in the plan."""
+    if func is torch.Tensor.element_size:
+        return planned.itemsize
+    if planned == tensor.dtype or planned not in _LEGACY_NAMES:
+        return func(tensor)
+    prefix = "torch." if tensor.device.type == "cpu" else f"torch.{tensor.device.type}."
+    return prefix + _LEGACY_NAMES[planned]
 
 
 def cast_to_planned(

@@ -62,6 +62,7 @@ class ReadsDtypes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b, self.c, self.d, self.e = (nn.Linear(8, 8) for _ in range(5))
+        # (x.type() and x.element_size() read the dtype too)
 
     @property
     def dtype(self) -> torch.dtype:  # HF's and diffusers' ModelMixin.dtype
@@ -72,7 +73,8 @@ class ReadsDtypes(nn.Module):
         h = self.b(h).type_as(x)
         h = self.c(h).to(x)
         h = self.d(h).to(dtype=self.dtype)
-        return self.e(h)
+        h = self.e(h).type(x.type())  # a legacy type name read from x
+        return h * (8 / x.element_size())  # 2 where x is 4 bytes, 4 where 2
 
 
 class Upcasts(nn.Module):
@@ -168,7 +170,9 @@ def test_casts_to_a_dtype_read_from_a_tensor_follow_the_plan(policy, fresh_dynam
     gm, backend_gm, graph_gm = _three_ways(ReadsDtypes(), (X,), policy)
     assert _linear_dtypes(gm) == [BF16] * 5
     casts = [n.meta[AMP].out_dtype for n in gm.graph.nodes if n.meta[AMP].role is Role.USER_CAST]
-    assert casts == [BF16] * 4  # each cast means "to x's (the parameters') dtype": low
+    assert casts == [BF16] * 5  # each cast means "to x's (the parameters') dtype": low
+    scale = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert scale == [4.0]  # x.element_size() of bf16
     assert _linear_dtypes(backend_gm) == [BF16] * 5
     assert _op_dtypes(graph_gm, prefix="model") == _op_dtypes(gm)
 
