@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.capture_casts import (
     CastKeepingInterpreter,
-    mark_dtype_reads,
+    mark_named,
     strip_aliases,
     strip_widening_casts,
 )
@@ -66,6 +66,7 @@ from amp_graph.capture_fsdp import (
 from amp_graph.passes.fsdp_hooks import stack_unit
 from amp_graph.passes.meta import (
     CHECKPOINT_REGION,
+    DTYPE_READ,
     FSDP_GATHERED_DTYPE,
     FSDP_PLANNED,
     FSDP_UNITS,
@@ -289,7 +290,7 @@ def capture_module(
             gm.recompile()
         mark_checkpoint_regions(gm, planned.checkpointed)
         mark_capture_plans(gm, planned.plan_records)
-        mark_dtype_reads(gm, planned.dtype_reads)
+        mark_named(gm, planned.dtype_reads, DTYPE_READ)
     if units:
         gm.meta[FSDP_UNITS] = units
         _check_checkpoints_within_units(gm, units)
@@ -434,9 +435,7 @@ def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Graph
                 new.meta[key] = old.meta[key]
         if hasattr(new, "_rename"):  # dynamo's names (l_x_) read better than arg0_1
             new._rename(old.name)
-    for node in traced.graph.nodes:
-        if node.name in baked:
-            node.meta[TRACED_NOOP_CAST] = True
+    mark_named(traced, baked, TRACED_NOOP_CAST)
     traced.recompile()
     traced.meta.update(getattr(gm, "meta", {}))
     return traced

@@ -25,7 +25,6 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from amp_graph.passes.meta import DTYPE_READ
 from amp_graph.policy import Policy
 
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,6 +49,17 @@ _CAST_METHODS: dict[str, torch.dtype | None] = {
     "type_as": None,
 }
 _CAST_METHOD_NAMES = {getattr(torch.Tensor, name): name for name in _CAST_METHODS}
+
+
+def _cast_method(func: Any) -> str | None:
+    """The name of the tensor-method cast ``func`` is (a method name or ``torch.Tensor``'s
+    method), or None."""
+    if isinstance(func, str):
+        return func if func in _CAST_METHODS else None
+    try:
+        return _CAST_METHOD_NAMES.get(func)
+    except TypeError:  # an unhashable callable: no tensor method
+        return None
 
 
 def newest_node(graph: fx.Graph) -> fx.Node | None:
@@ -163,11 +173,7 @@ def cast_to_planned(
     for ``x.to(y.dtype)`` (the ``.dtype`` read gives the planned one) nor ``x.type_as(y)``
     (recorded as written, it reads ``y``'s dtype in the graph; see
     :meth:`PolicyDtypeMode._note`). Any other call is returned as given."""
-    try:
-        name = _CAST_METHOD_NAMES.get(func)
-    except TypeError:  # an unhashable callable: no tensor method
-        return func, args, kwargs
-    if name != "to" or not args or not isinstance(args[0], torch.Tensor):
+    if _cast_method(func) != "to" or not args or not isinstance(args[0], torch.Tensor):
         return func, args, kwargs
     positional = [i for i, a in enumerate(args[1:], 1) if isinstance(a, torch.Tensor)]
     source = args[positional[0]] if positional else kwargs.get("other")
@@ -177,7 +183,7 @@ def cast_to_planned(
     if planned == source.dtype:
         return func, args, kwargs
     rest = {k: v for k, v in kwargs.items() if k in ("non_blocking", "copy")}
-    if name == "to" and positional:  # x.to(other, non_blocking=False, copy=False)
+    if positional:  # x.to(other, non_blocking=False, copy=False)
         flags = dict(zip(("non_blocking", "copy"), args[positional[0] + 1 :], strict=False))
         rest.update(flags)
     return torch.Tensor.to, (args[0], source.device, planned), rest
@@ -201,21 +207,14 @@ def reads_target_dtype(name: Any) -> bool:
     """Whether the tensor-method cast ``name`` (a method name or ``torch.Tensor``'s method)
     takes its target as an argument (``x.to(dtype)``, ``x.type(dtype)``), which may be a dtype
     the model read from a tensor, rather than naming it (``x.float()``)."""
-    try:
-        name = name if isinstance(name, str) else _CAST_METHOD_NAMES.get(name)
-    except TypeError:  # an unhashable callable: no tensor method
-        return False
-    return name in ("to", "type")
+    return _cast_method(name) in ("to", "type")
 
 
 def is_noop_cast(name: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the tensor-method cast ``name`` (a method name or ``torch.Tensor``'s method)
     returns its input itself here: a cast to the dtype the input has, without ``copy=True``."""
-    try:
-        name = name if isinstance(name, str) else _CAST_METHOD_NAMES.get(name)
-    except TypeError:  # an unhashable callable: no tensor method
-        return False
-    if name not in _CAST_METHODS or not args or not isinstance(args[0], torch.Tensor):
+    name = _cast_method(name)
+    if name is None or not args or not isinstance(args[0], torch.Tensor):
         return False
     return not kwargs.get("copy", False) and _cast_target(name, args, kwargs) == args[0].dtype
 
@@ -281,11 +280,13 @@ def _bypass(gm: fx.GraphModule, names: set[str], ops: tuple[str, ...]) -> int:
     return removed
 
 
-def mark_dtype_reads(gm: fx.GraphModule, names: set[str]) -> None:
-    """``meta[DTYPE_READ] = True`` on the nodes whose low dtype the model's Python read."""
+def mark_named(gm: fx.GraphModule, names: set[str], key: str) -> None:
+    """``meta[key] = True`` on the nodes named in ``names`` (the trace keeps node names):
+    what a capture noted while tracing (:data:`~amp_graph.passes.meta.DTYPE_READ`,
+    :data:`~amp_graph.passes.meta.TRACED_NOOP_CAST`)."""
     for node in gm.graph.nodes:
         if node.name in names:
-            node.meta[DTYPE_READ] = True
+            node.meta[key] = True
 
 
 def promoted(dtypes: list[torch.dtype]) -> torch.dtype | None:
@@ -338,24 +339,19 @@ class CastKeepingInterpreter(fx.Interpreter):
         self.aliases, self.baked = aliases, baked
 
     def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        baked = reads_target_dtype(target) and is_noop_cast(target, args, kwargs)
-        out = super().call_method(target, kept_apart(target, args, kwargs, self.aliases), kwargs)
-        if baked:
-            self._note_newest()
-        return out
+        return self._keeping(super().call_method, target, args, kwargs)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        baked = reads_target_dtype(target) and is_noop_cast(target, args, kwargs)
-        out = super().call_function(target, kept_apart(target, args, kwargs, self.aliases), kwargs)
-        if baked:
-            self._note_newest()
-        return out
+        return self._keeping(super().call_function, target, args, kwargs)
 
-    def _note_newest(self) -> None:
-        tracer = proxy_tracer()
-        newest = next(iter(reversed(tracer.graph.nodes)), None) if tracer is not None else None
+    def _keeping(self, call: Callable, target: Any, args: tuple, kwargs: dict) -> Any:
+        baked = reads_target_dtype(target) and is_noop_cast(target, args, kwargs)
+        out = call(target, kept_apart(target, args, kwargs, self.aliases), kwargs)
+        tracer = proxy_tracer() if baked else None
+        newest = newest_node(tracer.graph) if tracer is not None else None
         if newest is not None:
             self.baked.add(newest.name)
+        return out
 
 
 __all__ = [
@@ -364,7 +360,7 @@ __all__ = [
     "cast_to_planned",
     "is_noop_cast",
     "kept_apart",
-    "mark_dtype_reads",
+    "mark_named",
     "newest_node",
     "promoted",
     "proxy_tracer",

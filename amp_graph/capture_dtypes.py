@@ -222,7 +222,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         if node not in self.planned:
             self._catch_up_to_end()
         planned = self.planned.get(node, UNKNOWN)
-        return planned if isinstance(planned, torch.dtype) and planned in _CASTABLE else value.dtype
+        return planned if is_castable(planned) else value.dtype
 
     def _inputs_as_planned(self, node: fx.Node) -> bool:
         """Whether each input's captured value has its planned dtype, so that a kernel the mode

@@ -59,9 +59,6 @@ class Float32Islands:
     upcast: set[fx.Node] = field(default_factory=set)  # the model's own float32 upcasts
     from_integers: set[fx.Node] = field(default_factory=set)  # made in float32 from integers
 
-    def __contains__(self, node: fx.Node) -> bool:
-        return node in self.upcast or node in self.from_integers
-
 
 def effective_rule(
     node: fx.Node, amp: AmpInfo, islands: Float32Islands, facts: Mapping[fx.Node, DtypeFact]
@@ -82,7 +79,7 @@ def effective_rule(
             "computes in float32"
         )
         return Rule.DENY
-    made = _reads_only_made_from_integers(node, islands, facts) or _literal(node)
+    made = _reads_only_made_from_integers(node, islands, facts)
     if made:
         amp.detail = (
             f"{amp.detail}; but its floating inputs ({', '.join(repr(a.name) for a in made)}) "
@@ -98,7 +95,11 @@ def _reads_only_made_from_integers(
     node: fx.Node, islands: Float32Islands, facts: Mapping[fx.Node, DtypeFact]
 ) -> list[fx.Node]:
     """The node's floating inputs when every one of them was made from integers (and there
-    is one), else []. An input of unknown dtype may be floating: it ends the island."""
+    is one), else []. An input of unknown dtype may be floating: it ends the island. A
+    tensor literal's copy reads a constant of the graph: that constant."""
+    literal = _literal(node)
+    if literal:
+        return literal
     made = []
     for arg in node.all_input_nodes:
         if arg in islands.from_integers:
@@ -149,7 +150,6 @@ def track_islands(
     if out == torch.float32 and (
         all(_never_floating(facts.get(a, UNKNOWN)) for a in node.all_input_nodes)
         or _reads_only_made_from_integers(node, islands, facts)
-        or _literal(node)
     ):
         islands.from_integers.add(node)
         return

@@ -261,19 +261,16 @@ def instrument(
     probes: list[Probe] = []
     copied = copy_graph_module(gm)
     setattr(copied, SINK_ATTR, sink)
-    index = {node.name: i for i, node in enumerate(gm.graph.nodes)}
-    _Instrumenter("", probes, {n: (i,) for n, i in index.items()}).instrument(
-        copied.graph, selected
-    )
+    nodes = list(gm.graph.nodes)
+    positions = {node.name: (i,) for i, node in enumerate(nodes)}
+    calls = {node.target: i for i, node in enumerate(nodes) if node.op == "call_module"}
+    _Instrumenter("", probes, positions).instrument(copied.graph, selected)
     instrumented = [copied]
     for name in _region_graphs(gm):
         region = copy_graph_module(getattr(gm, name))
         setattr(region, SINK_ATTR, sink)
         before = len(probes)
-        call = next(
-            (i for i, n in enumerate(gm.graph.nodes) if n.op == "call_module" and n.target == name),
-            len(index),
-        )
+        call = calls.get(name, len(nodes))
         inside = {n.name: (call, j) for j, n in enumerate(region.graph.nodes)}
         _Instrumenter(name, probes, inside).instrument(region.graph, selected)
         if len(probes) > before:

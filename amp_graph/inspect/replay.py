@@ -8,7 +8,6 @@ build graph to name the first node that went non-finite, forward or backward.
 
 from __future__ import annotations
 
-import importlib
 import json
 import operator
 from dataclasses import dataclass, field
@@ -17,10 +16,10 @@ from typing import Any
 
 import torch
 
-from amp_graph.monitoring.repro import META_FILE, buffers_after, gradients
+from amp_graph.monitoring.repro import META_FILE, buffers_after, gradients, set_rng
 
 from .numerics import numerics as run_numerics
-from .replay_compiled import replay_compiled, same_bits, set_rng
+from .replay_compiled import built_from, replay_compiled, same_bits
 
 
 @dataclass
@@ -65,20 +64,6 @@ class ReplayResult:
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
-
-
-def _graph_from(spec: str) -> Any:
-    module_name, _, qualname = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        obj = operator.attrgetter(qualname)(obj)
-        return obj()
-    except Exception as error:
-        raise TypeError(
-            f"replay could not build the Graph {spec} with no arguments ({type(error).__name__}:"
-            f" {error}); pass graph= (a new instance of the training Graph, built as the "
-            "training script builds it), or --graph FILE.py:factory from the command line"
-        ) from None
 
 
 def _loss_positions(step_graph: Any) -> list[int]:
@@ -136,7 +121,12 @@ def replay(
     if not compiled and (model is not None or optimizer is not None):
         raise TypeError(f"{path} is a Graph's bundle: pass graph=, not model= or optimizer=")
     if not compiled and graph is None:
-        graph = _graph_from(meta["graph_class"])
+        graph = built_from(
+            meta["graph_class"],
+            "the Graph",
+            "graph= (a new instance of the training Graph, built as the training script builds "
+            "it), or --graph FILE.py:factory from the command line",
+        )
     threads = torch.get_num_threads()
     torch.set_num_threads(meta["threads"])  # the recorded run's reduction order on the CPU
     try:

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from amp_graph.compiler import compile as compile_model
+from amp_graph.monitoring.repro import detached, set_rng
 
 from .numerics import numerics as run_numerics
 
@@ -36,7 +37,11 @@ def replay_compiled(
 ) -> tuple[bool, list[str], Any, str]:
     """``(skipped again, mismatches, numerics report, note)`` of the bundle at ``path``."""
     if model is None:
-        model = _model_from(meta["model_class"])
+        model = built_from(
+            meta["model_class"],
+            "the model",
+            "model= (a new instance, built as the training script builds it)",
+        )
     state = torch.load(path / "state.pt", weights_only=False)
     args, kwargs = torch.load(path / "batch.pt", weights_only=False)
     rng = torch.load(path / "rng.pt", weights_only=False)
@@ -50,7 +55,7 @@ def replay_compiled(
     out = compiled(*args, **kwargs)
     outputs, grads = _seeded(out, recorded["output_grads"])
     torch.autograd.backward(outputs, grads)
-    mismatches = [] if same_bits(_detached(out), recorded["out"]) else ["output"]
+    mismatches = [] if same_bits(detached(out), recorded["out"]) else ["output"]
     now = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for name in sorted(set(now) | set(recorded["grads"])) if meta["grads_kept"] else []:
         ours, theirs = now.get(name), recorded["grads"].get(name)
@@ -102,12 +107,6 @@ def same_bits(a: Any, b: Any) -> bool:
     )
 
 
-def set_rng(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["cpu"])
-    if rng.get("cuda") is not None:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
 def _load(model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
     with torch.no_grad():
         model.load_state_dict(state["model"])
@@ -147,20 +146,17 @@ def _loss_with_grads(out: Any, output_grads: list[Any]) -> torch.Tensor:
     )
 
 
-def _detached(out: Any) -> Any:
-    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
-
-
-def _model_from(spec: str) -> nn.Module:
+def built_from(spec: str, what: str, instead: str) -> Any:
+    """The class (or factory) ``module:qualname`` called with no arguments: how replay builds
+    the recorded Graph or model; a TypeError saying to pass ``instead`` where it cannot."""
     module_name, _, qualname = spec.partition(":")
     try:
-        cls: Any = operator.attrgetter(qualname)(importlib.import_module(module_name))
-        return cls()
+        return operator.attrgetter(qualname)(importlib.import_module(module_name))()
     except Exception as error:
         raise TypeError(
-            f"replay could not build the model {spec} with no arguments ({type(error).__name__}:"
-            f" {error}); pass model= (a new instance, built as the training script builds it)"
+            f"replay could not build {what} {spec} with no arguments ({type(error).__name__}:"
+            f" {error}); pass {instead}"
         ) from None
 
 
-__all__ = ["replay_compiled", "same_bits", "set_rng"]
+__all__ = ["built_from", "replay_compiled", "same_bits"]

@@ -17,7 +17,7 @@ import importlib.util
 import logging
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ class _Instrumented:
     probes: tuple[Probe, ...]
     sink: StatsSink
     device: torch.device
-    order: list[int] = field(default_factory=list)  # computed_order(probes): rows' order
+    order: list[int]  # computed_order(probes): the order of a step's rows
 
 
 @dataclass

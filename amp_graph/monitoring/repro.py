@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from amp_graph.compiler import COMPILE_META
 
@@ -49,8 +50,7 @@ class _PreStep:
 
     step: int
     inputs: tuple
-    rng_cpu: torch.Tensor
-    rng_cuda: list[torch.Tensor] | None
+    rng: dict[str, Any]
     buffers: dict[str, dict[str, torch.Tensor]]
     hyperparameters: list[list[dict[str, Any]]]
     schedulers: list[dict[str, Any]]
@@ -81,16 +81,9 @@ class ReproRecorder:
         self._last = _PreStep(
             step=step,
             inputs=inputs,
-            rng_cpu=torch.get_rng_state(),
-            rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+            rng=rng_states(),
             buffers=self._buffers_to_keep(graph),
-            hyperparameters=[
-                [
-                    copy.deepcopy({k: v for k, v in g.items() if k != "params"})
-                    for g in opt.param_groups
-                ]
-                for opt in graph.optimizers
-            ],
+            hyperparameters=[hyperparameters(opt) for opt in graph.optimizers],
             schedulers=[copy.deepcopy(s.state_dict()) for s in graph.lr_schedulers],
             scaler=None if scaler is None else scaler.pre_step_state(),
             skipped_before=graph.skipped_steps_counter,
@@ -166,8 +159,7 @@ def _pre_step_state(graph: Any, last: _PreStep) -> dict[str, Any]:
     for name, buffers in last.buffers.items():
         state["modules"][name].update(buffers)
     for optimizer_state, groups in zip(state["optimizers"], last.hyperparameters, strict=True):
-        for group, hyperparameters in zip(optimizer_state["param_groups"], groups, strict=True):
-            group.update(hyperparameters)
+        restore_hyperparameters(optimizer_state, groups)
     state["schedulers"] = last.schedulers
     scaler = graph.grad_scaler
     if scaler is not None and last.scaler is not None:
@@ -207,16 +199,12 @@ def write_bundle(path: Path, graph: Any, last: _PreStep) -> Path:
     state = _pre_step_state(graph, last)
     loss_scale = None if scaler is None else state["scaler"].get("scale")
     torch.save(last.inputs, path / "batch.pt")
-    torch.save({"cpu": last.rng_cpu, "cuda": last.rng_cuda}, path / "rng.pt")
+    torch.save(last.rng, path / "rng.pt")
     torch.save(state, path / "state.pt")
     out = last.out.detach() if isinstance(last.out, torch.Tensor) else last.out
     result = {"out": out, "grads": gradients(graph), "buffers": buffers_after(graph)}
     torch.save(result, path / "step_result.pt")
-    (path / "policy.txt").write_text(f"{record.policy!r}\ndtype: {record.dtype}\n")
-    try:
-        torch.save(record.policy, path / "policy.pt")
-    except Exception as error:  # a policy keyed by a local class cannot be pickled
-        log.info("amp_graph: the policy could not be pickled (%s); policy.txt has it", error)
+    write_policy(path, record)
     (path / "graph.txt").write_text(
         f"# the step graph\n{graph.step_graph.code}\n\n# build\n{graph.build_graph.code}\n"
     )
@@ -235,6 +223,47 @@ def write_bundle(path: Path, graph: Any, last: _PreStep) -> Path:
     }
     (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return path
+
+
+def rng_states() -> dict[str, Any]:
+    """The RNG states a step starts from: the CPU's, and each GPU's where CUDA is in use."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng(rng: dict[str, Any]) -> None:
+    """Start from the states :func:`rng_states` kept."""
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def detached(tree: Any) -> Any:
+    """``tree`` with each tensor detached (what a step returned, kept without its graph)."""
+    return pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, tree)
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters, copied (a scheduler changes them on a skipped
+    step too)."""
+    return [
+        copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups
+    ]
+
+
+def restore_hyperparameters(optimizer_state: dict[str, Any], groups: list[dict]) -> None:
+    """Put :func:`hyperparameters`' copies back into an optimizer's ``state_dict()``."""
+    for group, kept in zip(optimizer_state["param_groups"], groups, strict=True):
+        group.update(kept)
+
+
+def write_policy(path: Path, record: Any) -> None:
+    """``policy.txt`` (always) and ``policy.pt`` (where the policy pickles) of a bundle."""
+    (path / "policy.txt").write_text(f"{record.policy!r}\ndtype: {record.dtype}\n")
+    try:
+        torch.save(record.policy, path / "policy.pt")
+    except Exception as error:  # a policy keyed by a local class cannot be pickled
+        log.info("amp_graph: the policy could not be pickled (%s); policy.txt has it", error)
 
 
 def _device_of(graph: Any) -> torch.device:

@@ -47,7 +47,15 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.compiler import COMPILE_META
 
-from .repro import META_FILE, _same
+from .repro import (
+    META_FILE,
+    _same,
+    detached,
+    hyperparameters,
+    restore_hyperparameters,
+    rng_states,
+    write_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +67,7 @@ class _Step:
     step: int
     args: tuple
     kwargs: dict
-    rng_cpu: torch.Tensor
-    rng_cuda: list[torch.Tensor] | None
+    rng: dict[str, Any]
     buffers: dict[str, torch.Tensor]
     hyperparameters: list[dict[str, Any]]
     scheduler: dict[str, Any] | None
@@ -121,30 +128,23 @@ class CompiledReproRecorder:
             step=step,
             args=args,
             kwargs=dict(kwargs),
-            rng_cpu=torch.get_rng_state(),
-            rng_cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+            rng=rng_states(),
             buffers=self._buffers_to_keep(),
-            hyperparameters=[
-                copy.deepcopy({k: v for k, v in g.items() if k != "params"})
-                for g in self.optimizer.param_groups
-            ],
-            scheduler=None
-            if self.scheduler is None
-            else copy.deepcopy(self.scheduler.state_dict()),
+            hyperparameters=hyperparameters(self.optimizer),
+            scheduler=_state_copy(self.scheduler),
             scaler=_scaler_before(self.scaler),
             training=self.model.training,
         )
 
     def _after(self, module: nn.Module, args: tuple, out: Any) -> None:
         last = self._last
-        if last is None or last.out is not None or not torch.is_grad_enabled():
-            return
-        if torch.compiler.is_exporting():
+        skipped = not torch.is_grad_enabled() or torch.compiler.is_exporting()
+        if last is None or last.out is not None or skipped:
             return
         if self._written_buffers is None:  # the first step: which buffers it wrote
             now = dict(self.model.named_buffers())
             self._written_buffers = {k for k, v in last.buffers.items() if not _same(v, now[k])}
-        last.out = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
+        last.out = detached(out)
         for i, leaf in enumerate(pytree.tree_leaves(out)):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self._output_grad_keeper(last, i))
@@ -193,10 +193,7 @@ class CompiledReproRecorder:
         model_state = self.model.state_dict()
         model_state.update(last.buffers)
         optimizer_state = self.optimizer.state_dict()
-        for group, hyperparameters in zip(
-            optimizer_state["param_groups"], last.hyperparameters, strict=True
-        ):
-            group.update(hyperparameters)
+        restore_hyperparameters(optimizer_state, last.hyperparameters)
         grads, note = _kept_grads(self.model, last.grads)
         state = {
             "model": model_state,
@@ -205,7 +202,7 @@ class CompiledReproRecorder:
             "scaler": _scaler_state(self.scaler, last.scaler),
         }
         torch.save((last.args, last.kwargs), path / "batch.pt")
-        torch.save({"cpu": last.rng_cpu, "cuda": last.rng_cuda}, path / "rng.pt")
+        torch.save(last.rng, path / "rng.pt")
         torch.save(state, path / "state.pt")
         outputs = pytree.tree_leaves(last.out)
         result = {
@@ -217,11 +214,7 @@ class CompiledReproRecorder:
         torch.save(result, path / "step_result.pt")
         graph = self.compiled.graph_module
         record = graph.meta[COMPILE_META]
-        (path / "policy.txt").write_text(f"{record.policy!r}\ndtype: {record.dtype}\n")
-        try:
-            torch.save(record.policy, path / "policy.pt")
-        except Exception as error:  # a policy keyed by a local class cannot be pickled
-            log.info("amp_graph: the policy could not be pickled (%s); policy.txt has it", error)
+        write_policy(path, record)
         (path / "graph.txt").write_text(f"# the compiled module's graph\n{graph.code}\n")
         cls = type(self.model)
         meta = {
@@ -265,12 +258,10 @@ def _scaler_before(scaler: Any) -> dict[str, Any]:
             "amp_graph": scaler.pre_step_state(),
             "skipped": _copy(scaler.skipped_steps_counter),
         }
-    scale = getattr(scaler, "_scale", None)
-    tracker = getattr(scaler, "_growth_tracker", None)
     return {
-        "scale": None if scale is None else scale.detach().clone(),
+        "scale": _copy(getattr(scaler, "_scale", None)),
         "init_scale": float(getattr(scaler, "_init_scale", 2.0**16)),
-        "growth_tracker": None if tracker is None else tracker.detach().clone(),
+        "growth_tracker": _copy(getattr(scaler, "_growth_tracker", None)),
     }
 
 
