@@ -50,7 +50,7 @@ MODELS = ("gpt", "convnet")
 def _make(model_name: str) -> tuple[Any, tuple[Any, ...]]:
     import torch
 
-    from amp_graph import models
+    from amp_graph.demo import models
 
     torch.manual_seed(0)
     if model_name == "gpt":
@@ -64,7 +64,7 @@ def _make(model_name: str) -> tuple[Any, tuple[Any, ...]]:
 def _compiled(model: Any, variant: str) -> Any:
     import torch
 
-    from amp_graph.backend import backend
+    from amp_graph.frontends.dynamo_backend import backend
 
     if variant == "amp_graph":
         return torch.compile(model, backend="amp_graph")
@@ -110,7 +110,7 @@ def _child_compile(model_name: str, variant: str) -> dict[str, Any]:
     """Compile time of one variant, in a process and cache of its own."""
     import torch
 
-    from amp_graph.backend import captured_graphs
+    from amp_graph.frontends.dynamo_backend import captured_graphs
 
     _warm_start()
     model, batch = _make(model_name)

@@ -1,8 +1,8 @@
 """What capturing under the policy costs: torch.export of a model with and without
-:mod:`amp_graph.capture_dtypes` (the mode that shows the model's Python the policy's
+:mod:`amp_graph.capture.planned_dtypes` (the mode that shows the model's Python the policy's
 dtypes, and under O2/O3 a half model), side by side in one run, interleaved.
 
-For the GPT-style decoder (amp_graph.models) and, when transformers is installed, HF GPT-2
+For the GPT-style decoder (amp_graph.demo.models) and, when transformers is installed, HF GPT-2
 and Llama with small random configs, under O1 and O2 in bf16: the median capture time of
 each variant and their ratio, and how many matmuls the rewritten graph computes in bf16.
 
@@ -23,8 +23,8 @@ import torch.nn as nn
 from amp_graph.passes import AMP
 
 import amp_graph
-from amp_graph import models
 from amp_graph.capture import capture_module
+from amp_graph.demo import models
 
 DTYPE = torch.bfloat16
 MATMULS = {"linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "scaled_dot_product_attention"}

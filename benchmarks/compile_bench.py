@@ -32,7 +32,7 @@ from measure import interleaved_seconds, peak_cpu_step_mb
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 
 DTYPE = torch.bfloat16
 VARIANTS = ("fp32 eager", "autocast eager", "amp_graph O1", "amp_graph autocast")

@@ -20,7 +20,7 @@ Three measurements, side by side in one run:
   worse than without. Besides the three models, a stress case built to overflow float16:
   the GPT-2 with its eager attention and layer 0's ``c_attn`` weight scaled by 1000 (the
   attention scores pass float16's 65504).
-* **Export time** on the 10k-node GPT (``amp_graph.models.GPT``, dim 32, 280 layers: the
+* **Export time** on the 10k-node GPT (``amp_graph.demo.models.GPT``, dim 32, 280 layers: the
   10093-node graph of ``pass_bench.py``): (a) ``torch.export.export`` of the float32 model
   in eval mode, (b) amp_graph's passes (``export_info(program).seconds["passes"]`` of the
   same round's (c)), (c) the whole ``amp_graph.export(model, args, policy="O1",
@@ -55,9 +55,10 @@ from measure import cpu_name
 from torch.export import ExportedProgram
 
 import amp_graph
-from amp_graph import deploy, models
-from amp_graph.autopolicy import AutopolicyError
+from amp_graph import deploy
+from amp_graph.accuracy.autopolicy_search import AutopolicyError
 from amp_graph.capture import gc_paused
+from amp_graph.demo import models
 from amp_graph.deploy.against_float32 import OutputError, error_against_float32, float32_program
 
 POLICIES = ("O1", "O2", "O3")

@@ -1,6 +1,6 @@
 """Where amp_graph.export's time goes, against torch.export, on a deep GPT (issue 27).
 
-Side by side in one run, each from a fresh ``amp_graph.models.GPT`` (vocab 64, block 16,
+Side by side in one run, each from a fresh ``amp_graph.demo.models.GPT`` (vocab 64, block 16,
 dim 32, 2 heads, ``--layers`` layers, input 1x16, eval mode) after ``gc.collect()``, rounds
 interleaved, after an untimed warm-up of each on a 2-layer GPT:
 
@@ -45,9 +45,9 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 import amp_graph
 import amp_graph.capture as capture
-import amp_graph.capture_dtypes as capture_dtypes
+import amp_graph.capture.planned_dtypes as capture_dtypes
 import amp_graph.deploy.program as program
-from amp_graph import models
+from amp_graph.demo import models
 from amp_graph.policy import Policy
 
 

@@ -37,7 +37,8 @@ import torch.nn as nn
 from amp_graph.passes.fp8_linears import fp8_linears
 from measure import interleaved_seconds, peak_cpu_step_mb, sync
 
-from amp_graph import fp8, models
+from amp_graph.demo import models
+from amp_graph.ops import fp8_ops
 
 BF16 = torch.bfloat16
 Step = Callable[[], None]
@@ -194,7 +195,7 @@ def linear_section(args: argparse.Namespace) -> None:
             y.backward(torch.ones_like(y))
 
         def fp8_step(x=x, w=w) -> None:
-            y = fp8.linear(x, w)
+            y = fp8_ops.linear(x, w)
             y.backward(torch.ones_like(y))
 
         steps = {"bf16": bf16_step, "fp8": fp8_step}
@@ -226,7 +227,7 @@ def main() -> int:
     args.repeats = args.repeats or (3 if args.quick else 5 if args.device == "cpu" else 20)
     if args.compile is None:
         args.compile = args.device == "cuda"
-    fp8.require_fp8_matmul(args.device)  # a clear error on GPUs without float8 matmuls
+    fp8_ops.require_fp8_matmul(args.device)  # a clear error on GPUs without float8 matmuls
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(
         f"torch {torch.__version__} on {args.device} ({name}), {torch.get_num_threads()} "

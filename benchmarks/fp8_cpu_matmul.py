@@ -2,7 +2,7 @@
 by side in one run (issue 39, part 4), and what the probe decides on this CPU.
 
 For each size M x K x N: ``torch._scaled_mm`` (float8 e4m3 operands, tensorwise scales,
-bfloat16 out), ``amp_graph.fp8.cpu_matmul.emulated_scaled_mm`` on the same operands, and
+bfloat16 out), ``amp_graph.ops.fp8_cpu_matmul.emulated_scaled_mm`` on the same operands, and
 ``a @ b`` in bfloat16; medians of 7 (3 for a kernel over 100 ms), after one warm-up call.
 The emulation's result is checked against torch's bit for bit on every size.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from amp_graph.fp8.cpu_matmul import cpu_scaled_mm_is_slow, emulated_scaled_mm
+from amp_graph.ops.fp8_cpu_matmul import cpu_scaled_mm_is_slow, emulated_scaled_mm
 
 SIZES = [(128, 128, 128), (512, 256, 256), (1024, 1024, 1024)]
 

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from measure import interleaved_seconds
 
-from amp_graph import models
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.demo import models
+from amp_graph.ops import scaler_ops as ops
 from amp_graph.scaler import StaticGradScaler
 
 

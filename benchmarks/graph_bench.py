@@ -55,10 +55,10 @@ from measure import interleaved_seconds
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_graph import models
-from amp_graph.graph import Graph
+from amp_graph.demo import models
 from amp_graph.policy import Policy
 from amp_graph.scaler import GradScaler
+from amp_graph.training.nn_graph import Graph
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

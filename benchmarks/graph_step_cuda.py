@@ -4,7 +4,7 @@ step captured in a CUDA graph (bit-equal to the uncaptured step? how fast?).
     python benchmarks/graph_step_cuda.py                # needs a CUDA GPU
     python benchmarks/graph_step_cuda.py --json out.json
 
-Setup: ``amp_graph.models.MLP(1024, 4096, 10)`` with cross-entropy, batch 256, ``Graph`` with
+Setup: ``amp_graph.demo.models.MLP(1024, 4096, 10)`` with cross-entropy, batch 256, ``Graph`` with
 policy O1 in float16 and ``amp_graph.GradScaler(init_scale=2**12, growth_interval=4)``,
 ``AdamW(lr=1e-3, fused=True, capturable=True)``, no LR scheduler (a scheduler sets the learning
 rate from Python, which a replayed graph never sees). One batch of every 7 is multiplied by 1e6
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from amp_graph import models
-from amp_graph.graph import Graph
+from amp_graph.demo import models
 from amp_graph.scaler import GradScaler
+from amp_graph.training.nn_graph import Graph
 
 BATCH, IN, HIDDEN, CLASSES = 256, 1024, 4096, 10
 OVERFLOW_EVERY = 7

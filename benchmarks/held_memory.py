@@ -5,7 +5,7 @@ Held = bytes of the distinct storages still alive at the end of the forward amon
 tensor an aten op made during it, parameters and buffers left out
 (:mod:`amp_graph.inspect.held`): what autograd saved, and anything else kept.
 
-1. One device, bf16 on this CPU: the GPT-style decoder (``amp_graph.models.GPT``, 4
+1. One device, bf16 on this CPU: the GPT-style decoder (``amp_graph.demo.models.GPT``, 4
    layers, width 128, 4x64 tokens; width 256, 8x128 tokens, under O1; and
    ``benchmarks/compile_bench.py``'s GPT, width 256, 16x128 tokens) and HF Llama
    (eager attention, 2 layers, width 128, 4x64 tokens), under ``O1`` and ``autocast``.
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import platform
 import socket
 import statistics
@@ -54,15 +53,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from amp_graph.passes import recompute_casts as recompute_casts_pass
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 from amp_graph.inspect.held import held_for_backward
 from amp_graph.inspect.traffic import CollectiveBytes
-from amp_graph.recompute import recomputed_cast
-
-_recompute_pass = importlib.import_module("amp_graph.passes.recompute_casts")
+from amp_graph.ops.recompute_ops import recomputed_cast
 
 BF16 = torch.bfloat16
 MB = 1e6
@@ -216,14 +214,14 @@ def widened(label: str, policy: str, model: nn.Module, call: Callable) -> None:
     for variant in ("keeping", "recomputing, widened kept", "recomputing"):
         # the middle variant turns off only the widened activations (this script's own
         # switch on the pass's private predicate: no policy field for it)
-        widens = _recompute_pass._widens
+        widens = recompute_casts_pass._widens
         if variant == "recomputing, widened kept":
-            _recompute_pass._widens = lambda source, dtype: False
+            recompute_casts_pass._widens = lambda source, dtype: False
         try:
             compiled = amp_graph.compile(model, _policy(policy, variant != "keeping"), BF16)
             _held_and_backward_ops(model, lambda c=compiled: call(c))  # capture, passes
         finally:
-            _recompute_pass._widens = widens
+            recompute_casts_pass._widens = widens
         held[variant], _ = _held_and_backward_ops(model, lambda c=compiled: call(c))
         if variant == "recomputing":
             graph = compiled.graph_module

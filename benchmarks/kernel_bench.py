@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from amp_graph.kernels import extension
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.ops import cuda_extension
+from amp_graph.ops import scaler_ops as ops
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Memory bandwidth (GB/s) of common GPUs by a substring of their name, most specific first, for
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         ops.non_finite_check_([torch.zeros(1, device="cuda")], torch.zeros((), device="cuda"))
-        status = extension.extension_status()
+        status = cuda_extension.extension_status()
         print(f"device: {torch.cuda.get_device_name()}; amp_graph extension: {status.state}")
         if status.state != "loaded":
             print(f"  (extension not loaded: {status.detail}; timing the fallback)")
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
         meta |= {"torch": torch.__version__, "peak_gbps": peak, "peak_source": peak_source}
-        meta["extension"] = extension.extension_status().state
+        meta["extension"] = cuda_extension.extension_status().state
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
     return 0
 

@@ -31,7 +31,7 @@ from measure import interleaved_seconds
 from torch.overrides import TorchFunctionMode
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 
 DTYPE = torch.bfloat16
 READS = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"})

@@ -1,6 +1,6 @@
 """What amp_graph.numerics costs, against the forward pass it diagnoses, side by side.
 
-For the GPT-style decoder (amp_graph.models.GPT) under each policy/dtype given, median of
+For the GPT-style decoder (amp_graph.demo.models.GPT) under each policy/dtype given, median of
 ``--repeats`` runs, interleaved:
 
   * the compiled forward (the denominator of the issue's "< 3x one forward pass");
@@ -24,7 +24,7 @@ import torch
 from measure import interleaved_seconds
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 
 
 def median_ms(functions: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

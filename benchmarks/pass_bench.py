@@ -23,8 +23,8 @@ import time
 import torch
 
 import amp_graph
-from amp_graph import models
-from amp_graph.compiler import compile_record
+from amp_graph.demo import models
+from amp_graph.frontends.compiler import compile_record
 
 DTYPE = torch.bfloat16
 
@@ -48,7 +48,7 @@ def compile_seconds(layers: int) -> tuple[int, dict[str, float]]:
 
 _FIRST_CALL = """
 import sys, time, torch, amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 torch.manual_seed(0)
 model = models.GPT(vocab=512, block=64, dim=128, heads=4, layers=4)
 idx = torch.randint(0, 512, (4, 64))

@@ -1,7 +1,7 @@
 """Two other mechanisms for the recompute of casts (issue 24), measured against amp_graph's.
 
 amp_graph recomputes a decided cast through saved-tensor hooks entered for the whole
-forward (:mod:`amp_graph.recompute`): Python runs for every tensor autograd saves. This
+forward (:mod:`amp_graph.ops.recompute_ops`): Python runs for every tensor autograd saves. This
 script builds, on the same compiled GPT, two alternatives as experiments (they patch the
 graph after compilation; nothing here is part of the library) and times a forward +
 backward of each against the same policy with ``recompute_casts=False``:
@@ -37,9 +37,10 @@ import torch.fx as fx
 from measure import sync
 
 import amp_graph
-from amp_graph import models, recompute
+from amp_graph.demo import models
 from amp_graph.inspect.held import held_for_backward
-from amp_graph.recompute import recomputed_cast
+from amp_graph.ops import recompute_ops
+from amp_graph.ops.recompute_ops import recomputed_cast
 
 
 def _aliases_and_readers(cast: fx.Node) -> tuple[set[fx.Node], list[fx.Node]]:
@@ -87,7 +88,7 @@ def _release(copy: torch.Tensor, source: torch.Tensor, *read: Any) -> None:
 
 
 def make_releasing(gm: fx.GraphModule) -> None:
-    recompute.uninstall(gm)
+    recompute_ops.uninstall(gm)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for cast in [n for n in gm.graph.nodes if n.target is recomputed_cast]:
         aliases, readers = _aliases_and_readers(cast)
@@ -115,23 +116,23 @@ _top = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _reading_recomputed(op: Callable, *args: Any) -> Any:
-    if recompute._recording.copies is None or _top(False) is not None:
+    if recompute_ops._recording.copies is None or _top(False) is not None:
         return op(*args)
-    _push(recompute._pack, recompute._unpack)
+    _push(recompute_ops._pack, recompute_ops._unpack)
     try:
         return op(*args)
     finally:
         _pop()
 
 
-class _RecordingOnly(recompute._RecordingCall):
+class _RecordingOnly(recompute_ops._RecordingCall):
     """Records the copies, enters no hooks (the readers do)."""
 
     def __enter__(self) -> None:
-        recompute._recording.copies = {}
+        recompute_ops._recording.copies = {}
 
     def __exit__(self, *exc: Any) -> None:
-        recompute._recording.copies = self.previous
+        recompute_ops._recording.copies = self.previous
 
 
 def make_scoped(gm: fx.GraphModule) -> None:
@@ -168,13 +169,13 @@ def main() -> None:
     }
 
     def step(name: str) -> torch.Tensor:
-        recompute._RecordingCall = _RecordingOnly if name == "scoped" else original
+        recompute_ops._RecordingCall = _RecordingOnly if name == "scoped" else original
         gpt.zero_grad(set_to_none=True)
         loss = compiled[name](ids).float().square().mean()
         loss.backward()
         return loss
 
-    original = recompute._RecordingCall
+    original = recompute_ops._RecordingCall
     try:
         for name in compiled:
             step(name)  # capture
@@ -183,7 +184,7 @@ def main() -> None:
         print(f"torch {torch.__version__}, {args.device}, GPT {vars(args)}")
         grads = {}
         for name, module in compiled.items():
-            recompute._RecordingCall = _RecordingOnly if name == "scoped" else original
+            recompute_ops._RecordingCall = _RecordingOnly if name == "scoped" else original
             gpt.zero_grad(set_to_none=True)
             held, out = held_for_backward(lambda m=module: m(ids), [*gpt.parameters()])
             out.float().square().mean().backward()
@@ -200,7 +201,7 @@ def main() -> None:
                 sync(args.device)
                 times[name].append(time.perf_counter() - start)
     finally:
-        recompute._RecordingCall = original
+        recompute_ops._RecordingCall = original
     for name in names[1:]:
         ratios = [a / b for a, b in zip(times[name], times["keeping"], strict=True)]
         print(

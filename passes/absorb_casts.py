@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.policy import base_name
-from amp_graph.tables.autocast_lists import CUDA_FP32_SET_OPT_DTYPE
+from amp_graph.policy.autocast_lists import CUDA_FP32_SET_OPT_DTYPE
 
 from .meta import AMP, VAL, Role
 from .result import PassResult

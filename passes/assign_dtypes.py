@@ -17,7 +17,7 @@ integers (a sinusoidal timestep encoding; see :mod:`amp_graph.passes.float32_isl
 Output dtypes come from fake values: every node of the captured graph has one in
 ``meta["val"]``, so torch computes them. The capture under the policy computed each value
 at the dtypes the plan gives and recorded the decision (``meta[CAPTURE_PLAN]``, see
-:mod:`amp_graph.capture_dtypes`): where this pass decides the same for a node, on inputs of
+:mod:`amp_graph.capture.planned_dtypes`): where this pass decides the same for a node, on inputs of
 the same dtypes, the captured value is the node's. Only nodes whose inputs the plan changed
 (a model captured without the policy, the backend's graphs, a policy the capture did not
 see) run on fake tensors. A node whose fake run fails is an error naming it (only a call
@@ -402,7 +402,7 @@ def assign_dtypes(
 
     >>> import torch, amp_graph
     >>> from amp_graph.capture import capture_module
-    >>> from amp_graph.passes import classify
+    >>> from amp_graph.passes.classify import classify
     >>> model = torch.nn.Sequential(torch.nn.Softmax(-1))
     >>> gm = capture_module(model, (torch.randn(2, 3),), {}, device_type="cpu",
     ...                     autocast_dtype=torch.float16).graph_module

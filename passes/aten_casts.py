@@ -1,7 +1,7 @@
 """Pass aten_casts: every cast amp_graph wrote becomes an aten ``_to_copy`` call.
 
 The passes write their casts as ``x.to(dtype)`` (``call_method``), and recompute_casts as
-:func:`amp_graph.recompute.recomputed_cast` (a Python function that asks backward to cast
+:func:`amp_graph.ops.recompute_ops.recomputed_cast` (a Python function that asks backward to cast
 again). Both are the same conversion as ``torch.ops.aten._to_copy.default(x, dtype=dtype)``,
 which is what a program for ``torch.export`` (and AOTInductor and ONNX after it) must hold:
 an aten op, not a method call or a Python function.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from amp_graph.recompute import recomputed_cast
+from amp_graph.ops.recompute_ops import recomputed_cast
 
 from .result import PassResult
 

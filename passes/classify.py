@@ -21,8 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name
-from amp_graph.tables import python_ops
+from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name, python_ops
 
 from . import schema
 from .meta import AMP, AmpInfo, Role, model_root

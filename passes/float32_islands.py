@@ -9,7 +9,7 @@ under the policy, which must decide alike):
   it stays in it while wide, and a default ``ALLOW`` op reading it computes in float32, as
   in Apex O2. Any other cast the model wrote ends it (``h.to(input_dtype)``). A cast whose
   target the model read from another tensor (``x.to(y.dtype)``, ``x.type_as(y)``) is
-  captured with the dtype ``y`` has in the plan (:mod:`amp_graph.capture_dtypes`), so it
+  captured with the dtype ``y`` has in the plan (:mod:`amp_graph.capture.planned_dtypes`), so it
   means "match ``y``", never a float32 the model chose. The ``torch.compile`` backend
   cannot do this (dynamo bakes ``y.dtype`` in as the dtype it traced, float32), so there a
   cast that changed nothing in dynamo's trace starts no island

@@ -8,7 +8,8 @@ On an aten-level graph (``torch.export`` non-strict, pre-dispatch) it matches, w
     aten.matmul(P, x), x >= 2-D       ->  fp8 linear(x.mT, P).mT
     aten.addmm(b, x, P), b 1-D        ->  fp8 linear(x, P.t(), b)      (beta = alpha = 1)
 
-decides each with :func:`amp_graph.fp8.decide` (dims, the user's module filter, the opt-in
+decides each with :func:`amp_graph.policy.fp8_filters.decide` (dims, the user's module filter, the
+opt-in
 auto-filter, an explicit fp32 override), and rewrites the eligible ones into five nodes::
 
     x_scale = amp_graph.fp8_scale(x, float8_e4m3fn, recipe)
@@ -19,7 +20,7 @@ auto-filter, an explicit fp32 override), and rewrites the eligible ones into fiv
 A value feeding several fp8 linears (the input of q, k and v) is quantized once, where
 :mod:`passes.sharing` allows: a value written in place (or through a view) between two fp8
 linears, or read on both sides of a grad-mode change, is quantized again. The ops and
-their backward are :mod:`amp_graph.fp8.custom_ops`; this pass only names them (``torch.ops``).
+their backward are :mod:`amp_graph.ops.fp8_ops`; this pass only names them (``torch.ops``).
 
 Reads: ``meta["amp"]`` when classify ran (the node's rule and module path: an explicit
 fp32 override outranks fp8), else ``meta["nn_module_stack"]``; ``meta["val"]`` of the
@@ -47,9 +48,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.fp8.filters import LinearFacts, decide
-from amp_graph.fp8.recipe import E4M3, Fp8Config
 from amp_graph.policy import Rule
+from amp_graph.policy.fp8_filters import LinearFacts, decide
+from amp_graph.policy.fp8_recipe import E4M3, Fp8Config
 
 from .classify import is_model_parameter, normalize_module_path
 from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role

@@ -1,6 +1,6 @@
 """Pass fsdp_hooks: FSDP2's forward hooks as graph nodes at each unit's boundary.
 
-The capture (:mod:`amp_graph.capture_fsdp`) records a model sharded with ``fully_shard``
+The capture (:mod:`amp_graph.capture.fsdp_units`) records a model sharded with ``fully_shard``
 with every unit unsharded and FSDP's forward hooks detached: the graph holds the model's
 own ops on its full parameters. This pass puts the hooks back in, as calls that run them
 where eager execution runs them::

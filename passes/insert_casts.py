@@ -61,7 +61,8 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
 
     >>> import torch, amp_graph
     >>> from amp_graph.capture import capture_module
-    >>> from amp_graph.passes import classify, assign_dtypes
+    >>> from amp_graph.passes.assign_dtypes import assign_dtypes
+    >>> from amp_graph.passes.classify import classify
     >>> gm = capture_module(torch.nn.Linear(2, 2), (torch.randn(1, 2),), {}, device_type="cpu",
     ...                     autocast_dtype=torch.float16).graph_module
     >>> _ = classify(gm, amp_graph.Policy.preset("O1"))

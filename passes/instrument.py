@@ -1,7 +1,7 @@
 """Pass instrument: a copy of a rewritten graph that measures the chosen nodes' tensors.
 
 For each node the caller selects, the copy measures, with the graph ops of
-:mod:`amp_graph.tensor_stats`:
+:mod:`amp_graph.ops.tensor_stats`:
 
 * forward: each tensor operand (its schema name: ``input``, ``weight``, ``mat2``; a bias or
   an additive ``self`` is skipped) and the output. An operand that reaches the op through a
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from amp_graph.recompute import recomputed_quantize
-from amp_graph.tensor_stats import STATS, StatsSink, record_grad_stats, record_stats
+from amp_graph.ops.recompute_ops import recomputed_quantize
+from amp_graph.ops.tensor_stats import STATS, StatsSink, record_grad_stats, record_stats
 
 from .graph_copy import copy_graph_module
 from .meta import AMP, VAL, AmpInfo, Role, short
@@ -246,7 +246,7 @@ def instrument(
 ) -> InstrumentResult:
     """The instrumented copy of ``gm`` (see the module), measuring the nodes ``selected``
     returns True for (in ``gm`` and in its checkpoint regions), computing the
-    :data:`~amp_graph.tensor_stats.STATS` columns ``columns`` (all by default).
+    :data:`~amp_graph.ops.tensor_stats.STATS` columns ``columns`` (all by default).
 
     >>> import torch, amp_graph
     >>> from amp_graph.passes.instrument import instrument

@@ -32,7 +32,7 @@ DTYPE_READ = "amp_graph.dtype_read"
 """``node.meta`` key, True: the model's Python read this value's low dtype while it was
 captured (``x.dtype``, ``torch.finfo(x.dtype).min``, ``.to(x.dtype)``), so the graph may hold
 constants and casts derived from it that no pass can tell from the model's own
-(amp_graph.capture_dtypes)."""
+(amp_graph.capture.planned_dtypes)."""
 
 TRACED_NOOP_CAST = "amp_graph.traced_noop_cast"
 """``node.meta`` key, True: a cast the model wrote that changed no dtype where it was traced
@@ -44,7 +44,7 @@ which dynamo bakes in as a constant, so it never starts a float32 island
 CAPTURE_PLAN = "amp_graph.capture_plan"
 """``node.meta`` key: ``(op, compute dtype, dtype facts of node.all_input_nodes as the op
 reads them, after the cast to the compute dtype)``, the decision under which the capture
-computed the node's ``meta["val"]`` (amp_graph.capture_dtypes). A pass that reaches the same
+computed the node's ``meta["val"]`` (amp_graph.capture.planned_dtypes). A pass that reaches the same
 decision for the same op has its value already (assign_dtypes)."""
 
 FSDP_UNITS = "amp_graph.fsdp_units"

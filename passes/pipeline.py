@@ -101,7 +101,7 @@ def require_captured_graph(gm: fx.GraphModule) -> None:
         raise TypeError(
             f"amp_graph's passes take the model's autocast and grad-mode blocks flattened; "
             f"node {left.name!r} ({left.target}) is one. Run amp_graph.passes.inline_regions "
-            "on the graph first (amp_graph.compiler.rewrite does)."
+            "on the graph first (amp_graph.frontends.compiler.rewrite does)."
         )
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_method"):

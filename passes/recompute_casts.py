@@ -23,10 +23,10 @@ The model's own casts of such values (GPT-2's ``attn_weights.type(value.dtype)``
 float32 probabilities, under O1) are casts too, where they change only the dtype.
 
 The fp8 policy's float8 copies of parameters (``fp8_quantize`` of a weight, which the fp8
-linear saves) are casts too: they become :func:`amp_graph.recompute.recomputed_quantize`.
+linear saves) are casts too: they become :func:`amp_graph.ops.recompute_ops.recomputed_quantize`.
 
-Each decided cast becomes a call of :func:`amp_graph.recompute.recomputed_cast` (the same
-cast, visible as such in the printed graph); :func:`amp_graph.recompute.install` 's hooks
+Each decided cast becomes a call of :func:`amp_graph.ops.recompute_ops.recomputed_cast` (the same
+cast, visible as such in the printed graph); :func:`amp_graph.ops.recompute_ops.install` 's hooks
 on the GraphModule then keep its source instead of the copy, and where AOTAutograd
 compiles the graph, torch's activation-checkpointing tags on the node tell its partitioner
 the same. Gradients are bit-identical: a cast is deterministic.
@@ -56,7 +56,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from amp_graph.recompute import (
+from amp_graph.ops.recompute_ops import (
     KEPT_BY_AUTOGRAD,
     KEPT_BY_MODULE,
     KEPT_SMALLER,

@@ -23,7 +23,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--without-cpu-kernel",
         default="",
         help="comma-separated aten ops (lstm,gru) whose low-precision CPU kernels amp_graph "
-        "is told are missing, as on an AVX2-only CPU (amp_graph.cpu_kernels), to run the "
+        "is told are missing, as on an AVX2-only CPU (amp_graph.frontends.cpu_low_kernels), "
+        "to run the "
         "suite as such a CPU would plan it",
     )
 
@@ -31,7 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     missing = [op for op in config.getoption("--without-cpu-kernel").split(",") if op]
     if missing:
-        from amp_graph import cpu_kernels
+        from amp_graph.frontends import cpu_low_kernels as cpu_kernels
 
         def lacking(op: str) -> Any:
             def probe(dtype: torch.dtype) -> None:
@@ -55,10 +56,10 @@ def _recurrent_op(module: nn.Module) -> str | None:
 
 def skip_where_cpu_lacks_kernels_of(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
     """Skip where this CPU has no ``dtype`` kernel for a recurrent layer of ``model``
-    (:mod:`amp_graph.cpu_kernels`; AVX2-only CPUs have no bf16 LSTM): torch.autocast cannot
-    run it there to compare, and amp_graph plans it in float32 (tests/test_cpu_kernels.py
+    (:mod:`amp_graph.frontends.cpu_low_kernels`; AVX2-only CPUs have no bf16 LSTM): torch.autocast
+    cannot run it there to compare, and amp_graph plans it in float32 (tests/test_cpu_kernels.py
     tests that). ``pytest --without-cpu-kernel=...`` makes this CPU such a CPU."""
-    from amp_graph.cpu_kernels import missing_low_kernels
+    from amp_graph.frontends.cpu_low_kernels import missing_low_kernels
 
     missing = missing_low_kernels(dtype)
     for module in model.modules():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from amp_graph.graph import Graph
+from amp_graph.training.nn_graph import Graph
 
 FP16 = torch.float16
 

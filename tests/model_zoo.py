@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from amp_graph import models
+from amp_graph.demo import models
 
 
 def ids(batch: int = 2, seq: int = 12) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """One small, runnable sample per op of torch.autocast's CUDA lists, and the header's lists.
 
-``SAMPLES`` maps each aten op name of ``amp_graph.tables.autocast_lists``' CUDA tables
+``SAMPLES`` maps each aten op name of ``amp_graph.policy.autocast_lists``' CUDA tables
 (written as in those tables: ``"softmax.int"``, ``"pow.Tensor_Scalar"``) to an
 :class:`OpSample`: the Python-level call a user would write to reach that op, with every
 non-tensor argument baked in, and a maker of tiny deterministic inputs. Internal ops with
@@ -506,7 +506,7 @@ _LIST: list[OpSample] = [
     ),
 ]
 
-# Ops of later torch releases (amp_graph.tables.autocast_lists.CHANGES), where they exist.
+# Ops of later torch releases (amp_graph.policy.autocast_lists.CHANGES), where they exist.
 HAS_MATRIX_SQRTH = hasattr(torch.ops.aten, "linalg_matrix_sqrth")  # new in torch 2.14
 if HAS_MATRIX_SQRTH:
     _LIST.append(

@@ -120,7 +120,7 @@ def cuda_autocast_mismatches(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    gm = amp_graph.compiler.as_graph_module(compiled)
+    gm = amp_graph.frontends.compiler.as_graph_module(compiled)
     record = gm.meta["amp_graph"]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     if getattr(compiled, "in_spec", None) is not None:

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from amp_graph.passes import absorb_casts as absorb_casts_pass
+from amp_graph.passes import pipeline
 from amp_graph.passes.result import PassResult
 
 import amp_graph
-from amp_graph.models import NanoAttention
+from amp_graph.demo.models import NanoAttention
 
 # the modules (``amp_graph.passes`` exports the pass functions under the same names)
-absorb_module = importlib.import_module("amp_graph.passes.absorb_casts")
-pipeline = importlib.import_module("amp_graph.passes.pipeline")
 aten = torch.ops.aten
 
 
@@ -91,7 +90,7 @@ def test_each_op_takes_the_cast_as_its_dtype_with_the_same_bits(name, dtype, mon
     absorbed, got, want = absorbed_and_not(model, torch.randn(5, 8), dtype, monkeypatch)
     assert_same_bits(got, want)
     (op_node,) = [n for n in absorbed.graph.nodes if n.meta["amp"].cast_absorbed]
-    assert op_node.target in absorb_module.TAKES_DTYPE
+    assert op_node.target in absorb_casts_pass.TAKES_DTYPE
     assert op_node.args[0].meta["val"].dtype == dtype  # reads the narrow value itself
     given = op_node.kwargs.get("dtype", op_node.args[2] if len(op_node.args) > 2 else None)
     assert given is torch.float32
@@ -228,11 +227,11 @@ def test_on_cuda_the_ops_autocast_gives_dtype_absorb(name, dtype, monkeypatch):
         x = torch.randn(5, 8)
         kept = amp_graph.compile(Reduce(REDUCTIONS[name]), policy, dtype, example_inputs=(x,))
     gm = _on_fake_cuda(copy.deepcopy(kept.graph_module))
-    absorbed = absorb_module.absorb_casts(gm).stats["casts_absorbed"]
+    absorbed = absorb_casts_pass.absorb_casts(gm).stats["casts_absorbed"]
     expected = name in AUTOCAST_SETS_DTYPE
     assert absorbed == int(expected)
-    assert absorb_module.absorbs(OP_OF[name], torch.device("cuda")) is expected
-    assert absorb_module.absorbs(OP_OF[name], torch.device("cpu"))
+    assert absorb_casts_pass.absorbs(OP_OF[name], torch.device("cuda")) is expected
+    assert absorb_casts_pass.absorbs(OP_OF[name], torch.device("cpu"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -283,7 +282,7 @@ def test_dataflow_counts_a_forward_copy_only_where_the_op_makes_one(dtype, monke
         on_cuda = torch.empty(4, 8, dtype=dtype, device="cuda")
         on_cpu = torch.empty(4, 8, dtype=dtype)
     for op in (aten.softmax.int, aten.log_softmax.int):
-        assert absorb_module.copies_input(op, on_cpu)
-        assert absorb_module.copies_input(op, on_cuda) is (dtype == torch.bfloat16)
-    assert not absorb_module.copies_input(aten.sum.default, on_cpu)
-    assert not absorb_module.copies_input(aten.sum.default, on_cuda)
+        assert absorb_casts_pass.copies_input(op, on_cpu)
+        assert absorb_casts_pass.copies_input(op, on_cuda) is (dtype == torch.bfloat16)
+    assert not absorb_casts_pass.copies_input(aten.sum.default, on_cpu)
+    assert not absorb_casts_pass.copies_input(aten.sum.default, on_cuda)

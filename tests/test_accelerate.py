@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -42,7 +42,10 @@ def test_accelerator_without_mixed_precision_trains_through_amp_graph(dtype):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
-    assert dtype == torch.float16 or "bfloat16" in amp_graph.compiler.as_graph_module(model).code
+    assert (
+        dtype == torch.float16
+        or "bfloat16" in amp_graph.frontends.compiler.as_graph_module(model).code
+    )
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 

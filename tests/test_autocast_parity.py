@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 
 CAST = "_to_copy"
 

@@ -11,10 +11,10 @@ import torch.nn as nn
 from amp_graph.passes.meta import DTYPE_READ
 
 import amp_graph
-from amp_graph.autopolicy import _forward_finding, _Search
-from amp_graph.output_error import output_error
+from amp_graph.accuracy.autopolicy_search import _forward_finding, _Search
+from amp_graph.accuracy.float32_error import output_error
+from amp_graph.accuracy.shadow import Measure, NumericsRow, ShadowResult
 from amp_graph.policy import Policy
-from amp_graph.shadow import Measure, NumericsRow, ShadowResult
 
 FP16 = torch.float16
 TOL = 10 * torch.finfo(FP16).eps  # autopolicy's default for float16

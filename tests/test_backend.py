@@ -6,7 +6,6 @@ runs in test_backend_inductor.py, DDP in test_backend_ddp.py."""
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
 from collections import Counter
 
@@ -17,8 +16,9 @@ import torch.nn.functional as F
 from amp_graph.passes import AMP, Role
 
 import amp_graph
-from amp_graph import models
-from amp_graph.backend import (
+from amp_graph.demo import models
+from amp_graph.frontends import dynamo_backend
+from amp_graph.frontends.dynamo_backend import (
     AmpGraphBackend,
     amp_graph_backend,
     backend,
@@ -27,7 +27,6 @@ from amp_graph.backend import (
 )
 
 # The module itself: amp_graph exports the function `backend` under the module's name.
-backend_module = importlib.import_module("amp_graph.backend")
 
 BF16 = torch.bfloat16
 
@@ -375,7 +374,7 @@ def test_captured_graphs_belong_to_each_compile():
 
 def test_captured_graphs_of_the_registered_backend_and_of_others():
     compiled = torch.compile(models.MLP(), backend="amp_graph")  # not called: no inductor run
-    assert captured_graphs(compiled) == backend_module._DEFAULT.graphs
+    assert captured_graphs(compiled) == dynamo_backend._DEFAULT.graphs
     with pytest.raises(TypeError, match="not compiled with the amp_graph backend"):
         captured_graphs(torch.compile(models.MLP(), backend="eager"))
     with pytest.raises(TypeError, match="not compiled with the amp_graph backend"):
@@ -408,7 +407,7 @@ def test_inductor_settings_are_forwarded_and_refused_elsewhere(monkeypatch):
 def test_override_that_matches_nothing_is_reported(caplog):
     policy = amp_graph.Policy.preset("O1").override(modules={"haed": "fp32"})
     compiled = torch.compile(models.MLP(), backend=checked(policy))
-    with caplog.at_level(logging.WARNING, logger="amp_graph.backend"):
+    with caplog.at_level(logging.WARNING, logger="amp_graph.frontends.dynamo_backend"):
         compiled(torch.randn(2, 64))
     assert "'haed'" in caplog.text and "Did you mean 'head'?" in caplog.text
 
@@ -419,14 +418,14 @@ def test_override_that_matches_nothing_is_reported(caplog):
 def test_registered_through_the_entry_point_or_on_import(monkeypatch):
     from torch._dynamo.backends import registry
 
-    assert backend_module._entry_point_installed()  # pyproject's torch_dynamo_backends
+    assert dynamo_backend._entry_point_installed()  # pyproject's torch_dynamo_backends
     assert registry.lookup_backend("amp_graph") is amp_graph_backend
     register()  # with the entry point installed: nothing to do, and no duplicate error
     # A source tree without the entry point: importing amp_graph registers the name.
     for table in ("_BACKENDS", "_COMPILER_FNS"):
         entries = getattr(registry, table)
         monkeypatch.setattr(registry, table, {k: v for k, v in entries.items() if k != "amp_graph"})
-    monkeypatch.setattr(backend_module, "_entry_point_installed", lambda: False)
+    monkeypatch.setattr(dynamo_backend, "_entry_point_installed", lambda: False)
     assert "amp_graph" not in torch._dynamo.list_backends(exclude_tags=())
     register()
     assert registry.lookup_backend("amp_graph") is amp_graph_backend

@@ -49,8 +49,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     try:
-        from amp_graph import models
-        from amp_graph.backend import backend, captured_graphs
+        from amp_graph.demo import models
+        from amp_graph.frontends.dynamo_backend import backend, captured_graphs
 
         torch.manual_seed(0)
         model = models.MLP(in_features=512, hidden=512, classes=10)  # 2 MB: several buckets

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from amp_graph import models
-from amp_graph.backend import backend, captured_graphs
+from amp_graph.demo import models
+from amp_graph.frontends.dynamo_backend import backend, captured_graphs
 
 BF16 = torch.bfloat16
 
@@ -32,7 +32,7 @@ FRESH_INTERPRETER = textwrap.dedent("""
     out.float().square().mean().backward()
     assert "amp_graph" in sys.modules, "dynamo loaded the entry point"
 
-    from amp_graph.backend import captured_graphs
+    from amp_graph.frontends.dynamo_backend import captured_graphs
     [gm] = captured_graphs(compiled)
     record = gm.meta["amp_graph"]
     assert (record.policy.name, record.dtype, record.device_type) == ("O1", torch.bfloat16, "cpu")

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from amp_graph import models
 from amp_graph.capture import capture_module, gc_paused
+from amp_graph.demo import models
 
 
 @pytest.mark.parametrize("enabled", [True, False])

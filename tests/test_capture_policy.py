@@ -95,7 +95,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _nodes(compiled):
-    return list(amp_graph.compiler.as_graph_module(compiled).graph.nodes)
+    return list(amp_graph.frontends.compiler.as_graph_module(compiled).graph.nodes)
 
 
 # --- fp32 pins hold --------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_o2_o3_compute_every_hf_matmul_in_the_low_dtype(name: str, policy: str) 
 def captured_vs_planned(compiled) -> list[str]:
     """Nodes whose dtype during capture (what the model's Python saw) differs from the
     dtype the rewritten graph computes for them."""
-    gm = amp_graph.compiler.as_graph_module(compiled)
+    gm = amp_graph.frontends.compiler.as_graph_module(compiled)
     planned = {n.name: n.meta[AMP] for n in gm.graph.nodes}
     found = []
     for node in gm.meta["amp_graph"].original.graph.nodes:
@@ -238,7 +238,7 @@ def test_pins_hold_the_same_through_compile_and_graph() -> None:
     compiled = amp_graph.compile(model, policy, torch.float16, example_inputs=(x,))
     graph = TrainGraph(model, torch.optim.SGD(model.parameters(), lr=0.0), policy=policy)
     graph(x, y)
-    for gm in (amp_graph.compiler.as_graph_module(compiled), graph.build_graph):
+    for gm in (amp_graph.frontends.compiler.as_graph_module(compiled), graph.build_graph):
         softmax_casts = [
             n.args[1]
             for n in gm.graph.nodes
@@ -283,8 +283,8 @@ def test_a_cast_that_changes_nothing_at_capture_leaves_the_value_it_casts_alone(
     so there ``x.float()`` returns ``x`` itself, and a tracer takes every later use of ``x``
     for the cast. The residual add must still read ``x`` (bf16, as Apex's O2 adds it), through
     compile, the torch.compile backend (dynamo traces in float32 too) and Graph, all alike."""
-    from amp_graph import models
-    from amp_graph.backend import backend, captured_graphs
+    from amp_graph.demo import models
+    from amp_graph.frontends.dynamo_backend import backend, captured_graphs
 
     torch.manual_seed(0)
     model = models.LlamaMLP()
@@ -297,7 +297,11 @@ def test_a_cast_that_changes_nothing_at_capture_leaves_the_value_it_casts_alone(
         model, torch.optim.SGD(model.parameters(), lr=0.0), policy=policy, dtype=torch.bfloat16
     )
     graph(x, y)
-    for gm in (amp_graph.compiler.as_graph_module(compiled), backend_gm, graph.build_graph):
+    for gm in (
+        amp_graph.frontends.compiler.as_graph_module(compiled),
+        backend_gm,
+        graph.build_graph,
+    ):
         add = _residual_add(gm)
         assert add.meta[AMP].out_dtype == torch.bfloat16, gm.code
         read = [a for a in add.args if isinstance(a, fx.Node)]
@@ -309,7 +313,7 @@ def test_a_cast_that_changes_nothing_at_capture_leaves_the_value_it_casts_alone(
 def test_which_tensor_method_casts_return_their_input_itself() -> None:
     """is_noop_cast must agree with torch: a cast it calls a no-op returns its input object,
     and one it does not returns a new tensor (or changes nothing of the dtype)."""
-    from amp_graph.capture_casts import is_noop_cast
+    from amp_graph.capture.casts import is_noop_cast
 
     x, low = torch.randn(2), torch.randn(2, dtype=torch.bfloat16)
     calls = [

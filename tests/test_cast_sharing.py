@@ -22,9 +22,9 @@ from amp_graph.passes.sharing import ENTRY, CastSharing, key_before_graph, writt
 from amp_graph.passes.simplify_casts import simplify_casts
 
 import amp_graph
-from amp_graph import fp8
-from amp_graph.graph import Graph
-from amp_graph.rule import Rule
+from amp_graph.ops import fp8_ops
+from amp_graph.policy import Rule
+from amp_graph.training.nn_graph import Graph
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten
@@ -57,7 +57,7 @@ class WrittenBetweenLinears(nn.Module):
 
 
 class EagerFp8(nn.Module):
-    """The reference: the same forward, each linear computed by amp_graph.fp8.linear."""
+    """The reference: the same forward, each linear computed by amp_graph.ops.fp8_ops.linear."""
 
     def __init__(self, model: WrittenBetweenLinears) -> None:
         super().__init__()
@@ -65,9 +65,9 @@ class EagerFp8(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.relu()
-        a = fp8.linear(h, self.m.fc1.weight, self.m.fc1.bias)
+        a = fp8_ops.linear(h, self.m.fc1.weight, self.m.fc1.bias)
         h[:, :8].mul_(4.0)
-        return a + fp8.linear(h, self.m.fc2.weight, self.m.fc2.bias)
+        return a + fp8_ops.linear(h, self.m.fc2.weight, self.m.fc2.bias)
 
 
 def test_fp8_value_written_between_two_linears_is_quantized_again():

@@ -216,7 +216,7 @@ def test_several_inputs_and_a_package_module(capsys):
         main(
             [
                 "inspect",
-                "amp_graph.models:GPTWithLoss",
+                "amp_graph.demo.models:GPTWithLoss",
                 "--input-shape",
                 "2,8",
                 "--input-shape",

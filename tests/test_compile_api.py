@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import compile_checked
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 
 
 def test_returns_a_module_whose_graph_is_an_ordinary_graph_module_that_prints():

@@ -1,4 +1,5 @@
-"""A plan never asks the CPU for a low-precision kernel it lacks (amp_graph.cpu_kernels).
+"""A plan never asks the CPU for a low-precision kernel it lacks
+(amp_graph.frontends.cpu_low_kernels).
 
 On an AVX2-only CPU, oneDNN has no bfloat16 LSTM: ``nn.LSTM`` in bfloat16 raises at its first
 call, under torch.autocast too. Here the probes are real (whatever this CPU has) and, to see
@@ -18,10 +19,9 @@ from amp_graph.passes import AMP
 from test_front_end import tokens
 
 import amp_graph
-from amp_graph import cpu_kernels
-from amp_graph.amp_request import resolve
-from amp_graph.policy import OpFacts, Policy
-from amp_graph.rule import Rule
+from amp_graph.frontends import cpu_low_kernels as cpu_kernels
+from amp_graph.frontends.policy_request import resolve
+from amp_graph.policy import OpFacts, Policy, Rule
 
 BF16, FP32 = torch.bfloat16, torch.float32
 ONEDNN = "could not create a primitive descriptor for the LSTM forward propagation primitive"
@@ -41,7 +41,7 @@ def no_bf16_lstm(monkeypatch: pytest.MonkeyPatch):
 
 
 def _lstm_nodes(compiled) -> list:
-    gm = amp_graph.compiler.as_graph_module(compiled)
+    gm = amp_graph.frontends.compiler.as_graph_module(compiled)
     return [n for n in gm.graph.nodes if n.op == "call_function" and "lstm" in str(n.target)]
 
 
@@ -103,10 +103,10 @@ def test_an_lstm_runs_in_float32_on_a_cpu_without_the_kernel(no_bf16_lstm) -> No
     out.float().logsumexp(-1).mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     # the decoder still computes in bfloat16: only the op the CPU lacks moved
-    gm = amp_graph.compiler.as_graph_module(compiled)
+    gm = amp_graph.frontends.compiler.as_graph_module(compiled)
     linears = [n.meta[AMP].compute_dtype for n in gm.graph.nodes if "linear" in str(n.target)]
     assert linears == [BF16]
-    record = amp_graph.compiler.as_graph_module(compiled).meta["amp_graph"]
+    record = amp_graph.frontends.compiler.as_graph_module(compiled).meta["amp_graph"]
     assert record.stats["cpu_float32_fallbacks"] == 1
 
 

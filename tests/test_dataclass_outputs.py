@@ -17,8 +17,8 @@ from torch.utils import _pytree as pytree
 
 import amp_graph
 from amp_graph.capture import CaptureError
-from amp_graph.compiler import as_graph_module
-from amp_graph.graph import Graph
+from amp_graph.frontends.compiler import as_graph_module
+from amp_graph.training.nn_graph import Graph
 
 BF16 = torch.bfloat16
 

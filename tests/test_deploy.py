@@ -17,7 +17,8 @@ import torch.utils._pytree as pytree
 from model_zoo import MODELS, build, ids
 
 import amp_graph
-from amp_graph import deploy, models
+from amp_graph import deploy
+from amp_graph.demo import models
 from amp_graph.deploy.against_float32 import error_against_float32, float32_program, state_bytes
 from amp_graph.deploy.lift import LiftError
 from amp_graph.deploy.program import CAST_OPS

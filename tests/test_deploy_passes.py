@@ -10,7 +10,7 @@ import torch.nn as nn
 from amp_graph.passes.aten_casts import TO_COPY, aten_casts, cast_dtype
 from amp_graph.passes.state_casts import state_casts
 
-from amp_graph.recompute import recomputed_cast
+from amp_graph.ops.recompute_ops import recomputed_cast
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

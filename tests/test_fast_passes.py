@@ -1,13 +1,13 @@
 """assign_dtypes reuses the capture's values: the same plan as running every node.
 
-The capture computes each node's fake value under the policy (amp_graph.capture_dtypes) and
+The capture computes each node's fake value under the policy (amp_graph.capture.planned_dtypes) and
 records the decision it computed it under (``meta[CAPTURE_PLAN]``). assign_dtypes takes that
 value wherever it decides the same, and runs the node on fake inputs only where the plan
 changed its inputs (issue 20, "fast passes"). These tests hold:
 
 * reuse changes nothing: with the records and without them (every node run on fake values),
   each node gets the same compute dtype, output dtype, and a value of the same dtype and
-  shape, on the front-end zoo, the models of ``amp_graph.models`` (BatchNorm among
+  shape, on the front-end zoo, the models of ``amp_graph.demo.models`` (BatchNorm among
   them), small HF models, a diffusers UNet, a Mixtral mixture of experts and every op
   sample of the O1 per-op tests, under every preset and both low dtypes (the UNet and the
   MoE also match CPU autocast bit for bit under ``policy="autocast"``);
@@ -24,14 +24,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from amp_graph.passes import AMP, assign_dtypes, classify, inline_regions
+from amp_graph.passes import AMP, inline_regions
+from amp_graph.passes.assign_dtypes import assign_dtypes
+from amp_graph.passes.classify import classify
 from amp_graph.passes.meta import CAPTURE_PLAN, VAL
 from test_front_end import MODELS
 
 import amp_graph
-from amp_graph import models
-from amp_graph.amp_request import resolve_policy
 from amp_graph.capture import capture_module
+from amp_graph.demo import models
+from amp_graph.frontends.policy_request import resolve_policy
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -175,7 +177,7 @@ def test_reuse_changes_nothing_op_by_op(low: torch.dtype) -> None:
     from op_samples import SAMPLES
     from test_o1_per_op import CATEGORIES, cases
 
-    from amp_graph.compiler import graph_code_module
+    from amp_graph.frontends.compiler import graph_code_module
 
     differing: dict[str, tuple] = {}
     compared = 0
@@ -201,12 +203,12 @@ def test_reuse_changes_nothing_op_by_op(low: torch.dtype) -> None:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_simplify_casts_reaches_its_fixpoint_in_one_walk(name: str, policy: str) -> None:
     """simplify_casts walks the graph once: run again on its result, it finds nothing."""
-    from amp_graph.passes import simplify_casts
+    from amp_graph.passes.simplify_casts import simplify_casts
 
     make_model, make_inputs, _ = MODELS[name]
     torch.manual_seed(0)
     compiled = amp_graph.compile(make_model(), policy, BF16, example_inputs=make_inputs())
-    gm = amp_graph.compiler.as_graph_module(compiled)
+    gm = amp_graph.frontends.compiler.as_graph_module(compiled)
     nodes = [n.format_node() for n in gm.graph.nodes]
     assert simplify_casts(gm).stats["casts_removed"] == 0
     assert [n.format_node() for n in gm.graph.nodes] == nodes
@@ -288,7 +290,7 @@ def test_cuda_half_to_float_softmax_takes_the_planned_input(op, compute, expecte
     where it leaves it, the kernel is left as it was. On fake CUDA tensors: no GPU needed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from amp_graph.capture_dtypes import _adjusted, _Plan
+    from amp_graph.capture.planned_dtypes import _adjusted, _Plan
 
     func = getattr(torch.ops.aten, op).default
     with FakeTensorMode():
@@ -306,7 +308,7 @@ def test_the_planning_modes_flat_scan_finds_pytrees_tensor_leaves() -> None:
     path indexes, and any deeper structure falls back to pytree."""
     from torch.utils import _pytree as pytree
 
-    from amp_graph.capture_dtypes import _flat_tensors
+    from amp_graph.capture.planned_dtypes import _flat_tensors
 
     a, b, c = torch.ones(2), torch.ones(3, dtype=torch.bfloat16), torch.ones(1)
     calls = [

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_graph.fp8 import cpu_matmul
-from amp_graph.fp8.custom_ops import linear
+from amp_graph.ops import fp8_cpu_matmul as cpu_matmul
+from amp_graph.ops.fp8_ops import linear
 
 E4M3 = torch.float8_e4m3fn
 

@@ -1,12 +1,12 @@
-"""Which layers run in fp8: each rule of amp_graph.fp8.filters, its reason, and the order."""
+"""Which layers run in fp8: each rule of amp_graph.policy.fp8_filters, its reason, and the order."""
 
 from __future__ import annotations
 
 import pytest
 import torch.nn as nn
 
-from amp_graph.fp8 import RULES, Fp8Config, LinearFacts, decide
-from amp_graph.policy import Rule
+from amp_graph.policy import Fp8Config, Rule
+from amp_graph.policy.fp8_filters import RULES, LinearFacts, decide
 
 
 def facts(k: int = 64, n: int = 128, path: str = "fc", **kwargs) -> LinearFacts:

@@ -14,8 +14,9 @@ import pytest
 import torch
 from fp8_helpers import ScaledMatmulProbe
 
-from amp_graph import fp8
-from amp_graph.fp8 import E4M3, E5M2, fp8_quantize, fp8_scale
+from amp_graph.ops import fp8_ops
+from amp_graph.ops.fp8_ops import fp8_quantize, fp8_scale
+from amp_graph.policy import E4M3, E5M2, check_fp8_low_dtype, get_recipe
 
 RECIPES = ["tensorwise", "rowwise"]
 DEVICES = [
@@ -23,7 +24,7 @@ DEVICES = [
     pytest.param(
         "cuda",
         marks=pytest.mark.skipif(
-            not torch.cuda.is_available() or fp8.fp8_matmul_error("cuda") is not None,
+            not torch.cuda.is_available() or fp8_ops.fp8_matmul_error("cuda") is not None,
             reason="needs a CUDA GPU with float8 matmuls (sm_89+)",
         ),
     ),
@@ -72,7 +73,7 @@ def test_forward_and_backward_match_float32_reference(device, recipe, x_dtype, s
     x = torch.randn(shape, device=device).to(x_dtype).requires_grad_()
     w = torch.randn(32, 64, device=device, requires_grad=True)
     b = torch.randn(32, device=device, requires_grad=True)
-    out = fp8.linear(x, w, b, recipe)
+    out = fp8_ops.linear(x, w, b, recipe)
     g = torch.randn_like(out)
     out.backward(g)
     ref_out, ref_gx, ref_gw, ref_gb = _reference(x.detach(), w.detach(), b.detach(), g, recipe)
@@ -111,7 +112,7 @@ def test_quantize_saturates_and_keeps_representable_values():
 def test_nonfinite_input_gives_nonfinite_output():
     x = torch.randn(16, 32)
     x[3, 5] = float("inf")
-    out = fp8.linear(x, torch.randn(16, 32))
+    out = fp8_ops.linear(x, torch.randn(16, 32))
     assert not out.isfinite().all()  # never silently finite
 
 
@@ -132,7 +133,7 @@ def test_matches_torchao_float8_training():
         )
         x = torch.randn(40, 64, dtype=torch.bfloat16)
         x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-        ours = fp8.linear(x_ours, layer.weight, None, recipe)
+        ours = fp8_ops.linear(x_ours, layer.weight, None, recipe)
         reference = theirs(x_theirs)
         g = torch.randn_like(ours)
         ours.backward(g)
@@ -145,14 +146,14 @@ def test_matches_torchao_float8_training():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_dispatch_probe_one_scaled_mm_forward_two_backward(recipe):
-    grad_format = fp8.get_recipe(recipe).grad_dtype
+    grad_format = get_recipe(recipe).grad_dtype
     x = torch.randn(4, 16, 64, requires_grad=True)
     layers = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
     probe = ScaledMatmulProbe()
     with probe:
         h = x
         for w in layers:
-            h = fp8.linear(h, w, None, recipe)
+            h = fp8_ops.linear(h, w, None, recipe)
         forward = list(probe.calls)
         h.float().sum().backward()
     backward = probe.calls[len(forward) :]
@@ -165,7 +166,7 @@ def test_backward_skips_the_input_gradient_nobody_needs():
     probe = ScaledMatmulProbe()
     w = torch.randn(32, 64, requires_grad=True)
     with probe:
-        fp8.linear(torch.randn(16, 64), w).float().sum().backward()
+        fp8_ops.linear(torch.randn(16, 64), w).float().sum().backward()
     assert len(probe.calls) == 2  # forward + grad_weight only
 
 
@@ -187,7 +188,7 @@ def test_tensorwise_saves_float8_operands_for_backward():
 
     x = torch.randn(256, 512, requires_grad=True)
     w = torch.randn(512, 512, requires_grad=True)
-    fp8_bytes, fp8_dtypes = saved_bytes(lambda: fp8.linear(x, w))
+    fp8_bytes, fp8_dtypes = saved_bytes(lambda: fp8_ops.linear(x, w))
 
     def autocast_linear():
         with torch.autocast("cpu", torch.bfloat16):
@@ -223,7 +224,7 @@ def test_torch_compile_matches_eager(backend, fresh_dynamo):
     b = torch.randn(48, requires_grad=True)
 
     def step(x, w, b):
-        return torch.nn.functional.gelu(fp8.linear(x, w, b)).float().square().mean()
+        return torch.nn.functional.gelu(fp8_ops.linear(x, w, b)).float().square().mean()
 
     eager = step(x, w, b)
     eager.backward()
@@ -241,39 +242,39 @@ def test_torch_compile_matches_eager(backend, fresh_dynamo):
 def test_bad_inputs_are_named():
     x, w = torch.randn(4, 32), torch.randn(16, 32)
     with pytest.raises(ValueError, match="unknown fp8 recipe 'rowise'"):
-        fp8.linear(x, w, recipe="rowise")
+        fp8_ops.linear(x, w, recipe="rowise")
     with pytest.raises(ValueError, match=r"float8_e4m3fn or torch\.float8_e5m2"):
         fp8_scale(x, torch.bfloat16)
     s = fp8_scale(w, E4M3)
     with pytest.raises(ValueError, match="x's last dim 16"):
-        fp8.linear(torch.randn(4, 16), w)
+        fp8_ops.linear(torch.randn(4, 16), w)
     with pytest.raises(ValueError, match="w_fp8 must be float8_e4m3fn"):
         torch.ops.amp_graph.fp8_linear(x, w, x.to(E4M3), s, w.to(E5M2), s, None, "tensorwise")
     with pytest.raises(ValueError, match=r"x_scale for the rowwise recipe .* shape \(4, 1\)"):
         torch.ops.amp_graph.fp8_linear(x, w, x.to(E4M3), s, w.to(E4M3), s, None, "rowwise")
     with pytest.raises(ValueError, match="bias must have shape"):
-        fp8.linear(x, w, torch.randn(8))
+        fp8_ops.linear(x, w, torch.randn(8))
 
 
 def test_low_dtype_must_be_bfloat16():
-    assert fp8.check_fp8_low_dtype(torch.bfloat16) is torch.bfloat16
+    assert check_fp8_low_dtype(torch.bfloat16) is torch.bfloat16
     with pytest.raises(ValueError, match=r"bfloat16, not float16.*dtype=torch\.bfloat16"):
-        fp8.check_fp8_low_dtype(torch.float16)
+        check_fp8_low_dtype(torch.float16)
     with pytest.raises(ValueError, match=r"got dtype=torch\.float32"):
-        fp8.check_fp8_low_dtype(torch.float32)
+        check_fp8_low_dtype(torch.float32)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: 'cuda' may run fp8")
 def test_device_without_float8_matmul_is_a_clear_error():
-    assert fp8.fp8_matmul_error("cpu") is None
-    with pytest.raises(fp8.Fp8UnsupportedError, match="no float8 matmul on device 'cuda'"):
-        fp8.require_fp8_matmul("cuda")
+    assert fp8_ops.fp8_matmul_error("cpu") is None
+    with pytest.raises(fp8_ops.Fp8UnsupportedError, match="no float8 matmul on device 'cuda'"):
+        fp8_ops.require_fp8_matmul("cuda")
 
 
 def test_scaled_mm_failure_on_an_unsupported_device_names_the_device(monkeypatch):
     """What a GPU without float8 matmuls (sm_80) does: torch._scaled_mm raises. The op asks
     the probe, which fails the same way, and raises the specific error."""
-    from amp_graph.fp8 import custom_ops as ops
+    from amp_graph.ops import fp8_ops as ops
 
     def no_fp8(*args, **kwargs):
         raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with ...")
@@ -281,8 +282,8 @@ def test_scaled_mm_failure_on_an_unsupported_device_names_the_device(monkeypatch
     monkeypatch.setattr(torch, "_scaled_mm", no_fp8)
     ops._probe.cache_clear()
     try:
-        with pytest.raises(fp8.Fp8UnsupportedError, match="policy='O1'"):
-            fp8.linear(torch.randn(4, 32), torch.randn(16, 32))
+        with pytest.raises(fp8_ops.Fp8UnsupportedError, match="policy='O1'"):
+            fp8_ops.linear(torch.randn(4, 32), torch.randn(16, 32))
     finally:
         ops._probe.cache_clear()
 
@@ -292,12 +293,12 @@ def test_an_enclosing_autocast_changes_nothing():
     otherwise run in bf16 (a real bug this test caught)."""
     x = torch.randn(32, 64, requires_grad=True)
     w = torch.randn(48, 64, requires_grad=True)
-    plain = fp8.linear(x, w)
+    plain = fp8_ops.linear(x, w)
     plain.float().sum().backward()
     expected = (plain, x.grad, w.grad)
     x.grad = w.grad = None
     with torch.autocast("cpu", torch.bfloat16):
-        inside = fp8.linear(x, w)
+        inside = fp8_ops.linear(x, w)
         inside.float().sum().backward()
     for got, want in zip((inside, x.grad, w.grad), expected, strict=True):
         assert torch.equal(got, want)

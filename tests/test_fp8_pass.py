@@ -2,8 +2,8 @@
 
 Structure: which nodes the pass writes, what it records, what it leaves alone. Numbers: the
 rewritten graph must equal, bit for bit, the model run eagerly with the same layers calling
-``amp_graph.fp8.linear``; both run under ``torch.autocast("cpu", bfloat16)``, which stands in
-for the O1-bf16 passes the fp8 policy runs around this one.
+``amp_graph.ops.fp8_ops.linear``; both run under ``torch.autocast("cpu", bfloat16)``, which stands
+in for the O1-bf16 passes the fp8 policy runs around this one.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from amp_graph.passes.fp8_linears import fp8_linears as fp8_linears_pass
 from amp_graph.passes.meta import AMP, AmpInfo, Role
 from fp8_helpers import ScaledMatmulProbe
 
-from amp_graph import fp8, models
-from amp_graph.fp8 import E4M3, E5M2, Fp8Config
-from amp_graph.policy import Rule
+from amp_graph.demo import models
+from amp_graph.ops import fp8_ops
+from amp_graph.policy import E4M3, E5M2, Fp8Config, Rule
 
 ops = torch.ops.amp_graph
 
@@ -49,14 +49,14 @@ def nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
 
 
 class Fp8Layer(nn.Module):
-    """The eager reference: an nn.Linear computed by amp_graph.fp8.linear."""
+    """The eager reference: an nn.Linear computed by amp_graph.ops.fp8_ops.linear."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8.linear(x, self.linear.weight, self.linear.bias)
+        return fp8_ops.linear(x, self.linear.weight, self.linear.bias)
 
 
 def test_mlp_linears_become_fp8_and_the_10_class_head_stays():
@@ -156,12 +156,12 @@ def test_matmuls_with_a_parameter_operand_become_fp8():
     assert remaining.count(torch.ops.aten.matmul.default) == 1  # the buffer's
 
     m = model
-    h = fp8.linear(x, m.w_kn.t())
+    h = fp8_ops.linear(x, m.w_kn.t())
     flat = h.reshape(-1, 32)
     expected = (
-        fp8.linear(h.transpose(1, 2).mT, m.w_nk).mT,
-        fp8.linear(flat, m.w_mm.t(), m.b),
-        fp8.linear(flat, m.w_mm.t()),
+        fp8_ops.linear(h.transpose(1, 2).mT, m.w_nk).mT,
+        fp8_ops.linear(flat, m.w_mm.t(), m.b),
+        fp8_ops.linear(flat, m.w_mm.t()),
         h @ m.proj.to(BF16),
     )
     with torch.autocast("cpu", BF16):
@@ -229,9 +229,9 @@ def test_rowwise_recipe_reaches_the_ops():
     with torch.autocast("cpu", BF16):
         out = gm(x)
         expected = model.head(
-            F.gelu(fp8.linear(F.gelu(fp8.linear(x.flatten(1), model.fc1.weight, model.fc1.bias,
-                                                 "rowwise")),
-                              model.fc2.weight, model.fc2.bias, "rowwise"))
+            F.gelu(fp8_ops.linear(F.gelu(fp8_ops.linear(x.flatten(1), model.fc1.weight,
+                                                         model.fc1.bias, "rowwise")),
+                                  model.fc2.weight, model.fc2.bias, "rowwise"))
         )  # fmt: skip
     assert torch.equal(out, expected)
 

@@ -15,7 +15,8 @@ from amp_graph.passes import AMP
 from fp8_helpers import ScaledMatmulProbe
 
 import amp_graph
-from amp_graph.fp8 import Fp8Config, Fp8UnsupportedError
+from amp_graph.ops.fp8_ops import Fp8UnsupportedError
+from amp_graph.policy import Fp8Config
 
 BF16, FP32 = torch.bfloat16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -122,7 +123,7 @@ def test_bad_input_gets_a_clear_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a build without CUDA")
 def test_a_device_without_float8_matmuls_is_refused_before_capture():
-    from amp_graph.amp_request import resolve_dtype
+    from amp_graph.frontends.policy_request import resolve_dtype
 
     with pytest.raises(Fp8UnsupportedError, match="no float8 matmul on device 'cuda'"):
         resolve_dtype(amp_graph.Policy.preset("fp8"), None, "cuda")

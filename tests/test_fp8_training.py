@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_graph
-from amp_graph import models
-from amp_graph.data import batches, load_digits
+from amp_graph.demo import models
+from amp_graph.demo.digits import batches, load_digits
 
 BF16 = torch.bfloat16
 TOLERANCE = 0.02

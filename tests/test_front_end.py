@@ -24,7 +24,7 @@ from oracles import (
 )
 
 import amp_graph
-from amp_graph.compiler import compile_record
+from amp_graph.frontends.compiler import compile_record
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -514,9 +514,10 @@ def test_a_symbolic_trace_with_a_tuple_state_casts_each_element():
     and O1 casts each. The production verifier (not only check_each_pass) catches a missing
     cast of one of them."""
     import torch.fx as fx
-    from amp_graph.passes import VerificationError, verify
+    from amp_graph.passes import VerificationError
+    from amp_graph.passes.verify import verify
 
-    from amp_graph.cpu_kernels import missing_low_kernels
+    from amp_graph.frontends.cpu_low_kernels import missing_low_kernels
 
     model = zoo.RNNModel("LSTM")
     traced = fx.symbolic_trace(model)

@@ -71,7 +71,7 @@ class TinyLM(nn.Module):
 
 
 def sharded_model(**fully_shard_kwargs: Any) -> TinyLM:
-    from amp_graph.models import shard_blocks
+    from amp_graph.demo.models import shard_blocks
 
     torch.manual_seed(0)  # the same full parameters on every rank before sharding
     return shard_blocks(TinyLM(), **fully_shard_kwargs)
@@ -289,7 +289,7 @@ def refusals(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
     import amp_graph
-    from amp_graph.models import shard_blocks
+    from amp_graph.demo.models import shard_blocks
 
     def capture_error(model: nn.Module) -> str:
         try:
@@ -411,7 +411,7 @@ def read_low(rank: int) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import amp_graph
-    from amp_graph.models import ResidualMLP
+    from amp_graph.demo.models import ResidualMLP
 
     def sharded(**kwargs: Any) -> nn.Module:
         torch.manual_seed(0)
@@ -446,7 +446,7 @@ def planned(rank: int) -> dict[str, Any]:
     the children the plan names as units of their own), against the same models sharded
     per block with float32 all-gathers: trained through compile and ``Graph`` (O1, bf16)."""
     import amp_graph
-    from amp_graph import models
+    from amp_graph.demo import models
 
     class TrainStep(amp_graph.Graph):
         def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -598,7 +598,7 @@ class CheckpointedLM(TinyLM):
 
 
 def _sharded_checkpointed(per_block: bool) -> CheckpointedLM:
-    from amp_graph.models import shard_blocks
+    from amp_graph.demo.models import shard_blocks
 
     torch.manual_seed(0)
     return shard_blocks(CheckpointedLM(per_block))
@@ -635,8 +635,8 @@ def _held_variants(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import amp_graph
+    from amp_graph.demo.models import shard_blocks
     from amp_graph.inspect.held import held_for_backward
-    from amp_graph.models import shard_blocks
 
     def sharded(**kwargs: Any) -> nn.Module:
         torch.manual_seed(0)
@@ -688,7 +688,7 @@ def _held_variants(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, 
 
 
 def held_bytes(rank: int) -> dict[str, Any]:
-    from amp_graph import models
+    from amp_graph.demo import models
 
     gen = torch.Generator().manual_seed(rank)
     return {

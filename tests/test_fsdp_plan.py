@@ -12,8 +12,8 @@ import torch.nn as nn
 from hf_configs import small_llama_config
 
 import amp_graph
-from amp_graph.fsdp_plan import FSDPPlan, plan_fsdp
-from amp_graph.models import GPT, LlamaStyle, ResidualMLP
+from amp_graph.demo.models import GPT, LlamaStyle, ResidualMLP
+from amp_graph.training.fsdp_plan import FSDPPlan, plan_fsdp
 
 BF16 = torch.bfloat16
 

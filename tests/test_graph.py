@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from amp_graph.passes.meta import Role
 from graph_helpers import TrainGraph
 
-from amp_graph import models
-from amp_graph.data import batches, load_digits
-from amp_graph.graph import Graph
+from amp_graph.demo import models
+from amp_graph.demo.digits import batches, load_digits
 from amp_graph.scaler import GradScaler, StaticGradScaler
+from amp_graph.training.nn_graph import Graph
 
 FP16, BF16 = torch.float16, torch.bfloat16
 

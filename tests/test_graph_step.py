@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from graph_helpers import TrainGraph
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_graph import master_weights, models
-from amp_graph.graph import Graph
-from amp_graph.master_weights import HAS_GRAD_DTYPE
+from amp_graph.demo import models
+from amp_graph.training import master_weights
+from amp_graph.training.master_weights import HAS_GRAD_DTYPE
+from amp_graph.training.nn_graph import Graph
 
 BF16 = torch.bfloat16
 

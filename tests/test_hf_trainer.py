@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import amp_graph
-from amp_graph.recompute import recomputed_cast
+from amp_graph.ops.recompute_ops import recomputed_cast
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -71,7 +71,7 @@ def test_compile_in_place_keeps_the_model_class_attributes_and_state_dict_keys()
     assert list(model.state_dict()) == keys and inspect.signature(model.forward) == signature
     ids = _ids()
     out = model(input_ids=ids, labels=ids)  # the graph runs (no recursion into itself)
-    gm = amp_graph.compiler.as_graph_module(model)
+    gm = amp_graph.frontends.compiler.as_graph_module(model)
     casts = (torch.ops.aten.to.dtype, recomputed_cast)  # the model's own, as written or decided
     assert any(n.target in casts for n in gm.graph.nodes if n.op != "output")
     assert "bfloat16" in gm.code
@@ -92,7 +92,7 @@ def test_generate_with_a_kv_cache_runs_the_models_own_forward(caplog):
     generate = dict(max_new_tokens=4, do_sample=False, use_cache=True)
     expected = model.generate(prompt, **generate)
     amp_graph.compile_(model, "O1", example_kwargs={"input_ids": prompt})
-    with caplog.at_level(logging.INFO, logger="amp_graph.compiler"):
+    with caplog.at_level(logging.INFO, logger="amp_graph.frontends.compiler"):
         assert torch.equal(model.generate(prompt, **generate), expected)
     assert "KV cache" in caplog.text
     assert len(model.forward.compiled.graph_modules) == 1  # nothing captured for decoding
@@ -104,7 +104,9 @@ def test_trainer_with_default_arguments_trains_and_saves_a_loadable_checkpoint(t
     trainer.train()
     losses = _losses(trainer)
     assert len(losses) == 8 and losses[-1] < 0.8 * losses[0]
-    assert amp_graph.compiler.as_graph_module(model) is not None  # trained through the graph
+    assert (
+        amp_graph.frontends.compiler.as_graph_module(model) is not None
+    )  # trained through the graph
     trainer.save_model(str(tmp_path / "saved"))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
     assert type(loaded) is transformers.GPT2LMHeadModel
@@ -132,7 +134,7 @@ def test_trainer_bf16_fp16_autocast_is_turned_off_inside_the_graph_warning_once(
     losses = _losses(trainer)
     assert losses[-1] < 0.8 * losses[0]
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert str(dtype) in amp_graph.compiler.as_graph_module(model).code
+    assert str(dtype) in amp_graph.frontends.compiler.as_graph_module(model).code
 
 
 def test_trainer_takes_the_wrapper_too_its_signature_keeps_the_columns(tmp_path):

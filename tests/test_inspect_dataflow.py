@@ -11,8 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_graph
 from amp_graph import Policy
-from amp_graph.inspect import dataflow
-from amp_graph.models import (
+from amp_graph.demo.models import (
     GPT,
     MLP,
     ConvNet,
@@ -22,6 +21,7 @@ from amp_graph.models import (
     MixedOpsNet,
     RecurrentNet,
 )
+from amp_graph.inspect import dataflow
 
 
 class CountCopies(TorchDispatchMode):

@@ -10,9 +10,9 @@ import torch
 from amp_graph.passes import AMP, UNKNOWN, Role
 
 import amp_graph
+from amp_graph.demo.models import DecoderBlock
 from amp_graph.inspect import before_passes, before_simplification, diff
 from amp_graph.inspect.style import STATUS_COLORS
-from amp_graph.models import DecoderBlock
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import amp_graph
+from amp_graph.demo.models import GPT, DecoderBlock
 from amp_graph.inspect.html import OPEN_ROWS
 from amp_graph.inspect.report import Explanation
 from amp_graph.inspect.style import FILL
-from amp_graph.models import GPT, DecoderBlock
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +151,9 @@ def test_docstring_examples_run():
 
     for name in (
         "",
-        ".dataflow",
-        ".diff",
-        ".draw",
+        ".module_flow",
+        ".pass_diff",
+        ".drawing",
         ".modules",
         ".numerics",
         ".report",

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_graph.kernels import extension
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.ops import cuda_extension
+from amp_graph.ops import scaler_ops as ops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -48,7 +48,7 @@ def _grads(sizes, seed=0):
 
 def _ensure_loaded() -> None:
     ops.non_finite_check_([torch.ones(1, device="cuda")], torch.zeros((), device="cuda"))
-    status = extension.extension_status()
+    status = cuda_extension.extension_status()
     assert status.state == "loaded", status.detail
 
 

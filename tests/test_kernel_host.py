@@ -13,7 +13,7 @@
   ``cpp_extension.load``, as a GPU user's first step builds it.
 
 Every compile uses the C++ standard torch's own extension builds use
-(:func:`amp_graph.kernels.extension.torch_cxx_standard`: C++20 on torch 2.13 to 2.15, whose
+(:func:`amp_graph.ops.cuda_extension.torch_cxx_standard`: C++20 on torch 2.13 to 2.15, whose
 headers need it). The compiles start together (2 cores) and each test waits for its own.
 """
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_graph.kernels import scaler_ops as ops
-from amp_graph.kernels.extension import CSRC_DIR, torch_cxx_standard
+from amp_graph.ops import scaler_ops as ops
+from amp_graph.ops.cuda_extension import CSRC_DIR, torch_cxx_standard
 
 pytestmark = pytest.mark.cuda  # CUDA sources: `make gpu-check` runs these too
 
@@ -226,7 +226,7 @@ def test_binding_compiles_against_torch_headers(builds) -> None:
 _BUILD_AND_LOAD = """
 import sys, torch
 from torch.utils import cpp_extension
-from amp_graph.kernels.extension import load_arguments
+from amp_graph.ops.cuda_extension import load_arguments
 cpp_extension.load(**load_arguments([(9, 0)]), build_directory=sys.argv[1])
 print(sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("CUDA")
              if n.startswith("amp_graph::")))

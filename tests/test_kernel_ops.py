@@ -10,8 +10,8 @@ import pytest
 import torch
 from scaler_helpers import ref_check_unscale, ref_sum_of_squares
 
-from amp_graph.kernels import extension
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.ops import cuda_extension
+from amp_graph.ops import scaler_ops as ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICES = [
@@ -316,11 +316,11 @@ def test_each_op_is_one_node_in_fx_and_compiled_graphs() -> None:
 def test_build_is_keyed_by_architecture() -> None:
     """The JIT cache name carries the torch build and every visible architecture, and the nvcc
     flags compile exactly those (plus PTX of the newest)."""
-    h100 = extension.build_options("2.11.0+cu130", [(9, 0)])
+    h100 = cuda_extension.build_options("2.11.0+cu130", [(9, 0)])
     assert h100["name"] == "amp_graph_kernels_torch2_11_0_cu130_sm90"
     assert "-gencode=arch=compute_90,code=sm_90" in h100["extra_cuda_cflags"]
     assert "-gencode=arch=compute_90,code=compute_90" in h100["extra_cuda_cflags"]
-    mixed = extension.build_options("2.11.0+cu130", [(9, 0), (8, 0), (9, 0)])
+    mixed = cuda_extension.build_options("2.11.0+cu130", [(9, 0), (8, 0), (9, 0)])
     assert mixed["name"] == "amp_graph_kernels_torch2_11_0_cu130_sm80_sm90"
     flags = [f for f in mixed["extra_cuda_cflags"] if "arch" in f]
     assert flags == [
@@ -328,7 +328,7 @@ def test_build_is_keyed_by_architecture() -> None:
         "-gencode=arch=compute_90,code=sm_90",
         "-gencode=arch=compute_90,code=compute_90",
     ]
-    assert extension.build_options("2.11.0+cu130", [(10, 0)])["name"] != h100["name"]
+    assert cuda_extension.build_options("2.11.0+cu130", [(10, 0)])["name"] != h100["name"]
     assert "--use_fast_math" not in h100["extra_cuda_cflags"]
 
 
@@ -338,25 +338,25 @@ def test_load_extension_builds_for_the_visible_gpus(monkeypatch: pytest.MonkeyPa
     from torch.utils import cpp_extension
 
     calls = []
-    monkeypatch.setattr(extension, "_status", extension.ExtensionStatus("not-tried"))
-    monkeypatch.setattr(extension, "_cuda_usable", lambda: True)
+    monkeypatch.setattr(cuda_extension, "_status", cuda_extension.ExtensionStatus("not-tried"))
+    monkeypatch.setattr(cuda_extension, "_cuda_usable", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "lib.so")
-    monkeypatch.delenv(extension.DISABLE_ENV, raising=False)
-    assert extension.load_extension() is True
+    monkeypatch.delenv(cuda_extension.DISABLE_ENV, raising=False)
+    assert cuda_extension.load_extension() is True
     (kwargs,) = calls
     assert kwargs["name"].endswith("_sm90")
     assert "-gencode=arch=compute_90,code=sm_90" in kwargs["extra_cuda_cflags"]
-    assert extension.extension_status() == extension.ExtensionStatus("loaded", "lib.so")
+    assert cuda_extension.extension_status() == cuda_extension.ExtensionStatus("loaded", "lib.so")
 
 
 def test_cpu_only_machine_never_builds() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
     ops.non_finite_check_([torch.ones(3)], torch.zeros(()))
-    assert extension.extension_status().state == "unavailable"
-    assert extension.load_extension() is False
+    assert cuda_extension.extension_status().state == "unavailable"
+    assert cuda_extension.load_extension() is False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -371,7 +371,9 @@ def test_cuda_extension_builds_and_matches_torch_op() -> None:
     found, their_found = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
     inv = torch.tensor(1 / 3, device="cuda")
     ops.non_finite_check_and_unscale_(grads, found, inv)
-    assert extension.extension_status().state == "loaded", extension.extension_status().detail
+    assert cuda_extension.extension_status().state == "loaded", (
+        cuda_extension.extension_status().detail
+    )
     on_cuda = [t for t in theirs if t.is_cuda]
     torch._amp_foreach_non_finite_check_and_unscale_(on_cuda, their_found, inv)
     on_cpu = [t for t in theirs if not t.is_cuda]

@@ -1,5 +1,5 @@
-"""amp_graph.lightning.AmpGraphPrecision in a real lightning.Trainer (CPU), checked against a
-hand-written amp_graph + GradScaler loop on the same data."""
+"""amp_graph.integrations.lightning.AmpGraphPrecision in a real lightning.Trainer (CPU), checked
+against a hand-written amp_graph + GradScaler loop on the same data."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 import amp_graph  # noqa: E402
-from amp_graph.lightning import AmpGraphPrecision  # noqa: E402
+from amp_graph.integrations.lightning import AmpGraphPrecision  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, INF_STEP, CLIP = 4, 4, 1, 0.5
 
@@ -214,7 +214,7 @@ def test_lightning_stays_optional() -> None:
         "import sys, amp_graph; assert 'lightning' not in sys.modules, 'imported lightning'\n"
         "sys.modules['lightning'] = None\n"
         "try:\n"
-        "    import amp_graph.lightning\n"
+        "    import amp_graph.integrations.lightning\n"
         "except ImportError as e:\n"
         "    assert 'pip install lightning' in str(e), e\n"
         "else:\n"

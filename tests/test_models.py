@@ -12,7 +12,7 @@ from amp_graph.passes import AMP, Role
 from conftest import PlanReference, compile_checked, skip_where_cpu_lacks_kernels_of
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -1,7 +1,7 @@
 """amp_graph.monitor: per-step statistics of chosen nodes (issue 25, the monitor's core).
 
 The oracle for the statistics is computed by hand, independently of
-:mod:`amp_graph.tensor_stats`: the same graph runs under an ``fx.Interpreter`` that keeps
+:mod:`amp_graph.ops.tensor_stats`: the same graph runs under an ``fx.Interpreter`` that keeps
 each measured value (forward) and puts a tensor hook on it (backward), and each statistic is
 computed from its definition with real casts (``(x * scale).to(fmt) == 0``), not thresholds.
 """
@@ -22,10 +22,10 @@ from amp_graph.passes.recompute_casts import is_inserted_cast
 from scaler_helpers import SyncCounter
 
 import amp_graph
-from amp_graph.kernels.cpu_extension import cpu_extension_status, load_cpu_extension
-from amp_graph.models import GPT, ConvNet
-from amp_graph.recompute import recomputed_quantize
-from amp_graph.tensor_stats import STATS, WHATIF_FORMATS, accumulate, measure
+from amp_graph.demo.models import GPT, ConvNet
+from amp_graph.ops.cpu_extension import cpu_extension_status, load_cpu_extension
+from amp_graph.ops.recompute_ops import recomputed_quantize
+from amp_graph.ops.tensor_stats import STATS, WHATIF_FORMATS, accumulate, measure
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -328,7 +328,7 @@ def test_history_the_same_without_the_kernel(monkeypatch) -> None:
     histories = []
     for kernel in (True, False):
         if not kernel:
-            monkeypatch.setattr(amp_graph.tensor_stats, "_kernel_applies", lambda x, s: False)
+            monkeypatch.setattr(amp_graph.ops.tensor_stats, "_kernel_applies", lambda x, s: False)
         torch.manual_seed(0)
         compiled = amp_graph.compile(GPT(), policy="O1", dtype=BF16)
         monitor = amp_graph.monitor(compiled, every=1)
@@ -583,10 +583,10 @@ def test_bad_arguments_get_specific_errors() -> None:
 def test_docstring_example_runs() -> None:
     import doctest
 
-    import amp_graph.kernels.cpu_extension
     import amp_graph.monitoring
+    import amp_graph.ops.cpu_extension
 
-    for module in (amp_graph.monitoring, amp_graph.kernels.cpu_extension):
+    for module in (amp_graph.monitoring, amp_graph.ops.cpu_extension):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, (module.__name__, result)
 

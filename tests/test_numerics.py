@@ -1,4 +1,4 @@
-"""amp_graph.numerics (the shadow run's report) and amp_graph.autopolicy.
+"""amp_graph.numerics (the shadow run's report) and amp_graph.accuracy.autopolicy_search.
 
 Each breaking model has one known node that fails in float16 under O3. The report must
 name it (node and module), autopolicy must fix it with at most 3 float32 overrides, and the
@@ -20,7 +20,7 @@ from amp_graph.passes import AMP
 from zoo import GPTConfig, NanoGPT
 
 import amp_graph
-from amp_graph.shadow import shadow_run
+from amp_graph.accuracy.shadow import shadow_run
 
 FP16 = torch.float16
 
@@ -536,7 +536,7 @@ def test_findings_name_nodes_whose_values_underflow():
 def test_autopolicy_captures_once_per_input_signature_and_demotion_set(monkeypatch):
     """A demotion can change what is captured (the dtypes the model's Python sees), so each
     set of demotions is judged on its own capture, made once however often it is tried."""
-    import amp_graph.compiler as compiler
+    import amp_graph.frontends.compiler as compiler
 
     calls = []
     capture = compiler.capture_for_policy
@@ -562,7 +562,7 @@ def test_autopolicy_captures_once_per_input_signature_and_demotion_set(monkeypat
 def test_the_deferred_read_back_path_gives_the_same_report(monkeypatch):
     """On a GPU the statistics stay on the device until one read at the end (the path no
     CPU run takes); run that path here and compare it with the per-node one."""
-    import amp_graph.shadow as shadow
+    import amp_graph.accuracy.shadow as shadow
 
     torch.manual_seed(0)
     model = OverflowBeforeNorm()

@@ -47,7 +47,7 @@ from op_samples import (
 
 import amp_graph
 from amp_graph.inspect.report import NodeRow
-from amp_graph.tables import autocast_lists as lists
+from amp_graph.policy import autocast_lists as lists
 
 CATEGORIES = cuda_categories()  # from the header, plus the few .cpp-only registrations
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -398,7 +398,7 @@ def test_o1_python_callable_returns_what_cuda_autocast_returns(label: str, low: 
         # The plan's output dtype (proven by FakeTensor propagation): some of these ops
         # have no CPU kernel at low precision, and the dtype is what is compared here.
         out = out_row(amp_graph.report(compiled)).out
-        gm = amp_graph.compiler.as_graph_module(compiled)
+        gm = amp_graph.frontends.compiler.as_graph_module(compiled)
         if any(n.meta["amp"].source == "cpu" for n in gm.graph.nodes if "amp" in n.meta):
             expected = torch.float32  # this CPU lacks the low kernel (tests/test_cpu_kernels)
         assert out == short(expected), (

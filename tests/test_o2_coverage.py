@@ -156,7 +156,7 @@ def _backward(out) -> torch.Tensor:
 def _three_ways(model: nn.Module, args: tuple, policy: str = "O2"):
     """The model's graph through compile, the torch.compile backend and a training Graph."""
     compiled = amp_graph.compile(model, policy, BF16, example_inputs=args)
-    gm = amp_graph.compiler.as_graph_module(compiled)
+    gm = amp_graph.frontends.compiler.as_graph_module(compiled)
     dynamo = torch.compile(model, backend=amp_graph.backend(policy, BF16, inner="eager"))
     dynamo(*args)
     [backend_gm] = amp_graph.captured_graphs(dynamo)
@@ -193,7 +193,7 @@ def test_a_float32_the_model_chose_still_holds_under_o2():
     assert list(report.wide_products) == ["matmul"]
     assert "float32 cast written in the model" in report.wide_products["matmul"]
     assert "matmul in float32: " in report.totals()
-    assert _linear_dtypes(amp_graph.compiler.as_graph_module(compiled)) == [BF16]
+    assert _linear_dtypes(amp_graph.frontends.compiler.as_graph_module(compiled)) == [BF16]
 
 
 def _time_embedding() -> TimeEmbedding:
@@ -235,7 +235,7 @@ def test_an_override_rounds_the_sinusoid_where_the_user_asks():
     compiled = amp_graph.compile(
         _time_embedding(), policy, BF16, example_inputs=(torch.randn(4, 32), TIMESTEPS)
     )
-    gm = amp_graph.compiler.as_graph_module(compiled)
+    gm = amp_graph.frontends.compiler.as_graph_module(compiled)
     sin = next(n for n in gm.graph.nodes if n.meta[AMP].aten == "sin")
     cos = next(n for n in gm.graph.nodes if n.meta[AMP].aten == "cos")
     assert sin.meta[AMP].compute_dtype == BF16 and cos.meta[AMP].compute_dtype == FP32

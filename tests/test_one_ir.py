@@ -19,8 +19,8 @@ from amp_graph.passes import AMP, run_passes
 from amp_graph.passes.meta import VAL
 
 import amp_graph
-from amp_graph import models
-from amp_graph.compiler import compile_record
+from amp_graph.demo import models
+from amp_graph.frontends.compiler import compile_record
 from amp_graph.policy import Policy
 
 BF16 = torch.bfloat16

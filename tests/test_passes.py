@@ -13,20 +13,19 @@ from amp_graph.passes import (
     PassError,
     Role,
     VerificationError,
-    assign_dtypes,
-    classify,
     inline_regions,
-    insert_casts,
     pipeline,
-    simplify_casts,
-    verify,
 )
-from amp_graph.passes.insert_casts import make_cast
+from amp_graph.passes.assign_dtypes import assign_dtypes
+from amp_graph.passes.classify import classify
+from amp_graph.passes.insert_casts import insert_casts, make_cast
+from amp_graph.passes.simplify_casts import simplify_casts
+from amp_graph.passes.verify import verify
 from conftest import compile_checked
 
 import amp_graph
-from amp_graph import models
 from amp_graph.capture import capture_module
+from amp_graph.demo import models
 from amp_graph.policy import Policy, Rule
 
 

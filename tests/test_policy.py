@@ -12,7 +12,7 @@ from amp_graph.passes import AMP, Role
 from conftest import PlanReference, compile_checked
 
 import amp_graph
-from amp_graph import models
+from amp_graph.demo import models
 from amp_graph.policy import Policy, Rule
 
 IDX = (torch.randint(0, 64, (2, 8)),)

@@ -1,7 +1,7 @@
 """One policy front: a policy means one thing through ``compile``, the backend and ``Graph``.
 
-The three entry points resolve and validate through :mod:`amp_graph.amp_request`: the same
-errors for the same mistakes, the same op dtypes for the same policy, module overrides that
+The three entry points resolve and validate through :mod:`amp_graph.frontends.policy_request`: the
+same errors for the same mistakes, the same op dtypes for the same policy, module overrides that
 match nothing refused (for a Graph, naming its own path: ``model.head``), one device rule, and
 O2's master weights taken from the policy's ``master_weights`` field, not from its name.
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from amp_graph.passes import AMP, Role
 
 import amp_graph
-from amp_graph.amp_request import device_type_of
+from amp_graph.frontends.policy_request import device_type_of
 from tests.zoo import GPTConfig, NanoGPT
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -73,7 +73,7 @@ def test_a_policy_gives_the_same_op_dtypes_through_compile_backend_and_graph(
 ) -> None:
     model, idx = _nanogpt()
     compiled = amp_graph.compile(model, policy, BF16, example_inputs=(idx, idx))
-    reference = _op_dtypes(amp_graph.compiler.as_graph_module(compiled))
+    reference = _op_dtypes(amp_graph.frontends.compiler.as_graph_module(compiled))
     assert reference
 
     dynamo = torch.compile(model, backend=amp_graph.backend(policy, BF16, inner="eager"))

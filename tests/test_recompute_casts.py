@@ -1,5 +1,6 @@
 """Backward casts again what it can, instead of keeping it (passes/recompute_casts.py,
-amp_graph/recompute.py): less held from forward to backward, the same gradients, bit for bit.
+amp_graph/ops/recompute_ops.py): less held from forward to backward, the same gradients, bit for
+bit.
 
 What the forward leaves alive is counted by :class:`amp_graph.inspect.held.HeldForBackward`:
 every tensor an aten op made, weakly referenced from a dispatch mode, by distinct live
@@ -23,9 +24,9 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_graph
+from amp_graph.demo.models import GPT
 from amp_graph.inspect.held import held_for_backward
-from amp_graph.models import GPT
-from amp_graph.recompute import ModifiedSourceError, recomputed_cast, recomputed_quantize
+from amp_graph.ops.recompute_ops import ModifiedSourceError, recomputed_cast, recomputed_quantize
 
 BF16 = torch.bfloat16
 
@@ -339,7 +340,7 @@ def test_graph_trains_the_same_bits(name: str, micro_batches: int, compile_build
 
 
 def test_fp8_policy_trains_the_same_bits() -> None:
-    from amp_graph.fp8 import fp8_matmul_error
+    from amp_graph.ops.fp8_ops import fp8_matmul_error
 
     if fp8_matmul_error("cpu") is not None:
         pytest.skip(f"no fp8 matmul here: {fp8_matmul_error('cpu')}")
@@ -666,7 +667,7 @@ class _Tagged(torch.Tensor):
 def test_a_widened_subclass_is_never_kept_in_its_copys_place() -> None:
     """A tensor subclass's storage may be elsewhere, or none (a wrapper such as DTensor):
     its widened copy is kept as before; a plain tensor's source is kept where smaller."""
-    from amp_graph.recompute import _smaller_storage
+    from amp_graph.ops.recompute_ops import _smaller_storage
 
     source = torch.randn(8, 16, dtype=BF16)
     assert _smaller_storage(source, source.float())

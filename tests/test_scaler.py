@@ -12,10 +12,10 @@ import pytest
 import torch
 from scaler_helpers import SyncCounter, make_data, make_model
 
-import amp_graph.kernels.scaler_ops
+import amp_graph.ops.scaler_ops
 import amp_graph.scaler
 import amp_graph.scaler.grad_scaler
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.ops import scaler_ops as ops
 from amp_graph.scaler import GradScaler, StaticGradScaler
 
 mse = torch.nn.functional.mse_loss
@@ -421,7 +421,7 @@ def test_fused_path_makes_no_cuda_synchronization() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", [amp_graph.scaler, amp_graph.scaler.grad_scaler, amp_graph.kernels.scaler_ops]
+    "module", [amp_graph.scaler, amp_graph.scaler.grad_scaler, amp_graph.ops.scaler_ops]
 )
 def test_docstring_examples(module) -> None:
     result = doctest.testmod(module)

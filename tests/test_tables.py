@@ -33,9 +33,8 @@ from op_samples import (
 )
 
 import amp_graph
-from amp_graph.policy import base_name
-from amp_graph.tables import autocast_lists as lists
-from amp_graph.tables import python_ops
+from amp_graph.policy import autocast_lists as lists
+from amp_graph.policy import base_name, python_ops
 
 HEADER_LISTS = autocast_header_lists()
 BF16, FP32 = torch.bfloat16, torch.float32

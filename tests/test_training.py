@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import amp_graph
-from amp_graph import models
-from amp_graph.data import batches, load_digits
+from amp_graph.demo import models
+from amp_graph.demo.digits import batches, load_digits
 
 STEPS = 300
 # Stated tolerances: final test loss within 15% (relative) and test accuracy within 3 points

@@ -1,6 +1,6 @@
 """Find the few nodes that need float32, from data: :func:`autopolicy`.
 
-The search runs the compiled model and its float32 shadow (:mod:`amp_graph.shadow`) on
+The search runs the compiled model and its float32 shadow (:mod:`amp_graph.accuracy.shadow`) on
 each sample input, and while a sample fails (an inf/nan where float32 is finite, outputs
 or gradients further than ``tol`` from float32) demotes the node that the measurements
 blame to float32, with a node override whose note records the evidence. When every sample
@@ -43,19 +43,25 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from amp_graph.amp_request import (
+from amp_graph.accuracy.float32_error import output_error
+from amp_graph.accuracy.shadow import (
+    NumericsRow,
+    ShadowResult,
+    scale_text,
+    shadow_run,
+    tensors_kept,
+)
+from amp_graph.capture import Captured, capture_for_policy
+from amp_graph.frontends.compiler import CompiledModule, _class_forward, _compiled_in_place
+from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
     resolve,
     validate_module_overrides,
 )
-from amp_graph.capture import Captured, capture_for_policy
-from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place
-from amp_graph.output_error import output_error
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.meta import DTYPE_READ
 from amp_graph.policy import Policy
-from amp_graph.shadow import NumericsRow, ShadowResult, scale_text, shadow_run, tensors_kept
 
 UNDERFLOW_BLAME = 0.01  # a gradient with more than this fraction underflowing is blamed
 
@@ -241,7 +247,7 @@ class _SharedCaptures(CompiledModule):
     """A CompiledModule whose captures come from a store the search shares: the model is
     captured once per input signature and set of node overrides, and each trial rewrites
     its own copy. The overrides are part of the key because the capture plans, from the
-    policy, the dtypes the model's Python sees (:mod:`amp_graph.capture_dtypes`): a
+    policy, the dtypes the model's Python sees (:mod:`amp_graph.capture.planned_dtypes`): a
     demotion can change what is captured (GPT-2's ``.type(value.dtype)`` records float32
     where ``value`` is demoted), so a set of demotions is judged on the graph that
     :func:`amp_graph.compile` with that policy captures, whatever was tried before it.

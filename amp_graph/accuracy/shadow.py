@@ -39,10 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from amp_graph.compiler import COMPILE_META, CompiledModule, CompileRecord
+from amp_graph.frontends.compiler import COMPILE_META, CompiledModule, CompileRecord
+from amp_graph.ops.recompute_ops import recomputed_cast, recomputed_quantize
 from amp_graph.passes.meta import AMP, FLOAT8
 from amp_graph.passes.schema import written_storage
-from amp_graph.recompute import recomputed_cast, recomputed_quantize
 
 LOW_FLOATS = frozenset({torch.float16, torch.bfloat16}) | FLOAT8
 
@@ -50,7 +50,7 @@ LOW_FLOATS = frozenset({torch.float16, torch.bfloat16}) | FLOAT8
 @functools.cache
 def shadow_targets() -> dict[Any, Callable[..., Any]]:
     """Nodes whose float32 counterpart is another function: fp8 ops run their math."""
-    from amp_graph.fp8 import custom_ops  # noqa: F401  (registers torch.ops.amp_graph)
+    from amp_graph.ops import fp8_ops  # noqa: F401  (registers torch.ops.amp_graph)
 
     amp = torch.ops.amp_graph
     return {  # called with the shadow's tensors and the node's own dtype arguments

@@ -1,6 +1,7 @@
 """The casts and dtype reads of the model's Python while it is captured under a policy.
 
-:class:`CompositePromoteMode` is the torch-function mode that :mod:`amp_graph.capture_dtypes`
+:class:`CompositePromoteMode` is the torch-function mode that
+:mod:`amp_graph.capture.planned_dtypes`
 enters beside its dispatch mode. At the level of the model's Python calls it
 
 * gives a read of ``x.dtype`` the dtype ``x`` has in the plan (a graph input O2 casts at

@@ -10,7 +10,7 @@ The capture runs under ``torch.autocast`` in the policy's dtype (O0 aside), so m
 that asks ``torch.is_autocast_enabled()`` (HF's ``maybe_autocast``) takes its autocast
 path and its own float32 blocks are recorded. The ops recorded are the model's, not
 autocast's: export traces above the autocast dispatch key. The dtypes the model's Python
-sees are the policy's (:mod:`amp_graph.capture_dtypes`), so that code which reads a dtype
+sees are the policy's (:mod:`amp_graph.capture.planned_dtypes`), so that code which reads a dtype
 (``.to(x.dtype)``) records the cast the policy implies.
 
 The exported program is then "unlifted" by :func:`_graph_module`: each parameter and
@@ -43,25 +43,25 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture_casts import (
+from amp_graph.capture.casts import (
     CastKeepingInterpreter,
     mark_named,
     strip_aliases,
     strip_widening_casts,
 )
-from amp_graph.capture_dtypes import (
-    capture_under_policy,
-    half_model_view,
-    mark_capture_plans,
-    mark_checkpoint_regions,
-)
-from amp_graph.capture_fsdp import (
+from amp_graph.capture.fsdp_units import (
     FSDP_MIXED_PRECISION,
     UnsupportedFSDP,
     fsdp_units_unsharded,
     gathered_dtypes,
     mixed_precision,
     planned_for,
+)
+from amp_graph.capture.planned_dtypes import (
+    capture_under_policy,
+    half_model_view,
+    mark_capture_plans,
+    mark_checkpoint_regions,
 )
 from amp_graph.passes.fsdp_hooks import stack_unit
 from amp_graph.passes.meta import (
@@ -215,7 +215,7 @@ def capture_module(
     ``model_attr`` is the GraphModule attribute the model is read through (None: its
     children become the GraphModule's). With a ``policy`` (and its ``low_dtype``), the
     model's Python sees the dtypes that policy gives each value
-    (:mod:`amp_graph.capture_dtypes`), not torch.autocast's. ``code_on_call``: the
+    (:mod:`amp_graph.capture.planned_dtypes`), not torch.autocast's. ``code_on_call``: the
     GraphModule generates its Python code when first called or printed, not at each
     ``recompile()`` (torch's ``_LazyGraphModule``): for a caller that only reads the graph,
     as :func:`amp_graph.export` does, generating the code of a 10k-node graph is waste.
@@ -238,7 +238,7 @@ def capture_module(
         else contextlib.nullcontext()
     )
     # FSDP2: every rank captures its units unsharded with their hooks detached
-    # (amp_graph/capture_fsdp.py); the pass fsdp_hooks calls the hooks in the graph
+    # (amp_graph/capture/fsdp_units.py); the pass fsdp_hooks calls the hooks in the graph
     casts_nothing = autocast_dtype is None and (policy is None or policy.changes_nothing)
     fsdp = fsdp_units_unsharded(model, casts_nothing)
     # Export flattens the output right after the forward returns: the hook registers the

@@ -45,7 +45,7 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_graph.capture_casts import (
+from amp_graph.capture.casts import (
     CompositePromoteMode,
     newest_node,
     promoted,
@@ -66,8 +66,7 @@ from amp_graph.passes.meta import (
     tensor_facts,
 )
 from amp_graph.passes.regions import AutocastRegion, autocast_marker
-from amp_graph.policy import OpFacts, Policy, Rule
-from amp_graph.tables import python_ops
+from amp_graph.policy import OpFacts, Policy, Rule, python_ops
 
 log = logging.getLogger(__name__)
 

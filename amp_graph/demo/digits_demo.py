@@ -39,8 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_graph
-from amp_graph import models
-from amp_graph.data import Split, batches, load_digits
+from amp_graph.demo import models
+from amp_graph.demo.digits import Split, batches, load_digits
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LEARNING_RATE = 1e-2  # reaches ~95% test accuracy in the quick demo's ~40-200 steps

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 from torch.export import ExportedProgram
 
-from amp_graph.autopolicy import as_call
-from amp_graph.output_error import OutputError
+from amp_graph.accuracy.autopolicy_search import as_call
+from amp_graph.accuracy.float32_error import OutputError
 
 from .program import ExportInfo, eval_mode, export_info, sample_errors
 from .targets import load, save

@@ -24,17 +24,17 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-from amp_graph.amp_request import (
+from amp_graph.accuracy.autopolicy_search import AutopolicyError, as_call, autopolicy, default_tol
+from amp_graph.accuracy.float32_error import OutputError, output_error
+from amp_graph.capture import capture_for_policy, gc_paused
+from amp_graph.frontends.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
+from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
     resolve,
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.autopolicy import AutopolicyError, as_call, autopolicy, default_tol
-from amp_graph.capture import capture_for_policy, gc_paused
-from amp_graph.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
-from amp_graph.output_error import OutputError, output_error
 from amp_graph.passes.aten_casts import aten_casts
 from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL, Role, short
 from amp_graph.passes.state_casts import state_casts

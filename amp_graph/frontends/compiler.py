@@ -26,15 +26,15 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph import recompute
-from amp_graph.amp_request import (
+from amp_graph.capture import Captured, CaptureError, capture_for_policy, export_refused
+from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
     resolve,
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.capture import Captured, CaptureError, capture_for_policy, export_refused
+from amp_graph.ops import recompute_ops
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.graph_copy import copy_graph, graph_module_over
@@ -107,7 +107,7 @@ def rewrite(
     record = CompileRecord(policy, dtype, device_type, stats, timings, exact, original)
     gm.meta[COMPILE_META] = record
     if record.stats.get("casts_recomputed"):
-        recompute.install(gm)  # the hooks that keep those casts' sources instead
+        recompute_ops.install(gm)  # the hooks that keep those casts' sources instead
     return record
 
 
@@ -440,7 +440,8 @@ def graph_code_module(gm: fx.GraphModule) -> nn.Module:
     and tensors (nothing copied), under ``gm``'s class name.
 
     ``torch.export`` runs a GraphModule through ``fx.Interpreter`` rather than its forward,
-    so the capture under the policy, which wraps the forward (:mod:`amp_graph.capture_dtypes`),
+    so the capture under the policy, which wraps the forward
+    (:mod:`amp_graph.capture.planned_dtypes`),
     would never see the code run: as a plain module it runs as any model's does.
     """
     cls = type(type(gm).__name__, (nn.Module,), {"forward": type(gm).forward})

@@ -9,7 +9,7 @@ raises the same). amp_graph instead runs such an op in float32 there:
 * :func:`missing_low_kernels` calls each op of :data:`PROBES` once per process and dtype,
   on a tiny input (forward and backward), and returns the ones that raise, with the first
   line of torch's error;
-* :func:`amp_graph.amp_request.resolve` gives that map to the policy of every model
+* :func:`amp_graph.frontends.policy_request.resolve` gives that map to the policy of every model
   compiled for the CPU (:attr:`amp_graph.Policy.missing_kernels`); its ``decide`` then
   computes those ops in float32 whatever the tables say, under the source ``"cpu"``, so
   ``explain`` shows why; the ``classify`` pass warns once per graph, naming the nodes.

@@ -7,7 +7,7 @@ hands each graph to a backend together with example inputs. For every graph, thi
    tensor, else a fake of the example input), so every dtype is proven by FakeTensor
    propagation, exactly as ``amp_graph.compile(..., example_inputs=...)`` does;
 2. runs the same passes as :func:`amp_graph.compile` (:func:`amp_graph.passes.run_passes`);
-3. stores a :class:`~amp_graph.compiler.CompileRecord` on the graph
+3. stores a :class:`~amp_graph.frontends.compiler.CompileRecord` on the graph
    (``gm.meta["amp_graph"]``), so :func:`amp_graph.report` and :func:`amp_graph.explain`
    work on it, and keeps the graph for :func:`captured_graphs`;
 4. hands a copy of the rewritten graph to the inner backend (inductor by default), which
@@ -40,10 +40,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph import recompute
-from amp_graph.amp_request import check_request, device_type_of, resolve
 from amp_graph.capture import capture_graph
-from amp_graph.compiler import CompileRecord, rewrite
+from amp_graph.frontends.compiler import CompileRecord, rewrite
+from amp_graph.frontends.policy_request import check_request, device_type_of, resolve
+from amp_graph.ops import recompute_ops
 from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.graph_copy import copy_graph_module
@@ -152,7 +152,7 @@ class AmpGraphBackend:
             compiled = lookup_backend(self.inner)(gm, list(example_inputs))
             # the graph runs as it is: keep recomputed casts' sources, as compile does (with
             # AOTAutograd, aot_eager and inductor, its partitioner decides what is kept)
-            return recompute.recording(compiled) if self.inner == "eager" else compiled
+            return recompute_ops.recording(compiled) if self.inner == "eager" else compiled
         return self.inner(gm, list(example_inputs))
 
     def _check_overrides(self, policy: Policy, gm: fx.GraphModule) -> None:

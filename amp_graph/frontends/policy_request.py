@@ -76,7 +76,7 @@ def check_request(policy: Policy | str, dtype: Any) -> None:
     if dtype is None:
         return
     if resolved.fp8 is not None:
-        from amp_graph.fp8 import check_fp8_low_dtype
+        from amp_graph.policy.fp8_recipe import check_fp8_low_dtype
 
         check_fp8_low_dtype(dtype)
     else:
@@ -88,7 +88,8 @@ def resolve_dtype(policy: Policy, dtype: Any, device_type: str) -> torch.dtype:
     (float16 on CUDA, else bfloat16), bfloat16 for fp8 policies, whose float8 matmuls
     this device must run (a clear error otherwise)."""
     if policy.fp8 is not None:
-        from amp_graph.fp8 import check_fp8_low_dtype, require_fp8_matmul
+        from amp_graph.ops.fp8_ops import require_fp8_matmul
+        from amp_graph.policy.fp8_recipe import check_fp8_low_dtype
 
         dtype = check_fp8_low_dtype(torch.bfloat16 if dtype is None else dtype)
         require_fp8_matmul(device_type, policy.fp8.recipe)
@@ -112,12 +113,13 @@ def device_type_of(module: nn.Module | None, inputs: Any = ()) -> str:
 
 def resolve(policy: Policy | str, dtype: Any, device_type: str) -> AmpRequest:
     """The request as the passes take it (see the module doc). On the CPU, the policy also
-    learns which ops this CPU cannot compute in the low dtype (:mod:`amp_graph.cpu_kernels`),
+    learns which ops this CPU cannot compute in the low dtype
+    (:mod:`amp_graph.frontends.cpu_low_kernels`),
     so that a plan never asks for a kernel the machine lacks."""
     resolved = resolve_policy(policy, device_type)
     low = resolve_dtype(resolved, dtype, device_type)
     if device_type == "cpu":
-        from amp_graph.cpu_kernels import missing_low_kernels
+        from amp_graph.frontends.cpu_low_kernels import missing_low_kernels
 
         missing = missing_low_kernels(low)
         if missing:

@@ -19,9 +19,9 @@ is installed and by a networkx-based layout otherwise).
 * :func:`before_passes`, :func:`before_simplification` - the graph at earlier stages.
 """
 
-from .dataflow import Conversion, DataFlow, ModuleFlow, dataflow
-from .diff import Diff, DiffRow, diff
-from .draw import SVG, draw
+from .drawing import SVG, draw
+from .module_flow import Conversion, DataFlow, ModuleFlow, dataflow
+from .pass_diff import Diff, DiffRow, diff
 from .stages import before_passes, before_simplification
 
 __all__ = [

@@ -10,7 +10,7 @@ True
 True
 
 :func:`numerics` runs the compiled graph and a float32 shadow of the same graph
-(:mod:`amp_graph.shadow`) and returns a :class:`NumericsReport`: one row per node with its
+(:mod:`amp_graph.accuracy.shadow`) and returns a :class:`NumericsReport`: one row per node with its
 dtype, max |x|, zero/subnormal fractions, non-finite count and relative error against
 float32; ``first_nonfinite`` and ``worst(k)`` name nodes and modules; ``plot()`` draws the
 error along the graph. ``backward=True`` adds each gradient's underflow and overflow at
@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from amp_graph.passes.meta import short
-from amp_graph.shadow import (
+from amp_graph.accuracy.shadow import (
     Measure,
     NumericsRow,
     ParamMeasure,
@@ -37,8 +36,9 @@ from amp_graph.shadow import (
     scale_text,
     shadow_run,
 )
+from amp_graph.passes.meta import short
 
-from .draw import SVG
+from .drawing import SVG
 from .html import OPEN_ROWS
 from .modules import node_modules
 from .style import DTYPE_COLORS
@@ -450,7 +450,7 @@ def numerics(
 
 
 def report_of(result: ShadowResult) -> NumericsReport:
-    """A :class:`NumericsReport` over a :func:`amp_graph.shadow.shadow_run` result."""
+    """A :class:`NumericsReport` over a :func:`amp_graph.accuracy.shadow.shadow_run` result."""
     record = result.graph_module.meta.get("amp_graph")
     policy = record.policy.name if record is not None else "?"
     modules = node_modules(result.graph_module)  # casts and parameters filed as elsewhere

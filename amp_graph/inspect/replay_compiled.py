@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.compiler import compile as compile_model
+from amp_graph.frontends.compiler import compile as compile_model
 from amp_graph.monitoring.repro import detached, set_rng
 
 from .numerics import numerics as run_numerics

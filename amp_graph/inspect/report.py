@@ -12,13 +12,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.capture_fsdp import FSDP_MIXED_PRECISION
-from amp_graph.compiler import CompileRecord, compile_record, unwrap
-from amp_graph.fsdp_plan import read_only_low
+from amp_graph.capture.fsdp_units import FSDP_MIXED_PRECISION
+from amp_graph.frontends.compiler import CompileRecord, compile_record, unwrap
 from amp_graph.monitoring.selection import is_default
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.passes.recompute_casts import copy_dtype
 from amp_graph.policy import Rule, nearest
+from amp_graph.training.fsdp_plan import read_only_low
 
 from .html import OPEN_ROWS, explanation_html
 from .modules import node_modules

@@ -13,9 +13,10 @@ import logging
 import torch
 import torch.fx as fx
 
-from amp_graph.compiler import compile_record, unwrap
-from amp_graph.passes import AMP, assign_dtypes, classify
-from amp_graph.passes.assign_dtypes import FakeRunError
+from amp_graph.frontends.compiler import compile_record, unwrap
+from amp_graph.passes import AMP
+from amp_graph.passes.assign_dtypes import FakeRunError, assign_dtypes
+from amp_graph.passes.classify import classify
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.pipeline import amp_passes
 from amp_graph.policy import Policy

@@ -28,7 +28,7 @@ Lightning is an optional dependency: ``pip install lightning`` (or ``amp_graph[l
 Example::
 
     import lightning, torch
-    from amp_graph.lightning import AmpGraphPrecision
+    from amp_graph.integrations.lightning import AmpGraphPrecision
 
     trainer = lightning.Trainer(plugins=[AmpGraphPrecision(dtype=torch.float16)])
     trainer.fit(lightning_module, dataloader)
@@ -51,12 +51,12 @@ try:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        "amp_graph.lightning needs Lightning, which is not installed: "
+        "amp_graph.integrations.lightning needs Lightning, which is not installed: "
         "pip install lightning  (or: pip install 'amp_graph[lightning]')"
     ) from error
 
-from amp_graph.compiler import CompiledModule
-from amp_graph.compiler import compile as amp_compile
+from amp_graph.frontends.compiler import CompiledModule
+from amp_graph.frontends.compiler import compile as amp_compile
 from amp_graph.monitoring import Monitor, monitor
 from amp_graph.policy import Policy
 from amp_graph.scaler import GradScaler, NonFiniteGuard

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from amp_graph.compiler import CompiledModule, _compiled_in_place
+from amp_graph.frontends.compiler import CompiledModule, _compiled_in_place
 
 from .core import CSV_NAME, JSONL_NAME, Monitor
 from .history import History
@@ -67,7 +67,7 @@ def monitor(
             "module_types": [nn.Conv2d], "nodes": ["linear_3"]}`` (any match counts).
         stats: the statistics to compute, from ``amax``, ``zeros``, ``underflow``,
             ``nonfinite``, ``whatif`` (fp16/bf16/e4m3/e5m2 underflow and overflow); all by
-            default (:mod:`amp_graph.tensor_stats` defines each).
+            default (:mod:`amp_graph.ops.tensor_stats` defines each).
         log_dir: write ``monitor.jsonl`` and ``monitor.csv`` there (and TensorBoard scalars,
             where the ``tensorboard`` package is installed), reading the device once every
             ``flush_every`` logging steps, at the start of the step after.

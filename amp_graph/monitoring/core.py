@@ -26,11 +26,11 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from amp_graph.ops.tensor_stats import STAT_GROUPS, STATS, StatsSink
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.instrument import Probe, _region_graphs, computed_order, instrument
 from amp_graph.passes.meta import model_root
 from amp_graph.policy import nearest
-from amp_graph.tensor_stats import STAT_GROUPS, STATS, StatsSink
 
 from .history import History, make_row, write_csv, write_jsonl
 from .plot import Heatmap, heatmap

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from amp_graph.ops.tensor_stats import STATS
 from amp_graph.passes.meta import short
-from amp_graph.tensor_stats import STATS
 
 # what names a row, then the statistics in STATS order
 KEY_COLUMNS = (

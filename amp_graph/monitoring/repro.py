@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amp_graph.compiler import COMPILE_META
+from amp_graph.frontends.compiler import COMPILE_META
 
 log = logging.getLogger(__name__)
 

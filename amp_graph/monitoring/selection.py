@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph.ops.recompute_ops import recomputed_quantize
 from amp_graph.passes.classify import op_facts
 from amp_graph.passes.meta import AMP, Role
 from amp_graph.policy import Policy, Rule, nearest
-from amp_graph.recompute import recomputed_quantize
 
 # schema names of the ops measured by default
 DEFAULT_OPS: frozenset[str] = frozenset(

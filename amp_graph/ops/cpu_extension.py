@@ -1,7 +1,7 @@
 """Build-on-first-use loader of the CPU extension behind the monitor's statistics.
 
 ``csrc/tensor_stats_cpu.cpp`` is one pass over a tensor that accumulates every statistic of
-:mod:`amp_graph.tensor_stats` (a dozen torch ops otherwise, each reading the tensor and
+:mod:`amp_graph.ops.tensor_stats` (a dozen torch ops otherwise, each reading the tensor and
 allocating a mask). :func:`load_cpu_extension` compiles it with
 :func:`torch.utils.cpp_extension.load` the first time a monitor measures a CPU tensor (about
 half a minute; needs a C++ compiler and ``pip install ninja``), cached in
@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from .extension import CSRC_DIR, ExtensionStatus, torch_cxx_standard
+from .cuda_extension import CSRC_DIR, ExtensionStatus, torch_cxx_standard
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Set ``AMP_GRAPH_DISABLE_CUDA_EXT=1`` to skip the extension on a CUDA machine as 
 
 Example::
 
-    >>> from amp_graph.kernels.extension import extension_status
+    >>> from amp_graph.ops.cuda_extension import extension_status
     >>> extension_status().state  # on a CPU-only machine, before and after any op call
     'unavailable'
 """

@@ -92,7 +92,7 @@ def cpu_scaled_mm_is_slow() -> bool:
             f"{size}x{size}x{size} float8 product, {theirs / ours:.0f}x the same arithmetic "
             "written from float32 (oneDNN's reference kernel on AMX Xeons, a slow emulation "
             "elsewhere); amp_graph's fp8 linears compute it that way instead, with the same "
-            "result as torch's CPU emulation (amp_graph.fp8.cpu_matmul)",
+            "result as torch's CPU emulation (amp_graph.ops.fp8_cpu_matmul)",
             stacklevel=2,
         )
     log.info("torch._scaled_mm on this CPU: %.3f ms; emulation %.3f ms", theirs * 1e3, ours * 1e3)

@@ -31,15 +31,15 @@ run as the aten ops they are made of, which ``torch.compile`` fuses, and carry n
 ``torch._scaled_mm``'s requirements are met here, the same way on every device (so the CPU
 runs the GPU's code path): the first operand row-major, the second column-major, and the
 contraction dim of ``grad_W`` (the batch) zero-padded to a multiple of 16. Layers whose own
-dims are not multiples of 16 are not given to these ops (:mod:`amp_graph.fp8.filters`).
+dims are not multiples of 16 are not given to these ops (:mod:`amp_graph.policy.fp8_filters`).
 
 Example::
 
     >>> import torch
-    >>> from amp_graph import fp8
+    >>> from amp_graph.ops import fp8_ops
     >>> x = torch.randn(32, 64, requires_grad=True)
     >>> w = torch.randn(16, 64, requires_grad=True)
-    >>> y = fp8.linear(x, w)
+    >>> y = fp8_ops.linear(x, w)
     >>> y.dtype, y.shape
     (torch.bfloat16, torch.Size([32, 16]))
     >>> y.float().sum().backward()
@@ -55,8 +55,16 @@ from typing import Any
 
 import torch
 
-from .cpu_matmul import cpu_scaled_mm_is_slow, emulated_scaled_mm
-from .recipe import AMAX_FLOOR, E4M3, FP8_DTYPES, OUT_DTYPE, Granularity, get_recipe
+from amp_graph.policy.fp8_recipe import (
+    AMAX_FLOOR,
+    E4M3,
+    FP8_DTYPES,
+    OUT_DTYPE,
+    Granularity,
+    get_recipe,
+)
+
+from .fp8_cpu_matmul import cpu_scaled_mm_is_slow, emulated_scaled_mm
 
 _MULTIPLE = 16  # torch._scaled_mm's alignment for the contraction dim
 
@@ -65,7 +73,7 @@ class Fp8UnsupportedError(RuntimeError):
     """This torch has no float8 matmul on the device (or none for the recipe's scaling)."""
 
 
-# FRAGMENT: amp_graph.kernels.scaler_ops defines the scaler's ops in the same namespace.
+# FRAGMENT: amp_graph.ops.scaler_ops defines the scaler's ops in the same namespace.
 _lib = torch.library.Library("amp_graph", "FRAGMENT")
 SCHEMAS = {
     "fp8_scale": "(Tensor x, ScalarType dtype, str recipe, int dim=-1) -> Tensor",
@@ -198,7 +206,7 @@ def _scaled_mm(
     """``a @ b`` from float8 operands quantized as ``a_fp8 = a * a_scale``: the layouts
     ``torch._scaled_mm`` needs and the dequantization scales (reciprocals) it takes. On a
     CPU whose ``torch._scaled_mm`` is slow, the same arithmetic from float32
-    (:mod:`amp_graph.fp8.cpu_matmul`)."""
+    (:mod:`amp_graph.ops.fp8_cpu_matmul`)."""
     if a.device.type == "cpu" and cpu_scaled_mm_is_slow():
         with _without_autocast(a.device):
             scales = (a_scale.reciprocal(), b_scale.reciprocal())

@@ -46,7 +46,7 @@ would dominate a call over 10,000 small gradients.
 Example::
 
     >>> import torch
-    >>> from amp_graph.kernels import scaler_ops as ops
+    >>> from amp_graph.ops import scaler_ops as ops
     >>> grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")], dtype=torch.float16)]
     >>> found_inf = torch.zeros(())
     >>> ops.non_finite_check_and_unscale_(grads, found_inf, torch.tensor(0.5))
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from amp_graph.kernels.extension import load_extension
+from amp_graph.ops.cuda_extension import load_extension
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Slots of the trackers tensor (amp_graph::Tracker in csrc/tiling.h).

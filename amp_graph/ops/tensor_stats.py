@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed.tensor
 
-from amp_graph.kernels import cpu_extension
+from amp_graph.ops import cpu_extension
 
 __all__ = [
     "STATS",
@@ -168,7 +168,7 @@ def _format_limits() -> tuple[list[float], list[float]]:
 
 def _kernel_applies(x: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether the one-pass CPU kernel measures ``x`` (built on first use; see
-    :mod:`amp_graph.kernels.cpu_extension`). A per-row fp8 scale goes to torch ops."""
+    :mod:`amp_graph.ops.cpu_extension`). A per-row fp8 scale goes to torch ops."""
     if x.device.type != "cpu" or (scale is not None and scale.numel() != 1):
         return False
     if x.dtype not in _KERNEL_DTYPES or isinstance(x, torch.distributed.tensor.DTensor):

@@ -1,13 +1,13 @@
 """Which linears run in fp8: a table of rules, each returning a decision with its reason.
 
 Pure functions of a layer's facts (its dims, where it runs, the policy rule it already has)
-and an :class:`~amp_graph.fp8.recipe.Fp8Config`. The first rule that returns a decision
+and an :class:`~amp_graph.policy.fp8_recipe.Fp8Config`. The first rule that returns a decision
 wins; a layer no rule stops runs in fp8. The reason (``"fp8: ..."`` or ``"not fp8: ..."``)
 is what ``explain`` shows for the node.
 
 Example::
 
-    >>> from amp_graph.fp8 import Fp8Config, LinearFacts, decide
+    >>> from amp_graph.policy.fp8_filters import Fp8Config, LinearFacts, decide
     >>> head = LinearFacts("aten.linear", "head", None, in_features=128, out_features=10)
     >>> print(decide(head, Fp8Config()).reason)
     not fp8: out_features=10 is not a multiple of 16 (a torch._scaled_mm requirement)
@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from amp_graph.rule import Rule
-
-from .recipe import FORMAT_NAMES, Fp8Config, Granularity
+from .fp8_recipe import FORMAT_NAMES, Fp8Config, Granularity
+from .precision_policy import Rule
 
 _DIM_MULTIPLE = 16
 

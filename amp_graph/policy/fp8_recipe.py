@@ -19,7 +19,7 @@ e4m3 operands only, and a per-row scale already gives each row the range e5m2 wo
 
 Example::
 
-    >>> from amp_graph.fp8 import Fp8Config
+    >>> from amp_graph.policy import Fp8Config
     >>> Fp8Config(recipe="rowwise").recipe_spec.grad_dtype
     torch.float8_e4m3fn
 """

@@ -2,7 +2,7 @@
 
 A :class:`Policy` is data. Its op tables hold aten op names (the names torch.autocast's
 lists use); every graph node is mapped to the aten op autocast would see
-(:mod:`amp_graph.tables.python_ops`) and looked up. On top of the tables come overrides,
+(:mod:`amp_graph.policy.python_ops`) and looked up. On top of the tables come overrides,
 in one priority order, lowest first::
 
     default rule  <  op tables  <  op overrides  <  module type  <  module path  <  node name
@@ -25,15 +25,28 @@ import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from amp_graph.fp8.recipe import Fp8Config
-from amp_graph.rule import Rule
-from amp_graph.tables import autocast_lists as lists
-from amp_graph.tables import python_ops
+from . import autocast_lists as lists
+from . import python_ops
+from .fp8_recipe import Fp8Config
+
+
+class Rule(str, Enum):
+    """How a node computes. The four categories of torch.autocast and TF's AMP pass."""
+
+    ALLOW = "allow"  # low precision: floating inputs are cast to the policy dtype
+    DENY = "deny"  # float32: floating inputs are cast to float32
+    PROMOTE = "promote"  # floating inputs are cast to the widest floating input dtype
+    FOLLOW = "follow"  # no casts: inputs as they come, torch's own type promotion
+
+    def __str__(self) -> str:
+        return self.value
+
 
 KEEP_FP32 = Rule.DENY
 """The explicit way to say "keep this in float32" in an override."""
@@ -281,15 +294,15 @@ class Policy:
         nodes: overrides by FX node name.
         notes: why a node override exists, by node name (``amp_graph.autopolicy`` records
             the evidence for each demotion here); :func:`amp_graph.explain` quotes it.
-        fp8: run linear layers as float8 scaled matmuls (:mod:`amp_graph.fp8`) with this
+        fp8: run linear layers as float8 scaled matmuls (:mod:`amp_graph.ops.fp8_ops`) with this
             configuration; everything else follows the tables. None: no fp8.
         recompute_casts: backward casts again, instead of keeping, every low-precision copy
             whose source outlives the forward anyway (weights, softmax's float32 output):
             the same gradients, bit for bit, without holding the copies from forward to
             backward (``passes.recompute_casts``). False keeps them, as torch.autocast does.
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
-            it in the low dtype (:mod:`amp_graph.cpu_kernels`, filled in by the entry points
-            for CPU models). Such an op computes in float32 whatever else the policy says.
+            it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
+            points for CPU models). Such an op computes in float32 whatever else the policy says.
     """
 
     name: str
@@ -337,7 +350,9 @@ class Policy:
                 "cast_inputs=True, or start from Policy.preset('O2')"
             )
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
-            raise TypeError(f"Policy fp8 is an amp_graph.fp8.Fp8Config or None; got {self.fp8!r}")
+            raise TypeError(
+                f"Policy fp8 is an amp_graph.policy.Fp8Config or None; got {self.fp8!r}"
+            )
 
     @staticmethod
     def preset(name: str, device_type: str = "cpu") -> Policy:

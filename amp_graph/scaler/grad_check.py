@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.ops import scaler_ops as ops
 from amp_graph.scaler import errors, sharding
 
 

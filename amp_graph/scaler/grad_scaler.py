@@ -7,7 +7,7 @@ job it is:
 * :class:`~amp_graph.scaler.scale_state.ScaleState`: the scale, its trackers and their update;
 * :class:`~amp_graph.scaler.grad_check.GradientCheck`: gradients -> ``found_inf``, unscaling,
   agreement across ranks;
-* :class:`~amp_graph.scaler.monitor.SkipMonitor`: names, non-finite gradients, the
+* :class:`~amp_graph.scaler.skip_monitor.SkipMonitor`: names, non-finite gradients, the
   consecutive-skip warning.
 """
 
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.ops import scaler_ops as ops
 from amp_graph.scaler import errors
 from amp_graph.scaler.grad_check import CheckResult, GradientCheck, Partition
-from amp_graph.scaler.monitor import NamedParameters, SkipMonitor
 from amp_graph.scaler.scale_state import ScaleState
+from amp_graph.scaler.skip_monitor import NamedParameters, SkipMonitor
 
 __all__ = ["GradScaler", "StaticGradScaler"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from amp_graph.kernels import scaler_ops as ops
+from amp_graph.ops import scaler_ops as ops
 from amp_graph.scaler import sharding
 
 logger = logging.getLogger(__name__)

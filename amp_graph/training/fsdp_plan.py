@@ -42,9 +42,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture_fsdp import PLANNED_FOR, fsdp_module_type, owning_units
-from amp_graph.compiler import compile as amp_compile
-from amp_graph.compiler import compile_record
+from amp_graph.capture.fsdp_units import PLANNED_FOR, fsdp_module_type, owning_units
+from amp_graph.frontends.compiler import compile as amp_compile
+from amp_graph.frontends.compiler import compile_record
 from amp_graph.passes.meta import AMP, Role, short
 from amp_graph.policy import Policy
 

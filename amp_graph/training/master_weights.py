@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from amp_graph.tables.python_ops import NORMALIZATION_MODULES
+from amp_graph.policy.python_ops import NORMALIZATION_MODULES
 
 # Newer torch (2.13 has it): a leaf whose gradients have another dtype than the leaf.
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")

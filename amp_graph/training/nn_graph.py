@@ -49,23 +49,23 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from amp_graph import recompute
-from amp_graph.amp_request import (
+from amp_graph.capture import Captured, capture_for_policy
+from amp_graph.capture.fsdp_units import fsdp_units
+from amp_graph.frontends.compiler import COMPILE_META, CaptureCache, rewrite
+from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
     resolve,
     validate_module_overrides,
     validate_node_overrides,
 )
-from amp_graph.capture import Captured, capture_for_policy
-from amp_graph.capture_fsdp import fsdp_units
-from amp_graph.compiler import COMPILE_META, CaptureCache, rewrite
-from amp_graph.master_weights import MasterWeights
 from amp_graph.monitoring.core import Monitor
+from amp_graph.ops import recompute_ops
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.policy import Policy, nearest
 from amp_graph.scaler import GradScaler, NonFiniteGuard
-from amp_graph.step_graph import StepPlan, build_step_graph
+from amp_graph.training.master_weights import MasterWeights
+from amp_graph.training.step_graph import StepPlan, build_step_graph
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +449,7 @@ class Graph:
         return captured
 
     def _step_graph(self, captured: Captured) -> fx.GraphModule:
-        """The step graph around a captured build (see :mod:`amp_graph.step_graph`)."""
+        """The step graph around a captured build (see :mod:`amp_graph.training.step_graph`)."""
         build = captured.graph_module
         output_tree, losses = pytree.tree_unflatten(
             list(range(captured.out_spec.num_leaves)), captured.out_spec
@@ -501,7 +501,7 @@ class Graph:
         self._scaler_in_use = scaler
         step = build_step_graph(step_root, build, plan)
         if self.config.compile:
-            recompute.uninstall(build)  # AOTAutograd's partitioner decides what is kept
+            recompute_ops.uninstall(build)  # AOTAutograd's partitioner decides what is kept
             step.build = torch.compile(build, **self.config.compile_options)
         return step
 

@@ -5,7 +5,7 @@ inputs into micro-batches, run the captured ``build`` on each (its forward: the 
 the loss, with amp_graph's casts), scale each loss and run its backward, (O2) move the
 gradients to the master weights, unscale and check them (optionally clip), step each
 optimizer (skipped on inf/nan), (O2) copy the masters back, update the scale and step the
-schedulers. Each stage is one node calling :mod:`amp_graph.step_ops`.
+schedulers. Each stage is one node calling :mod:`amp_graph.training.step_ops`.
 
 This is runtime: it calls the scaler, the optimizers and the master weights. The graph
 passes (``amp_graph.passes``) never import it.
@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_graph import step_ops
 from amp_graph.passes.meta import AMP, AmpInfo, Role
 from amp_graph.policy import Rule
+from amp_graph.training import step_ops
 
 
 def _step_info(op: str, detail: str) -> AmpInfo:

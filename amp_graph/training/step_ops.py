@@ -1,6 +1,6 @@
 """The operations a training-step graph calls: one function per node kind.
 
-:mod:`amp_graph.step_graph` puts calls to these into the step graph of an
+:mod:`amp_graph.training.step_graph` puts calls to these into the step graph of an
 :class:`amp_graph.Graph`, so that each stage of the step (zero the gradients, scale the
 loss, unscale and check, clip, step, update the scale, step the schedulers) is one
 readable node. They hold no state of their own.
@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.master_weights import MasterWeights
 from amp_graph.scaler import GradScaler
 from amp_graph.scaler.nonfinite_guard import NonFiniteGuard
+from amp_graph.training.master_weights import MasterWeights
 
 
 def zero_grad(optimizer: torch.optim.Optimizer) -> None:

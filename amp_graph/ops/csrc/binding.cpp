@@ -1,4 +1,4 @@
-// CUDA kernels of the amp_graph ops (schemas defined in amp_graph/kernels/scaler_ops.py), registered with
+// CUDA kernels of the amp_graph ops (schemas defined in amp_graph/ops/scaler_ops.py), registered with
 // the dispatcher when this library is loaded. A thin layer over the C-ABI launchers of
 // amp_kernels.cu: it builds the per-dtype tensor table on the host, finds the device copy of that
 // table in a cache (or writes one, only when the parameter set changed), takes the grid from the

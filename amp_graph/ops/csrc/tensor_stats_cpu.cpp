@@ -1,7 +1,7 @@
-// CPU kernel of the monitor's statistics (amp_graph/tensor_stats.py defines each one): one pass
+// CPU kernel of the monitor's statistics (amp_graph/ops/tensor_stats.py defines each one): one pass
 // over a tensor accumulates every statistic into a float64 row, instead of a dozen torch ops
 // that each read the tensor and allocate a mask. Built on first use by
-// amp_graph/kernels/cpu_extension.py; where it is not built, tensor_stats.py computes the same
+// amp_graph/ops/cpu_extension.py; where it is not built, tensor_stats.py computes the same
 // numbers with torch ops.
 //
 // Row layout (tensor_stats.STATS): amax, zeros, underflow, nonfinite, then for fp16, bf16, e4m3,

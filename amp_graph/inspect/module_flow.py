@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.compiler import compile_record, unwrap
+from amp_graph.frontends.compiler import compile_record, unwrap
 from amp_graph.passes.absorb_casts import copies_input
 from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, short, tensor_facts
 

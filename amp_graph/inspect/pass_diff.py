@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from amp_graph.compiler import unwrap
+from amp_graph.frontends.compiler import unwrap
 from amp_graph.passes.meta import Role, short
 from amp_graph.policy import op_key_name
 
-from .draw import SVG, finish, title_of
+from .drawing import SVG, finish, title_of
 from .modules import module_types, node_modules
 from .stages import annotate, before_passes, is_annotated
 from .style import STATUS_COLORS, STATUS_MARK

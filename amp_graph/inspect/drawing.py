@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from amp_graph.compiler import COMPILE_META, unwrap
+from amp_graph.frontends.compiler import COMPILE_META, unwrap
 
 from .modules import module_types
 from .render import render
