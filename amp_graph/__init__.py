@@ -12,7 +12,7 @@ import sys
 import types
 import warnings
 
-from amp_graph import deploy, inspect, passes, scaler
+from amp_graph import deploy, inspect, passes
 from amp_graph.accuracy.autopolicy_search import AutopolicyError, autopolicy
 from amp_graph.deploy import export, export_info
 from amp_graph.frontends.compiler import CaptureError, CompiledModule, compile, compile_, uncompile
@@ -85,8 +85,8 @@ class _MovedModule(types.ModuleType):
     def __getattr__(self, attr: str) -> object:
         if attr.startswith("__"):  # sys.modules scans (pickle, inspect) must import nothing
             raise AttributeError(attr)
-        child = sys.modules.get(f"{self.__name__}.{attr}")
-        if isinstance(child, _MovedModule):
+        child = _moved_module(f"{self.__name__}.{attr}")
+        if child is not None:
             return child
         for target in self._targets:
             module = importlib.import_module(target)
@@ -103,22 +103,31 @@ class _MovedModule(types.ModuleType):
         return sorted({n for t in self._targets for n in dir(importlib.import_module(t))})
 
 
+def _moved_module(name: str) -> _MovedModule | None:
+    module = sys.modules.get(name)
+    return module if isinstance(module, _MovedModule) else None
+
+
 def _install_moved_modules() -> None:
     # In sys.modules before anyone asks, so that `import amp_graph.backend` finds the module
-    # without setting the attribute amp_graph.backend, which is the function.
+    # without setting the attribute amp_graph.backend, which is the function. An old path
+    # under a package that still exists (amp_graph.scaler.monitor) is also its attribute; this
+    # package answers through __getattr__, an old package through its own alias.
     for old, new in MOVED_MODULES.items():
         targets = new if isinstance(new, tuple) else (new,)
-        sys.modules.setdefault(old, _MovedModule(old, targets))
-    scaler_monitor = sys.modules["amp_graph.scaler.monitor"]
-    if not hasattr(scaler, "monitor"):
-        scaler.monitor = scaler_monitor
+        moved = sys.modules.setdefault(old, _MovedModule(old, targets))
+        parent, _, child = old.rpartition(".")
+        owner = sys.modules.get(parent)
+        real_package = parent != __name__ and owner is not None and not _moved_module(parent)
+        if real_package and not hasattr(owner, child):
+            setattr(owner, child, moved)
 
 
 def __getattr__(name: str) -> object:
-    moved = sys.modules.get(f"{__name__}.{name}")
-    if isinstance(moved, _MovedModule):
-        return moved
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    moved = _moved_module(f"{__name__}.{name}")
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved
 
 
 _install_moved_modules()

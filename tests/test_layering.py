@@ -213,6 +213,19 @@ def tree_faults(
     return faults
 
 
+def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements that bind a module's attributes: its body, through if/try/with blocks
+    (``if TYPE_CHECKING:``), never inside a function or class."""
+    found = []
+    for node in body:
+        found.append(node)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            found += _module_level(getattr(node, field, []))
+    return found
+
+
 def shadowed_modules(files: dict[str, Path]) -> list[str]:
     """'pkg.name (how)' for each module ``pkg.name`` whose package's ``__init__`` binds
     ``name`` to something other than that module: then ``pkg.name`` is not the module."""
@@ -223,9 +236,9 @@ def shadowed_modules(files: dict[str, Path]) -> list[str]:
         children = {
             m.rsplit(".", 1)[1] for m in files if "." in m and m.rsplit(".", 1)[0] == package
         }
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in _module_level(ast.parse(path.read_text(), filename=str(path)).body):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                if node.name in children and node.col_offset == 0:
+                if node.name in children:
                     found.append(f"{package}.{node.name} (a {type(node).__name__})")
             elif isinstance(node, ast.Assign):
                 for target in node.targets:
@@ -418,9 +431,12 @@ def test_check_finds_a_package_hiding_its_module(tmp_path):
     init = tmp_path / "__init__.py"
     files = {"amp_graph.q": init, "amp_graph.q.diff": tmp_path / "diff.py"}
     files["amp_graph.q.draw"] = tmp_path / "draw.py"
-    init.write_text("from . import draw\nfrom .draw import SVG\nfrom amp_graph.q.diff import D\n")
+    init.write_text(
+        "from . import draw\nfrom .draw import SVG\nfrom amp_graph.q.diff import D\n"
+        "def f():\n    from .diff import diff\n    draw = 1\n"
+    )
     assert shadowed_modules(files) == []
-    init.write_text("from .diff import diff\n\ndef draw():\n    pass\n")
+    init.write_text("if True:\n    from .diff import diff\n\ndef draw():\n    pass\n")
     assert shadowed_modules(files) == [
         "amp_graph.q.diff (imported diff)",
         "amp_graph.q.draw (a FunctionDef)",
