@@ -20,6 +20,11 @@ each in float32, float16 and bfloat16, for three variants:
 * ``norm``: ``amp_graph::non_finite_check_unscale_and_norm_`` vs torch's op followed by
   ``torch._foreach_norm`` (what ``unscale_`` + ``clip_grad_norm_`` cost).
 
+``host ns/tensor`` is the host's time per call divided by the number of tensors, ours and
+torch's (``time.perf_counter`` around the calls alone, the GPU never waited for): with thousands
+of small tensors the call's host work, not the kernel, sets the pace. Ours is then the check of
+the list's fingerprint (``csrc/launch_plan.h``) and the unboxed call (``csrc/python_entry.cpp``).
+
 ``copy`` is a float32 ``copy_`` of a buffer as large as the gradients (reads and writes the same
 number of bytes): the practical bandwidth limit. GB/s counts the bytes each variant must move
 (unscale/norm: read + write; check: read). Ours, torch's and the copy are timed in interleaved
@@ -107,6 +112,8 @@ class Row:
     pct_peak: float | None
     speedup_vs_torch: float
     fraction_of_copy: float
+    ours_host_ns_per_tensor: float = math.nan
+    torch_host_ns_per_tensor: float = math.nan
 
 
 def _time_ms(fn: Callable[[], object], device: str) -> float:
@@ -136,6 +143,21 @@ def interleaved_medians(
         for name, fn in fns.items():
             times[name].append(_time_ms(fn, device))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def host_ns_per_tensor(fn: Callable[[], object], tensors: int, device: str, reps: int) -> float:
+    """Median host time of one call of ``fn`` per tensor, in ns: only the call is timed, and the
+    GPU work it queues is waited for between calls, outside the timing."""
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e9 / max(tensors, 1)
 
 
 def peak_gbps(device: str, override: float | None) -> tuple[float | None, str]:
@@ -207,6 +229,7 @@ def measure(
         med = interleaved_medians(fns, device, reps)
         ours_ms, copy_ms = med["ours"], med["copy"]
         torch_ms = med.get("torch", math.nan)  # nan: torch has no kernel for this dtype here
+        host = {name: host_ns_per_tensor(fns[name], len(grads), device, reps) for name in fns}
         ours_gbps = passes * nbytes / ours_ms / 1e6
         copy_gbps = 2 * nbytes / copy_ms / 1e6
         rows.append(
@@ -225,6 +248,8 @@ def measure(
                 pct_peak=None if peak is None else 100 * ours_gbps / peak,
                 speedup_vs_torch=torch_ms / ours_ms,
                 fraction_of_copy=ours_gbps / copy_gbps,
+                ours_host_ns_per_tensor=host["ours"],
+                torch_host_ns_per_tensor=host.get("torch", math.nan),
             )
         )
         print(format_row(rows[-1]), flush=True)
@@ -245,7 +270,7 @@ def bench(device: str, reps: int, peak: float | None, only: set[str] | None) -> 
 HEADER = (
     f"{'case':<12} {'dtype':<5} {'variant':<8} {'MB':>8} {'ours ms':>9} {'torch ms':>9} "
     f"{'copy ms':>9} {'ours GB/s':>10} {'torch GB/s':>10} {'copy GB/s':>10} {'%peak':>6} "
-    f"{'x torch':>8} {'/copy':>6}"
+    f"{'x torch':>8} {'/copy':>6} {'host ns/t ours':>14} {'torch':>6}"
 )
 
 
@@ -254,7 +279,8 @@ def format_row(r: Row) -> str:
     return (
         f"{r.case:<12} {r.dtype:<5} {r.variant:<8} {r.mbytes:>8.1f} {r.ours_ms:>9.3f} "
         f"{r.torch_ms:>9.3f} {r.copy_ms:>9.3f} {r.ours_gbps:>10.1f} {r.torch_gbps:>10.1f} "
-        f"{r.copy_gbps:>10.1f} {pct:>6} {r.speedup_vs_torch:>8.2f} {r.fraction_of_copy:>6.2f}"
+        f"{r.copy_gbps:>10.1f} {pct:>6} {r.speedup_vs_torch:>8.2f} {r.fraction_of_copy:>6.2f} "
+        f"{r.ours_host_ns_per_tensor:>14.0f} {r.torch_host_ns_per_tensor:>6.0f}"
     )
 
 

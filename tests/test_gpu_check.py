@@ -26,10 +26,15 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
         )
     elif "benchmarks/kernel_bench.py" in command:
         rows = [
-            {"case": case, "dtype": "fp32", "variant": "unscale", "ours_gbps": gbps,
-             "copy_gbps": 3000.0, "speedup_vs_torch": x, "ours_ms": 1.0, "torch_ms": x}
-            for case, gbps, x in (("1x1e8", 3100.0, 1.1), ("10000x1e3", 900.0, 2.5),
-                                  ("10000x1e4", 2500.0, 1.6))
+            {"case": case, "dtype": dtype, "variant": "unscale", "ours_gbps": gbps,
+             "copy_gbps": 3200.0, "speedup_vs_torch": x, "ours_ms": 1.0, "torch_ms": x,
+             "ours_host_ns_per_tensor": 40.0, "torch_host_ns_per_tensor": 150.0}
+            for case, dtype, gbps, x in (
+                ("1x1e8", "fp32", 3100.0, 1.1), ("1x1e8", "fp16", 3040.0, 1.3),
+                ("1x1e8", "bf16", 3008.0, float("nan")), ("10000x1e3", "fp32", 900.0, 2.5),
+                ("10000x1e4", "fp32", 2500.0, 1.6), ("gpt2_mix", "fp32", 3000.0, 1.4),
+                ("gpt2_mix", "fp16", 2900.0, 1.5),
+            )
         ]  # fmt: skip
         meta = {"peak_gbps": 3350.0, "peak_source": "table entry 'H100'", "extension": "loaded"}
         Path(command[command.index("--json") + 1]).write_text(
@@ -47,15 +52,26 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(gpu_check, "preflight", lambda: [])
     monkeypatch.setattr(gpu_check, "_run", _fake_run)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    assert gpu_check.main(["--benchmarks-md", str(md)]) == 0
+    results = tmp_path / "results" / "gpu-check.json"
+    assert gpu_check.main(["--benchmarks-md", str(md), "--results-json", str(results)]) == 0
     text = md.read_text()
     assert "on NVIDIA H100 80GB HBM3" in text
     assert "| 48 passed, 0 failed, 0 skipped |" in text
-    assert "| 3100 GB/s, 93% of 3350 GB/s |" in text
+    assert "| 3100 GB/s, 93% of 3350 GB/s; 0.97x copy_ (3200 GB/s) |" in text
+    assert "| 3040 GB/s; 0.95x copy_ (3200 GB/s) |" in text
     assert "| 2.50x (1.000 ms vs 2.500 ms) |" in text
+    assert "| 1.50x (1.000 ms vs 1.500 ms) |" in text  # gpt2_mix fp16
+    assert "| 40 ns vs 150 ns |" in text
     assert "| host syncs per Graph step (fp16 O1, fused AdamW) | 0 | 0 |" in text
     assert "bit-equal to uncaptured | yes | yes |" in text
     assert gpu_check.NOT_MEASURED not in text
+    # Every figure, machine-readable, with where it was measured.
+    record = json.loads(results.read_text())
+    assert record["device"] == "NVIDIA H100 80GB HBM3" and record["torch"] == torch.__version__
+    assert len(record["commit"]) == 40 and isinstance(record["uncommitted"], list)
+    assert set(record["figures"]) == {key for key, _, _ in gpu_check.FIGURES}
+    assert None not in record["figures"].values()
+    assert len(record["kernel_bench"]["rows"]) == 7 and record["graph_step"]["bit_equal"]
     # Only the section changed.
     before, after = (ROOT / "BENCHMARKS.md").read_text(), text
     head = before.split(gpu_check.BEGIN)[0]
@@ -73,6 +89,7 @@ def test_a_failing_stage_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyP
     md.write_text((ROOT / "BENCHMARKS.md").read_text())
     monkeypatch.setattr(gpu_check, "preflight", lambda: [])
     monkeypatch.setattr(gpu_check, "_run", failing_run)
+    monkeypatch.setattr(gpu_check, "RESULTS_JSON", tmp_path / "gpu-check.json")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
     assert gpu_check.main(["--benchmarks-md", str(md)]) == 1
     assert "run_graph_step: graph_step_cuda.py failed (exit 1)" in md.read_text()

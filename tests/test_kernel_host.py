@@ -4,10 +4,12 @@
   math of ``csrc/tiling.h`` (whole simulated launches over many sizes, misalignments and tables,
   large tensors by blocks and small ones packed into shared tiles by warps), the bit-level
   finiteness tests, the scale-update rule (compared with the Python op), the device-table cache
-  of ``csrc/table_cache.h`` (built once per parameter set, kept while a CUDA graph uses it) and
+  of ``csrc/table_cache.h`` (built once per parameter set, kept while a CUDA graph uses it), the
+  launch plans of ``csrc/launch_plan.h`` (found again by the gradient list's fingerprint) and
   the grid-limit cache of ``csrc/launch_cache.h`` (occupancy asked once per device and kernel);
 * ``csrc/amp_kernels.cu`` is compiled for real with ``nvcc -c`` when nvcc exists;
-* ``csrc/binding.cpp`` is compiled (``-fsyntax-only``) against torch's headers;
+* ``csrc/binding.cpp`` and ``csrc/python_entry.cpp`` are compiled (``-fsyntax-only``) against
+  torch's headers;
 * where torch is a CUDA build (the registry's wheel, even on a machine without a GPU) and
   nvcc and ninja exist, the whole extension is built and loaded by torch's own
   ``cpp_extension.load``, as a GPU user's first step builds it.
@@ -19,6 +21,7 @@ headers need it). The compiles start together (2 cores) and each test waits for 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -56,8 +59,9 @@ def _cuda_include() -> Path | None:
     return None
 
 
-def _binding_command(stub_dir: Path) -> list[str] | None:
-    """g++ -fsyntax-only over binding.cpp, or None when headers or compiler are missing."""
+def _binding_command(stub_dir: Path, source: str = "binding.cpp") -> list[str] | None:
+    """g++ -fsyntax-only over a torch-facing source, or None when headers or compiler are
+    missing."""
     cuda_include = _cuda_include()
     if CXX is None or cuda_include is None:
         return None
@@ -80,7 +84,7 @@ def _binding_command(stub_dir: Path) -> list[str] | None:
         *(f"-isystem{p}" for p in includes),
         f"-I{CSRC_DIR}",
         "-DTORCH_EXTENSION_NAME=amp_graph_kernels",
-        str(CSRC_DIR / "binding.cpp"),
+        str(CSRC_DIR / source),
     ]
 
 
@@ -108,9 +112,10 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subproce
             *torch_flags, f"-I{CSRC_DIR}", str(CSRC_DIR / "amp_kernels.cu"), "-o", str(obj),
         ]  # fmt: skip
         jobs["nvcc"] = (command, obj)
-    binding = _binding_command(out)
-    if binding is not None:
-        jobs["binding"] = (binding, out / "binding.ok")
+    for source in ("binding.cpp", "python_entry.cpp"):
+        command = _binding_command(out, source)
+        if command is not None:
+            jobs[source] = (command, out / f"{source}.ok")
     started = {
         name: (
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
@@ -162,6 +167,15 @@ def test_device_table_cache(builds) -> None:
     entries pinned by a CUDA graph capture are never evicted; the table writer's chunks cover
     the table exactly once."""
     _selftest(builds, "cache")
+
+
+def test_launch_plans_are_found_by_fingerprint(builds) -> None:
+    """The per-call host work of a repeated gradient list is its fingerprint: the same list hits;
+    a change of count, address, dtype, size or order misses and rebuilds the per-call plan;
+    non-dense tensors and other dtypes are never fingerprinted; a list of 3000 tensors in three
+    dtype groups (three kernel launches, a table of three write launches) hits and misses by its
+    last tensor."""
+    _selftest(builds, "plan")
 
 
 def test_grid_limits_are_queried_once(builds) -> None:
@@ -217,8 +231,9 @@ def test_nvcc_compiles_the_kernels(builds) -> None:
     assert obj.stat().st_size > 0
 
 
-def test_binding_compiles_against_torch_headers(builds) -> None:
-    _finish(builds, "binding", "no C++ compiler or CUDA headers")
+@pytest.mark.parametrize("source", ["binding.cpp", "python_entry.cpp"])
+def test_binding_compiles_against_torch_headers(builds, source: str) -> None:
+    _finish(builds, source, "no C++ compiler or CUDA headers")
 
 
 # --- the extension, built and loaded by torch's own cpp_extension.load ----------------------
@@ -227,9 +242,45 @@ _BUILD_AND_LOAD = """
 import sys, torch
 from torch.utils import cpp_extension
 from amp_graph.ops.cuda_extension import load_arguments
-cpp_extension.load(**load_arguments([(9, 0)]), build_directory=sys.argv[1])
+module = cpp_extension.load(**load_arguments([(9, 0)]), build_directory=sys.argv[1])
+print(sorted(n for n in dir(module) if not n.startswith("_")))
+print(sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("AutogradCUDA")
+             if n.startswith("amp_graph::")))
 print(sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("CUDA")
              if n.startswith("amp_graph::")))
+
+# python_entry.cpp's functions make the dispatcher call on any device: on the CPU they reach the
+# ops' torch-native kernels, so their borrowing and declining can be tested without a GPU.
+import json
+from torch.overrides import TorchFunctionMode
+import amp_graph.ops.scaler_ops  # noqa: F401  (the schemas)
+
+class Sub(torch.Tensor):
+    pass
+
+grads = [torch.tensor([2.0, float("inf")]), torch.tensor([4.0], dtype=torch.bfloat16)]
+refs = [g._use_count() for g in grads]  # the C++ TensorImpl's count: borrowing leaves it
+found, inv = torch.zeros(()), torch.tensor(0.5)
+ran_list = module.check_and_unscale(grads, found, inv)
+ran_tuple = module.check_and_unscale(tuple(grads), found, inv)
+values = [g.float().tolist() for g in grads]
+sub = [grads[0], torch.ones(2).as_subclass(Sub)]
+declined_subclass = module.check_and_unscale(sub, found, inv)
+declined_flag = module.check(grads, torch.zeros(()).as_subclass(Sub))
+declined_other = module.check_and_unscale(iter(grads), found, inv)
+with TorchFunctionMode():
+    declined_mode = module.check_and_unscale(grads, found, inv)
+norm = module.check_unscale_and_norm([torch.tensor([3.0, 4.0])], torch.zeros(()), inv)
+try:
+    module.check([torch.tensor([1, 2])], torch.zeros(()))
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+print(json.dumps({
+    "ran": [ran_list, ran_tuple], "values": values, "found": found.item(),
+    "declined": [declined_subclass, declined_flag, declined_other, declined_mode],
+    "norm": norm.item(), "error": error, "refs": refs == [g._use_count() for g in grads],
+}))
 """
 
 
@@ -265,6 +316,19 @@ def test_the_extension_builds_and_loads_with_torchs_own_build(tmp_path: Path) ->
         env=env,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    registered = run.stdout.strip().splitlines()[-1]
+    entry, autograd, registered, calls = run.stdout.strip().splitlines()[-4:]
     for op in ops.SCHEMAS:
         assert f"amp_graph::{op}" in registered, registered
+    for op in [name for name in ops.SCHEMAS if name != "update_scale_"]:  # the list ops
+        assert f"amp_graph::{op}" in autograd, autograd
+    for function in ("check", "check_and_unscale", "check_unscale_and_norm"):
+        assert f"'{function}'" in entry, entry
+    # the unboxed entry: a list or tuple of exact tensors runs the op (twice: 2 -> 1 -> 0.5)
+    result = json.loads(calls)
+    assert result["ran"] == [True, True]
+    assert result["values"] == [[0.5, float("inf")], [1.0]] and result["found"] == 1.0
+    # a subclass (list or flag), another iterable, a torch function mode: declined, untouched
+    assert result["declined"] == [False, False, False, False]
+    assert result["norm"] == 6.25  # (3/2)^2 + (4/2)^2
+    assert result["error"] is not None and result["error"].startswith("ValueError: amp_graph")
+    assert result["refs"], "borrowed tensors must keep their reference counts"

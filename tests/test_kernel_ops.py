@@ -6,6 +6,8 @@ run the extension's fused kernel and skip cleanly without a GPU.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from scaler_helpers import ref_check_unscale, ref_sum_of_squares
@@ -342,13 +344,18 @@ def test_load_extension_builds_for_the_visible_gpus(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cuda_extension, "_cuda_usable", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
-    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "lib.so")
+    module = types.SimpleNamespace(__file__="lib.so")
+    monkeypatch.setattr(cuda_extension, "_module", None)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or module)
     monkeypatch.delenv(cuda_extension.DISABLE_ENV, raising=False)
+    assert cuda_extension.python_entry() is None
     assert cuda_extension.load_extension() is True
     (kwargs,) = calls
     assert kwargs["name"].endswith("_sm90")
     assert "-gencode=arch=compute_90,code=sm_90" in kwargs["extra_cuda_cflags"]
+    assert kwargs["is_python_module"] is True  # python_entry.cpp's module
     assert cuda_extension.extension_status() == cuda_extension.ExtensionStatus("loaded", "lib.so")
+    assert cuda_extension.python_entry() is module
 
 
 def test_cpu_only_machine_never_builds() -> None:

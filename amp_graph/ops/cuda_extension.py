@@ -1,6 +1,7 @@
 """Build-on-first-use loader of the CUDA extension behind the ``amp_graph`` ops.
 
-The extension (``csrc/amp_kernels.cu`` + ``csrc/binding.cpp``) is compiled by
+The extension (``csrc/amp_kernels.cu``, ``csrc/binding.cpp``, ``csrc/python_entry.cpp``) is
+compiled by
 :func:`torch.utils.cpp_extension.load` the first time a CUDA tensor reaches one of the ops, for
 the architectures of the visible GPUs, and cached in ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``) under a name keyed by the torch build and those architectures
@@ -34,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("binding.cpp", "amp_kernels.cu")
+SOURCES = ("binding.cpp", "python_entry.cpp", "amp_kernels.cu")
 DISABLE_ENV = "AMP_GRAPH_DISABLE_CUDA_EXT"
 # No --use_fast_math: the unscale must round like torch's.
 NVCC_FLAGS = ("-O3", "-lineinfo")
@@ -98,7 +99,8 @@ def load_arguments(archs: list[Arch]) -> dict[str, object]:
         "sources": [str(CSRC_DIR / source) for source in SOURCES],
         "extra_include_paths": [str(CSRC_DIR)],
         "extra_cflags": [*CXX_FLAGS, f"-std={torch_cxx_standard()}"],
-        "is_python_module": False,  # a plain library: loading it registers the kernels
+        # a Python module (python_entry.cpp); importing it registers the kernels as well
+        "is_python_module": True,
     }
 
 
@@ -123,6 +125,7 @@ class ExtensionStatus:
 
 _lock = threading.Lock()
 _status = ExtensionStatus("not-tried")
+_module: object | None = None  # the loaded extension's Python module (python_entry.cpp)
 
 
 def extension_status() -> ExtensionStatus:
@@ -134,6 +137,13 @@ def extension_status() -> ExtensionStatus:
     if _status.state == "not-tried" and not _cuda_usable():
         return ExtensionStatus("unavailable", "no CUDA device")
     return _status
+
+
+def python_entry() -> object | None:
+    """The loaded extension's unboxed entry into the ops (``csrc/python_entry.cpp``: functions
+    ``check_and_unscale``, ``check``, ``check_unscale_and_norm``), or None while it is not
+    loaded. Builds nothing."""
+    return _module
 
 
 def _cuda_usable() -> bool:
@@ -148,7 +158,7 @@ def load_extension() -> bool:
     processes (one per rank) are serialized by cpp_extension's lock file in the build
     directory. A failure is logged once as a warning and not retried in this process.
     """
-    global _status
+    global _status, _module
     if _status.state != "not-tried":
         return _status.state == "loaded"
     with _lock:
@@ -164,7 +174,7 @@ def load_extension() -> bool:
         try:
             from torch.utils import cpp_extension
 
-            path = cpp_extension.load(
+            module = cpp_extension.load(
                 **load_arguments(visible_archs()), verbose=logger.isEnabledFor(logging.DEBUG)
             )
         except Exception as error:  # compiler, ninja or loader errors all mean "use torch ops"
@@ -176,6 +186,7 @@ def load_extension() -> bool:
                 _status.detail,
             )
             return False
-        _status = ExtensionStatus("loaded", str(path))
-        logger.info("amp_graph CUDA extension loaded from %s", path)
+        _module = module
+        _status = ExtensionStatus("loaded", str(getattr(module, "__file__", module)))
+        logger.info("amp_graph CUDA extension loaded from %s", _status.detail)
         return True

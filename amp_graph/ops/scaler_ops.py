@@ -38,6 +38,9 @@ Implementations:
   host synchronization;
 * ``CUDA``: registered in C++ by the extension (``csrc/binding.cpp``) when it loads, the first
   time a CUDA tensor reaches an op. One launch per dtype for all grads; no Python in the path.
+  The launch plan (tiles, device table) is built once per gradient list and found again by a
+  fingerprint of the list (each tensor's address, size and dtype); the typed entry points below
+  pass the list to the dispatcher unboxed (``csrc/python_entry.cpp``).
 
 The ops are defined with :class:`torch.library.Library` rather than ``torch.library.custom_op``:
 custom_op's Python-level dispatch and version-counter bumps cost about 5 us per tensor, which
@@ -58,7 +61,7 @@ from __future__ import annotations
 
 import torch
 
-from amp_graph.ops.cuda_extension import load_extension
+from amp_graph.ops.cuda_extension import load_extension, python_entry
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Slots of the trackers tensor (amp_graph::Tracker in csrc/tiling.h).
@@ -281,18 +284,34 @@ def _fake_update_scale(  # type: ignore[no-untyped-def]
 
 
 # ---- typed Python entry points -----------------------------------------------------------
+#
+# Each calls the op through the extension's unboxed entry (csrc/python_entry.cpp) when it is
+# loaded and found_inf is on CUDA: the same dispatcher call without boxing every tensor of the
+# list, which costs more than the kernel with thousands of small gradients. The entry declines
+# (tensor subclasses, torch function modes) and torch.compile traces go through torch.ops.
+
+
+def _unboxed_entry(found_inf: torch.Tensor) -> object | None:
+    entry = python_entry()
+    if entry is None or found_inf.device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    return entry
 
 
 def non_finite_check_and_unscale_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> None:
     """Set ``found_inf`` to 1 if any grad holds inf/nan; multiply every grad by ``inv_scale``."""
-    torch.ops.amp_graph.non_finite_check_and_unscale_.default(grads, found_inf, inv_scale)
+    entry = _unboxed_entry(found_inf)
+    if entry is None or not entry.check_and_unscale(grads, found_inf, inv_scale):
+        torch.ops.amp_graph.non_finite_check_and_unscale_.default(grads, found_inf, inv_scale)
 
 
 def non_finite_check_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Set ``found_inf`` to 1 if any grad holds inf/nan; the grads are only read."""
-    torch.ops.amp_graph.non_finite_check_.default(grads, found_inf)
+    entry = _unboxed_entry(found_inf)
+    if entry is None or not entry.check(grads, found_inf):
+        torch.ops.amp_graph.non_finite_check_.default(grads, found_inf)
 
 
 def non_finite_check_unscale_and_norm_(
@@ -300,6 +319,11 @@ def non_finite_check_unscale_and_norm_(
 ) -> torch.Tensor:
     """:func:`non_finite_check_and_unscale_`, returning the float32 sum of squares of the
     unscaled grads: the squared 2-norm ``clip_grad_norm_`` needs, without another pass."""
+    entry = _unboxed_entry(found_inf)
+    if entry is not None:
+        sum_of_squares = entry.check_unscale_and_norm(grads, found_inf, inv_scale)
+        if sum_of_squares is not None:
+            return sum_of_squares
     return torch.ops.amp_graph.non_finite_check_unscale_and_norm_.default(
         grads, found_inf, inv_scale
     )

@@ -1,10 +1,16 @@
 // CUDA kernels of the amp_graph ops (schemas defined in amp_graph/ops/scaler_ops.py), registered with
 // the dispatcher when this library is loaded. A thin layer over the C-ABI launchers of
-// amp_kernels.cu: it builds the per-dtype tensor table on the host, finds the device copy of that
-// table in a cache (or writes one, only when the parameter set changed), takes the grid from the
-// occupancy calculator (asked once per device and kernel) and launches once per dtype. No host
-// synchronization, nothing that a CUDA graph capture forbids.
+// amp_kernels.cu: it fingerprints the gradient list (launch_plan.h), finds the launch plan and the
+// device copy of its table in a cache (building and writing them only when the parameter set
+// changed), takes the grid from the occupancy calculator (asked once per device and kernel) and
+// launches once per dtype. No host synchronization, nothing that a CUDA graph capture forbids.
+//
+// The ops' AutogradCUDA kernels are registered here too, unboxed: gradients are data, never
+// differentiated through, and an unboxed call (python_entry.cpp) then stays unboxed down to the
+// kernel instead of passing every tensor through the boxed autograd fallback.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/isfinite.h>
@@ -19,6 +25,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -26,6 +33,7 @@
 
 #include "amp_kernels.h"
 #include "launch_cache.h"
+#include "launch_plan.h"
 #include "table_cache.h"
 #include "tiling.h"
 
@@ -64,32 +72,40 @@ std::string python_dtype(at::ScalarType t) {
   }
 }
 
-// Words of a launch's table: [rows of fp32, rows of fp16, rows of bf16] then the rows, 3 words each.
-constexpr int64_t kHeaderWords = 3;
 constexpr size_t kCachedTables = 8;  // parameter sets kept (several optimizers, dtypes, ...)
 
 struct DeviceTable {
-  at::Tensor words;              // device copy of the key
+  at::Tensor words;              // device copy of the plan's table
+  amp_graph::LaunchPlan plan;    // rows and tiles per dtype, and the table's words on the host
   c10::cuda::CUDAStream alloc_stream;  // stream `words` was allocated on
   c10::cuda::CUDAEvent written;  // recorded after the last write outside a capture
   bool written_eagerly;          // false: only a captured graph writes it (at each replay)
 };
 
-void write_table(DeviceTable& table, const std::vector<int64_t>& key,
-                 const c10::cuda::CUDAStream& stream, bool capturing) {
+// What a launch needs of a cached table, copied out under the cache's lock.
+struct Launch {
+  at::Tensor words;
+  std::array<int64_t, amp_graph::kKernelDtypes> rows;
+  std::array<int64_t, amp_graph::kKernelDtypes> tiles;
+};
+
+void write_table(DeviceTable& table, const c10::cuda::CUDAStream& stream, bool capturing) {
+  const std::vector<int64_t>& words = table.plan.table;
   C10_CUDA_CHECK(static_cast<cudaError_t>(amp_graph_write_table(
-      table.words.data_ptr<int64_t>(), key.data(), static_cast<int64_t>(key.size()), stream)));
+      table.words.data_ptr<int64_t>(), words.data(), static_cast<int64_t>(words.size()), stream)));
   if (!capturing) {
     table.written.record(stream);
     table.written_eagerly = true;
   }
 }
 
-// The device copy of `key` (the launch's table), written on `stream` only when no cached copy
-// matches. A copy used while `stream` is being captured into a CUDA graph is pinned: the graph
-// reads it at every replay.
-at::Tensor device_table(const at::Device& device, std::vector<int64_t> key,
-                        const c10::cuda::CUDAStream& stream) {
+// The launch of `key` (a fingerprint, or a table's content): a cached plan whose device table is
+// ready on `stream`, or, on a miss, the plan of build() with its table written on `stream`. A
+// table used while `stream` is being captured into a CUDA graph is pinned: the graph reads it at
+// every replay.
+Launch cached_launch(const at::Device& device, const std::vector<int64_t>& key,
+                     const c10::cuda::CUDAStream& stream,
+                     const std::function<amp_graph::LaunchPlan()>& build) {
   static std::mutex* mutex = new std::mutex();  // leaked on purpose, like the cache: both must
   static auto* cache = new amp_graph::TableCache<DeviceTable>(kCachedTables);  // outlive exit
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -98,24 +114,24 @@ at::Tensor device_table(const at::Device& device, std::vector<int64_t> key,
   const std::lock_guard<std::mutex> lock(*mutex);
   auto* entry = cache->find(device.index(), key);
   if (entry == nullptr) {
-    DeviceTable table{at::empty({static_cast<int64_t>(key.size())},
-                                at::TensorOptions().dtype(at::kLong).device(device)),
-                      stream, c10::cuda::CUDAEvent(cudaEventDisableTiming), false};
-    write_table(table, key, stream, capturing);
-    entry = &cache->insert(device.index(), std::move(key), std::move(table), capturing);
-    return entry->buffer.words;
-  }
-  DeviceTable& table = entry->buffer;
-  if (capturing) {
+    amp_graph::LaunchPlan plan = build();
+    const auto size = static_cast<int64_t>(plan.table.size());
+    DeviceTable table{at::empty({size}, at::TensorOptions().dtype(at::kLong).device(device)),
+                      std::move(plan), stream, c10::cuda::CUDAEvent(cudaEventDisableTiming),
+                      false};
+    write_table(table, stream, capturing);
+    entry = &cache->insert(device.index(), key, std::move(table), capturing);
+  } else if (capturing) {
     // torch.cuda.graph synchronizes the device before capturing, so an earlier write is done.
     entry->pinned = true;
-  } else if (!table.written_eagerly) {
-    write_table(table, entry->key, stream, false);  // built in a capture: no content until replay
-  } else if (stream != table.alloc_stream) {
-    table.written.block(stream);  // after the write, wherever it ran
-    table.words.record_stream(stream);  // and freed only after this stream's kernels
+  } else if (!entry->buffer.written_eagerly) {
+    write_table(entry->buffer, stream, false);  // built in a capture: no content until replay
+  } else if (stream != entry->buffer.alloc_stream) {
+    entry->buffer.written.block(stream);  // after the write, wherever it ran
+    entry->buffer.words.record_stream(stream);  // and freed only after this stream's kernels
   }
-  return table.words;
+  const DeviceTable& table = entry->buffer;
+  return Launch{table.words, table.plan.rows, table.plan.tiles};
 }
 
 // Multiprocessors and resident blocks, asked of the CUDA runtime once per device and kernel.
@@ -163,6 +179,20 @@ void bump_version(const at::Tensor& t) {
   if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
 }
 
+// The checks of one gradient (the native path's errors, ops.py), then what a fingerprint records.
+amp_graph::TensorFacts facts_of(const at::Tensor& g, int64_t i, const at::Device& device) {
+  TORCH_CHECK_VALUE(g.is_floating_point(),
+                    "amp_graph gradient ops take floating-point tensors; grads[",
+                    std::to_string(i), "] is ", python_dtype(g.scalar_type()));
+  TORCH_CHECK_VALUE(g.device() == device, "amp_graph gradient ops take tensors on one device; "
+                    "grads[", std::to_string(i), "] is on ", g.device().str(),
+                    ", found_inf on ", device.str());
+  const int64_t numel = g.numel();
+  const bool dense = g.is_non_overlapping_and_dense();
+  const int64_t addr = numel > 0 && dense ? reinterpret_cast<int64_t>(g.data_ptr()) : 0;
+  return {addr, numel, dtype_code(g.scalar_type()), dense};
+}
+
 // mode: AMP_GRAPH_CHECK, AMP_GRAPH_UNSCALE or AMP_GRAPH_UNSCALE_NORM. Returns the float32 sum of
 // squares of the unscaled values for AMP_GRAPH_UNSCALE_NORM, else an undefined tensor.
 at::Tensor run(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor* inv_scale,
@@ -174,69 +204,70 @@ at::Tensor run(at::TensorList grads, const at::Tensor& found_inf, const at::Tens
   c10::cuda::CUDAGuard guard(device);
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
 
-  // Dense tensors (any order of strides) are processed in place as one flat span; others go
-  // through a contiguous copy, written back afterwards. Other dtypes take torch's native ops.
+  // The common case: every tensor dense and of a kernel dtype; its plan is found by fingerprint.
+  thread_local std::vector<int64_t> key;
+  const auto n = static_cast<int64_t>(grads.size());
+  bool any_elements = false;  // else nothing to launch
+  const bool fingerprinted = amp_graph::fingerprint(
+      n,
+      [&](int64_t i) {
+        const amp_graph::TensorFacts facts = facts_of(grads[i], i, device);
+        any_elements = any_elements || (facts.numel > 0 && facts.code >= 0);
+        return facts;
+      },
+      key);
+
+  // Otherwise: dense tensors (any order of strides) are processed in place as one flat span;
+  // others go through a contiguous copy, written back afterwards. Other dtypes take torch's
+  // native ops. The plan is built per call and the table keyed by its content.
   std::vector<at::Tensor> keep_alive;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
   std::vector<at::Tensor> other_dtypes;
-  std::array<std::vector<amp_graph::TensorDesc>, 3> rows;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK_VALUE(g.is_floating_point(),
-                      "amp_graph gradient ops take floating-point tensors; grads[",
-                      std::to_string(i), "] is ", python_dtype(g.scalar_type()));
-    TORCH_CHECK_VALUE(g.device() == device, "amp_graph gradient ops take tensors on one device; "
-                      "grads[", std::to_string(i), "] is on ", g.device().str(),
-                      ", found_inf on ", device.str());
-    const int code = dtype_code(g.scalar_type());
-    if (code < 0) {
-      other_dtypes.push_back(g);
-      continue;
+  std::function<amp_graph::LaunchPlan()> build = [] {
+    return amp_graph::plan_from_fingerprint(key);
+  };
+  if (!fingerprinted) {
+    std::array<std::vector<amp_graph::TensorDesc>, amp_graph::kKernelDtypes> rows;
+    for (const at::Tensor& g : grads) {
+      const int code = dtype_code(g.scalar_type());
+      if (code < 0) {
+        other_dtypes.push_back(g);
+        continue;
+      }
+      if (g.numel() == 0) continue;
+      at::Tensor span = g;
+      if (!g.is_non_overlapping_and_dense()) {
+        span = g.contiguous();
+        keep_alive.push_back(span);
+        if (writes) write_back.emplace_back(g, span);
+      }
+      rows[code].push_back({reinterpret_cast<int64_t>(span.data_ptr()), span.numel(), 0});
     }
-    if (g.numel() == 0) continue;
-    at::Tensor span = g;
-    if (!g.is_non_overlapping_and_dense()) {
-      span = g.contiguous();
-      keep_alive.push_back(span);
-      if (writes) write_back.emplace_back(g, span);
-    }
-    rows[code].push_back({reinterpret_cast<int64_t>(span.data_ptr()), span.numel(), 0});
-  }
-
-  // One table for all dtypes: its header, then each dtype's rows with their tiles.
-  std::array<int64_t, 3> total_tiles = {0, 0, 0};
-  std::vector<int64_t> key(kHeaderWords);
-  for (int code = 0; code < 3; ++code) {
-    std::vector<amp_graph::TensorDesc>& table = rows[code];
-    const int64_t elem_bytes = code == AMP_GRAPH_FP32 ? 4 : 2;
-    const int64_t n = static_cast<int64_t>(table.size());
-    total_tiles[code] = amp_graph::build_tile_table(table.data(), n, elem_bytes);
-    key[code] = n;
-    for (const amp_graph::TensorDesc& row : table) {
-      key.insert(key.end(), {row.addr, row.numel, row.first_tile});
-    }
+    auto plan = std::make_shared<amp_graph::LaunchPlan>(amp_graph::plan_from_rows(rows));
+    key = plan->table;
+    build = [plan] { return std::move(*plan); };
+    any_elements = key.size() > static_cast<size_t>(amp_graph::kTableHeaderWords);
   }
 
   at::Tensor sum_of_squares;
   if (mode == AMP_GRAPH_UNSCALE_NORM) sum_of_squares = at::zeros({}, found_inf.options());
-  if (key.size() > kHeaderWords) {
-    const at::Tensor table = device_table(device, std::move(key), stream);
-    const int64_t* table_rows = table.data_ptr<int64_t>() + kHeaderWords;
-    for (int code = 0; code < 3; ++code) {
-      const int64_t n = static_cast<int64_t>(rows[code].size());
-      if (n == 0) continue;
-      const int grid =
-          static_cast<int>(amp_graph::grid_size(total_tiles[code], max_grid(device, code, mode)));
-      at::Tensor partials;
-      if (mode == AMP_GRAPH_UNSCALE_NORM) partials = at::empty({grid}, found_inf.options());
-      const int err = amp_graph_launch_check_unscale(
-          table_rows, n, total_tiles[code], code, mode, found_inf.data_ptr<float>(),
-          writes ? inv_scale->data_ptr<float>() : nullptr,
-          partials.defined() ? partials.data_ptr<float>() : nullptr, grid, stream);
-      C10_CUDA_CHECK(static_cast<cudaError_t>(err));
-      if (partials.defined()) sum_of_squares.add_(partials.sum());  // fixed grid: deterministic
-      table_rows += 3 * n;
-    }
+  const Launch launch = any_elements ? cached_launch(device, key, stream, build) : Launch{};
+  const int64_t* table_rows =
+      any_elements ? launch.words.data_ptr<int64_t>() + amp_graph::kTableHeaderWords : nullptr;
+  for (int code = 0; any_elements && code < amp_graph::kKernelDtypes; ++code) {
+    const int64_t rows = launch.rows[code];
+    if (rows == 0) continue;
+    const int grid =
+        static_cast<int>(amp_graph::grid_size(launch.tiles[code], max_grid(device, code, mode)));
+    at::Tensor partials;
+    if (mode == AMP_GRAPH_UNSCALE_NORM) partials = at::empty({grid}, found_inf.options());
+    const int err = amp_graph_launch_check_unscale(
+        table_rows, rows, launch.tiles[code], code, mode, found_inf.data_ptr<float>(),
+        writes ? inv_scale->data_ptr<float>() : nullptr,
+        partials.defined() ? partials.data_ptr<float>() : nullptr, grid, stream);
+    C10_CUDA_CHECK(static_cast<cudaError_t>(err));
+    if (partials.defined()) sum_of_squares.add_(partials.sum());  // fixed grid: deterministic
+    table_rows += 3 * rows;
   }
   for (auto& pair : write_back) pair.first.copy_(pair.second);
 
@@ -301,7 +332,50 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& trackers,
   bump_version(trackers);
 }
 
+// AutogradCUDA kernels: below autograd at once (gradients are data; the ops return nothing
+// differentiable), unboxed, without a pass over the tensors. The CUDA kernels bump the versions
+// of what they write, as the ADInplaceOrView kernels of torch's in-place ops do.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+void non_finite_check_and_unscale_autograd(c10::DispatchKeySet ks, at::TensorList grads,
+                                           const at::Tensor& found_inf,
+                                           const at::Tensor& inv_scale) {
+  static const auto op = typed_op<void(at::TensorList, const at::Tensor&, const at::Tensor&)>(
+      "amp_graph::non_finite_check_and_unscale_");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
+}
+
+void non_finite_check_autograd(c10::DispatchKeySet ks, at::TensorList grads,
+                               const at::Tensor& found_inf) {
+  static const auto op =
+      typed_op<void(at::TensorList, const at::Tensor&)>("amp_graph::non_finite_check_");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf);
+}
+
+at::Tensor non_finite_check_unscale_and_norm_autograd(c10::DispatchKeySet ks,
+                                                      at::TensorList grads,
+                                                      const at::Tensor& found_inf,
+                                                      const at::Tensor& inv_scale) {
+  static const auto op =
+      typed_op<at::Tensor(at::TensorList, const at::Tensor&, const at::Tensor&)>(
+          "amp_graph::non_finite_check_unscale_and_norm_");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(amp_graph, AutogradCUDA, m) {
+  m.impl("non_finite_check_and_unscale_", TORCH_FN(non_finite_check_and_unscale_autograd));
+  m.impl("non_finite_check_", TORCH_FN(non_finite_check_autograd));
+  m.impl("non_finite_check_unscale_and_norm_",
+         TORCH_FN(non_finite_check_unscale_and_norm_autograd));
+}
 
 TORCH_LIBRARY_IMPL(amp_graph, CUDA, m) {
   m.impl("non_finite_check_and_unscale_", &non_finite_check_and_unscale_cuda);

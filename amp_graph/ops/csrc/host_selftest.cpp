@@ -13,6 +13,11 @@
 //                          misses, per-device keys, LRU eviction, pinned (captured) entries, and
 //                          the chunks the table writer launches
 //   host_selftest launch   the grid-limit cache (launch_cache.h) with a counting fake query
+//   host_selftest plan     launch plans found by fingerprint (launch_plan.h) with fake tensors:
+//                          a hit, a miss on each kind of change (count, address, dtype, size),
+//                          lists the fingerprint cannot stand for, plans equal to per-call
+//                          plans, and lists longer than one launch (three dtype groups, a
+//                          table of several write launches)
 //   host_selftest update G B I H MIN MAX INIT FLAGS
 //                          run amp_graph::update_scale over FLAGS ("0110...": 1 = overflow) and
 //                          print one line per step: scale bits (hex) and the four trackers
@@ -27,6 +32,7 @@
 #include <vector>
 
 #include "launch_cache.h"
+#include "launch_plan.h"
 #include "table_cache.h"
 #include "tiling.h"
 
@@ -413,6 +419,119 @@ int run_update(int argc, char** argv) {
 
 }  // namespace
 
+// A fake gradient list: the facts the binding reads of each tensor.
+using FakeList = std::vector<amp_graph::TensorFacts>;
+
+std::vector<int64_t> key_of(const FakeList& list, bool* fingerprinted) {
+  std::vector<int64_t> key = {123};  // stale contents: fingerprint() must overwrite them
+  *fingerprinted = amp_graph::fingerprint(
+      static_cast<int64_t>(list.size()), [&list](int64_t i) { return list[i]; }, key);
+  return key;
+}
+
+// The plan the binding builds per call for a list (rows by dtype in list order, empties skipped).
+amp_graph::LaunchPlan per_call_plan(const FakeList& list) {
+  std::array<std::vector<TensorDesc>, amp_graph::kKernelDtypes> rows;
+  for (const auto& f : list) {
+    if (f.numel > 0) rows[f.code].push_back({f.addr, f.numel, 0});
+  }
+  return amp_graph::plan_from_rows(rows);
+}
+
+int run_plan() {
+  // A model's gradients: three dtypes, one empty tensor, misaligned and large ones.
+  FakeList base;
+  int64_t addr = 1 << 20;
+  for (int i = 0; i < 40; ++i) {
+    const int code = i % 3;
+    const int64_t numel = i == 7 ? 0 : (i == 11 ? 3000000 : 17 + 31 * i);
+    base.push_back({addr + (i == 5 ? 2 : 0), numel, code, true});
+    addr += 4 * (numel + 64);
+  }
+  bool fp = false;
+  const std::vector<int64_t> key = key_of(base, &fp);
+  expect(fp, "a dense list of kernel dtypes is fingerprinted");
+  expect(key.size() == 2 + 3 * base.size() && key[0] == amp_graph::kFingerprintTag &&
+             key[1] == static_cast<int64_t>(base.size()),
+         "fingerprint layout");
+
+  // The plan found by fingerprint is the plan a per-call build gives.
+  const amp_graph::LaunchPlan plan = amp_graph::plan_from_fingerprint(key);
+  const amp_graph::LaunchPlan direct = per_call_plan(base);
+  expect(plan.table == direct.table && plan.rows == direct.rows && plan.tiles == direct.tiles,
+         "fingerprint plan equals the per-call plan");
+  // 40 tensors by i % 3: 14 fp32, 13 fp16 less the empty one (i == 7), 13 bf16
+  expect(plan.rows[0] == 14 && plan.rows[1] == 12 && plan.rows[2] == 13, "rows per dtype");
+  expect(plan.table[0] == 14 && plan.table[1] == 12 && plan.table.size() == 3 + 3 * 39,
+         "table header and rows");
+
+  amp_graph::TableCache<FakeBuffer> cache(8);
+  cache.insert(0, key, FakeBuffer(1), false);
+  expect(cache.find(0, key_of(base, &fp)) != nullptr, "the same list: a hit");
+
+  // Every kind of change misses; changing it back hits again.
+  struct Change {
+    const char* what;
+    void (*apply)(FakeList&);
+  };
+  const Change changes[] = {
+      {"count: one more tensor", [](FakeList& l) { l.push_back({1 << 30, 5, 0, true}); }},
+      {"count: one fewer tensor", [](FakeList& l) { l.pop_back(); }},
+      {"address", [](FakeList& l) { l[20].addr += 16; }},
+      {"address of a tensor whose size stays", [](FakeList& l) { l[0].addr += 4096; }},
+      {"dtype", [](FakeList& l) { l[3].code = 2; }},
+      {"size", [](FakeList& l) { l[9].numel += 1; }},
+      {"an empty tensor filled", [](FakeList& l) { l[7].numel = 8; }},
+      {"order", [](FakeList& l) { std::swap(l[1], l[2]); }},
+  };
+  for (const Change& change : changes) {
+    FakeList changed = base;
+    change.apply(changed);
+    const std::vector<int64_t> other = key_of(changed, &fp);
+    if (!fp || cache.find(0, other) != nullptr) fail(change.what, 0, 0, 0);
+    const amp_graph::LaunchPlan rebuilt = amp_graph::plan_from_fingerprint(other);
+    if (rebuilt.table != per_call_plan(changed).table) fail(change.what, 1, 0, 0);
+  }
+  expect(cache.find(0, key_of(base, &fp)) != nullptr, "the original list still hits");
+  expect(cache.find(1, key) == nullptr, "another device misses");
+
+  // Lists the fingerprint cannot stand for: a non-dense tensor, a dtype the kernel lacks.
+  FakeList strided = base;
+  strided[4].dense = false;
+  key_of(strided, &fp);
+  expect(!fp, "a non-dense tensor is not fingerprinted");
+  FakeList float64 = base;
+  float64[6].code = -1;
+  key_of(float64, &fp);
+  expect(!fp, "another dtype is not fingerprinted");
+  FakeList empty_strided = base;
+  empty_strided[7].dense = false;  // empty: nothing to copy, still fingerprinted
+  key_of(empty_strided, &fp);
+  expect(fp, "an empty non-dense tensor is fingerprinted");
+  key_of(FakeList{}, &fp);
+  expect(fp, "an empty list is fingerprinted");
+
+  // A list longer than one launch: 3000 tensors in three dtype groups (three kernel launches)
+  // whose table takes several write launches.
+  FakeList many;
+  for (int i = 0; i < 3000; ++i) many.push_back({(1 << 24) + 4096 * i, 1 + i % 700, i % 3, true});
+  const std::vector<int64_t> many_key = key_of(many, &fp);
+  const amp_graph::LaunchPlan many_plan = amp_graph::plan_from_fingerprint(many_key);
+  expect(fp && many_plan.table == per_call_plan(many).table, "long list: same plan");
+  expect(many_plan.rows[0] == 1000 && many_plan.rows[1] == 1000 && many_plan.rows[2] == 1000,
+         "long list: three launches of 1000 rows");
+  expect(amp_graph::write_chunks(static_cast<int64_t>(many_plan.table.size()), 4000).size() == 3,
+         "long list: its table takes three write launches");
+  cache.insert(0, many_key, FakeBuffer(2), false);
+  FakeList many_changed = many;
+  many_changed[2999].numel += 1;  // the last tensor of the last launch
+  expect(cache.find(0, key_of(many, &fp)) != nullptr, "long list: a hit");
+  expect(cache.find(0, key_of(many_changed, &fp)) == nullptr, "long list: its last tensor");
+  if (g_failures != 0) return 1;
+  std::printf("OK plan\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "tiling") return run_tiling();
@@ -420,7 +539,9 @@ int main(int argc, char** argv) {
   if (mode == "finite") return run_finite();
   if (mode == "cache") return run_cache();
   if (mode == "launch") return run_launch();
+  if (mode == "plan") return run_plan();
   if (mode == "update") return run_update(argc, argv);
-  std::fprintf(stderr, "usage: host_selftest tiling|packing|finite|cache|launch|update ...\n");
+  std::fprintf(stderr,
+               "usage: host_selftest tiling|packing|finite|cache|launch|plan|update ...\n");
   return 2;
 }

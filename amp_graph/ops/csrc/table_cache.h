@@ -1,9 +1,10 @@
 // Device-side tensor tables, built once per parameter set (plain C++: the host self-test runs it).
 //
 // A fused launch reads its tensors' {address, numel, first_tile} rows from device memory. Writing
-// them costs a host-to-device transfer, so the binding keeps the tables it built, keyed by their
-// content (the same gradients at the same addresses give the same rows), and writes a new one only
-// when the set changes. That also makes a training step capturable in a CUDA graph: a table in
+// them costs a host-to-device transfer, so the binding keeps the tables it built, keyed by the
+// gradient list's fingerprint (launch_plan.h) or, for lists without one, by the table's content
+// (the same gradients at the same addresses give the same key), and writes a new one only when
+// the set changes. That also makes a training step capturable in a CUDA graph: a table in
 // use by a captured graph is kept ("pinned") for as long as the process lives, since the graph's
 // kernels read it at every replay.
 #pragma once
@@ -17,16 +18,6 @@
 
 namespace amp_graph {
 
-// FNV-1a over the key's words: a cheap first test before comparing whole keys.
-inline uint64_t hash_words(const std::vector<int64_t>& key) {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t word : key) {
-    h ^= static_cast<uint64_t>(word);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 // Least-recently-used cache of device tables. Buffer: whatever owns the device memory (a torch
 // tensor in the binding, a fake in the host self-test). Not thread-safe: the caller locks.
 template <class Buffer>
@@ -34,7 +25,6 @@ class TableCache {
  public:
   struct Entry {
     int device;
-    uint64_t hash;
     std::vector<int64_t> key;
     Buffer buffer;
     bool pinned;  // read by a captured CUDA graph: never evicted
@@ -43,10 +33,11 @@ class TableCache {
   explicit TableCache(size_t capacity) : capacity_(capacity) {}
 
   // The entry of `key` on `device`, or nullptr; a hit becomes the most recently used entry.
+  // Keys of other lengths are rejected without reading them; a key compared whole is read once
+  // (no hash to compute first: the comparison is the fingerprint check).
   Entry* find(int device, const std::vector<int64_t>& key) {
-    const uint64_t h = hash_words(key);
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (it->device == device && it->hash == h && it->key == key) {
+      if (it->device == device && it->key.size() == key.size() && it->key == key) {
         entries_.splice(entries_.begin(), entries_, it);
         return &entries_.front();
       }
@@ -57,8 +48,7 @@ class TableCache {
   // Adds the table just built for `key` as the most recently used entry, then evicts the least
   // recently used unpinned entries while more than `capacity` unpinned entries remain.
   Entry& insert(int device, std::vector<int64_t> key, Buffer buffer, bool pinned) {
-    const uint64_t h = hash_words(key);
-    entries_.push_front(Entry{device, h, std::move(key), std::move(buffer), pinned});
+    entries_.push_front(Entry{device, std::move(key), std::move(buffer), pinned});
     size_t unpinned = 0;
     for (const Entry& e : entries_) unpinned += e.pinned ? 0 : 1;
     for (auto it = entries_.end(); unpinned > capacity_ && it != entries_.begin();) {
