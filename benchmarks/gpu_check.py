@@ -13,7 +13,11 @@ Stages (each with its own time limit, all within --budget seconds, 570 by defaul
    (fp32, fp16, bf16) against ``copy_`` and the device's peak, speed against torch's foreach op
    on 10,000 small tensors and on GPT-2 small's gradients, and the host time per tensor;
 3. ``benchmarks/graph_step_cuda.py``: host syncs per Graph step, and the Graph step captured in
-   a CUDA graph (bit-equal to the uncaptured step, and its time).
+   a CUDA graph (bit-equal to the uncaptured step, and its time);
+4. ``benchmarks/scaler_share.py``: the check+unscale's share of a Graph O1 fp16 step on the
+   GPT-2-small shape (8x512 tokens), amp_graph's op and torch's;
+5. ``benchmarks/kernel_sweep.py``: the kernel's build-time tuning knobs, each variant's
+   bandwidth over ``cudaMemcpyAsync`` of the same bytes (the library keeps its defaults).
 
 It rewrites BENCHMARKS.md's GPU table and writes every figure, with the device, torch and
 commit, into ``benchmarks/results/gpu-check.json``. Without a GPU it stops at once with exit
@@ -58,6 +62,8 @@ FIGURES = [  # (key, what, target)
     ("syncs", "host syncs per Graph step (fp16 O1, fused AdamW)", "0"),
     ("captured", "Graph step captured in a CUDA graph: bit-equal to uncaptured", "yes"),
     ("captured_time", "captured step vs uncaptured step (median ms)", "-"),
+    ("share", "check+unscale's share of a Graph O1 fp16 step, GPT 12x768, 8x512 tokens", "-"),
+    ("sweep", "kernel knobs (`kernel_sweep.py`), 1e8 fp32: default / best variant, / memcpy", "-"),
 ]
 RESULTS_JSON = ROOT / "benchmarks" / "results" / "gpu-check.json"
 
@@ -244,7 +250,47 @@ def run_graph_step(seconds: float, results: Results) -> None:
     )
 
 
-STAGES = [(run_tests, 330.0), (run_kernel_bench, 150.0), (run_graph_step, 90.0)]
+def run_scaler_share(seconds: float, results: Results) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "share.json"
+        done = _run([sys.executable, "benchmarks/scaler_share.py", "--json", str(out)], seconds)
+        if done.returncode != 0 or not out.exists():
+            raise GpuCheckError(f"scaler_share.py failed (exit {done.returncode})")
+        share = json.loads(out.read_text())
+    results.raw["scaler_share"] = share
+    results.cells["share"] = (
+        f"amp_graph {share['ours_ms']:.3f} ms ({100 * share['ours_share']:.2f}%), torch's op "
+        f"{share['torch_ms']:.3f} ms ({100 * share['torch_share']:.2f}%) of a "
+        f"{share['step_ms']:.2f} ms step"
+    )
+
+
+def run_kernel_sweep(seconds: float, results: Results) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "sweep.json"
+        done = _run([sys.executable, "benchmarks/kernel_sweep.py", "--json", str(out)], seconds)
+        if not out.exists():
+            raise GpuCheckError(f"kernel_sweep.py failed (exit {done.returncode})")
+        rows = json.loads(out.read_text())
+    results.raw["kernel_sweep"] = rows
+    big = [r for r in rows if r["case"] == "1x1e8" and r["dtype"] == "fp32"]
+    base = next(r for r in big if r["variant"] == "base")
+    best = max(big, key=lambda r: r["gbps"] / r["copy_gbps"])
+    results.cells["sweep"] = (
+        f"{base['gbps'] / base['copy_gbps']:.2f}x / {best['gbps'] / best['copy_gbps']:.2f}x "
+        f"({best['variant']})"
+    )
+    if done.returncode != 0:
+        raise GpuCheckError("kernel_sweep.py: a variant gave inexact results")
+
+
+STAGES = [
+    (run_tests, 330.0),
+    (run_kernel_bench, 150.0),
+    (run_graph_step, 90.0),
+    (run_scaler_share, 120.0),
+    (run_kernel_sweep, 180.0),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

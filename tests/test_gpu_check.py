@@ -40,6 +40,16 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
         Path(command[command.index("--json") + 1]).write_text(
             json.dumps({"meta": meta, "rows": rows})
         )
+    elif "benchmarks/scaler_share.py" in command:
+        share = {"step_ms": 40.0, "ours_ms": 0.2, "torch_ms": 0.25}
+        share |= {"ours_share": 0.005, "torch_share": 0.00625}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(share))
+    elif "benchmarks/kernel_sweep.py" in command:
+        sweep = [
+            {"variant": name, "case": "1x1e8", "dtype": "fp32", "gbps": gbps, "copy_gbps": 4000.0}
+            for name, gbps in (("base", 3480.0), ("unroll 8", 3900.0), ("tile 512", 3000.0))
+        ]
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(sweep))
     else:
         step = {"syncs_per_step": 0, "bit_equal": True, "eager_ms": 2.0, "captured_ms": 0.5}
         Path(command[command.index("--json") + 1]).write_text(json.dumps(step | {"speedup": 4.0}))
@@ -62,6 +72,8 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| 2.50x (1.000 ms vs 2.500 ms) |" in text
     assert "| 1.50x (1.000 ms vs 1.500 ms) |" in text  # gpt2_mix fp16
     assert "| 40 ns vs 150 ns |" in text
+    assert "| amp_graph 0.200 ms (0.50%), torch's op 0.250 ms (0.62%) of a 40.00 ms step |" in text
+    assert "| 0.87x / 0.97x (unroll 8) |" in text
     assert "| host syncs per Graph step (fp16 O1, fused AdamW) | 0 | 0 |" in text
     assert "bit-equal to uncaptured | yes | yes |" in text
     assert gpu_check.NOT_MEASURED not in text

@@ -332,3 +332,24 @@ def test_the_extension_builds_and_loads_with_torchs_own_build(tmp_path: Path) ->
     assert result["norm"] == 6.25  # (3/2)^2 + (4/2)^2
     assert result["error"] is not None and result["error"].startswith("ValueError: amp_graph")
     assert result["refs"], "borrowed tensors must keep their reference counts"
+
+
+def test_the_kernel_sweep_builds_the_librarys_kernel_with_its_knobs(tmp_path: Path) -> None:
+    """benchmarks/kernel_sweep.py measures the library's own kernel source: every knob it sets
+    is one the sources define (with the library's default), and a variant builds with nvcc."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_sweep
+
+    sources = (CSRC_DIR / "tiling.h").read_text() + (CSRC_DIR / "amp_kernels.cu").read_text()
+    knobs = {name for flags in kernel_sweep.VARIANTS.values() for name in flags}
+    assert knobs == {
+        "AMP_GRAPH_UNROLL", "AMP_GRAPH_TILE_VECS", "AMP_GRAPH_MIN_BLOCKS", "AMP_GRAPH_STREAMING"
+    }  # fmt: skip
+    for name in knobs:
+        assert f"#ifndef {name}\n#define {name} " in sources, name
+    assert kernel_sweep.VARIANTS["base"] == {}
+    if NVCC is None:
+        pytest.skip("nvcc not found: the knobs were checked, the build was not")
+    exes = kernel_sweep.build_all({"unroll 8, min 3": kernel_sweep.VARIANTS["unroll 8, min 3"]},
+                                  tmp_path, "sm_90")  # fmt: skip
+    assert exes["unroll 8, min 3"].stat().st_size > 0

@@ -14,8 +14,33 @@
 #include "table_cache.h"
 #include "tiling.h"
 
+// Tuning knobs (see tiling.h): blocks per multiprocessor asked of the register allocator (0: none)
+// and streaming cache hints on the body's loads and stores (1) or plain ones (0).
+#ifndef AMP_GRAPH_MIN_BLOCKS
+#define AMP_GRAPH_MIN_BLOCKS 0
+#endif
+#ifndef AMP_GRAPH_STREAMING
+#define AMP_GRAPH_STREAMING 1
+#endif
+
 namespace amp_graph {
 namespace {
+
+__device__ __forceinline__ uint4 load_body(const uint4* p) {
+#if AMP_GRAPH_STREAMING
+  return __ldcs(p);
+#else
+  return *p;
+#endif
+}
+
+__device__ __forceinline__ void store_body(uint4* p, uint4 v) {
+#if AMP_GRAPH_STREAMING
+  __stcs(p, v);
+#else
+  *p = v;
+#endif
+}
 
 static_assert(sizeof(TensorDesc) == 3 * sizeof(int64_t), "table rows are three int64");
 
@@ -79,14 +104,14 @@ __device__ __forceinline__ void process_row(const TensorDesc& d, int64_t local, 
   Bits* elems = reinterpret_cast<Bits*>(d.addr);
   uint4* body = reinterpret_cast<uint4*>(elems + w.body_start);
 
-  // Aligned body: kUnroll 16-byte loads in flight per thread, streaming cache hints.
+  // Aligned body: kUnroll 16-byte loads in flight per thread, streaming cache hints (default).
   const int64_t iterations = vec_iterations(w, threads);
   for (int64_t it = 0; it < iterations; ++it) {
     Vec v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = vec_index(w, it, u, tid, threads);
-      if (i < w.vec_end) v[u].raw = __ldcs(body + i);
+      if (i < w.vec_end) v[u].raw = load_body(body + i);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -96,7 +121,7 @@ __device__ __forceinline__ void process_row(const TensorDesc& d, int64_t local, 
         for (int l = 0; l < kLanes; ++l) {
           v[u].lanes[l] = process<Dtype, Mode>(v[u].lanes[l], inv_scale, bad, sumsq);
         }
-        if (Mode != AMP_GRAPH_CHECK) __stcs(body + i, v[u].raw);
+        if (Mode != AMP_GRAPH_CHECK) store_body(body + i, v[u].raw);
       }
     }
   }
@@ -113,7 +138,13 @@ __device__ __forceinline__ void process_row(const TensorDesc& d, int64_t local, 
 }
 
 template <int Dtype, int Mode>
-__global__ void __launch_bounds__(kBlockThreads)
+#if AMP_GRAPH_MIN_BLOCKS > 0
+#define AMP_GRAPH_BOUNDS __launch_bounds__(kBlockThreads, AMP_GRAPH_MIN_BLOCKS)
+#else
+#define AMP_GRAPH_BOUNDS __launch_bounds__(kBlockThreads)
+#endif
+
+__global__ void AMP_GRAPH_BOUNDS
     check_unscale_kernel(const TensorDesc* __restrict__ table, int64_t n_tensors,
                          int64_t total_tiles, float* found_inf, const float* inv_scale_ptr,
                          float* partials) {

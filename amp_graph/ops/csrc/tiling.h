@@ -27,12 +27,22 @@
 
 namespace amp_graph {
 
+// Tuning knobs, fixed at build time. The library builds with the defaults; only
+// benchmarks/kernel_sweep.py compiles other values (into a harness of its own, never into the
+// extension), to measure them.
+#ifndef AMP_GRAPH_UNROLL
+#define AMP_GRAPH_UNROLL 4
+#endif
+#ifndef AMP_GRAPH_TILE_VECS
+#define AMP_GRAPH_TILE_VECS 2048
+#endif
+
 constexpr int64_t kVecBytes = 16;        // one vectorized load or store
 constexpr int kBlockThreads = 256;       // threads per block
 constexpr int kWarpThreads = 32;         // threads per warp: one small tensor of a shared tile
 constexpr int kWarps = kBlockThreads / kWarpThreads;
-constexpr int kUnroll = 4;               // vectors in flight per thread per loop iteration
-constexpr int64_t kTileVecs = 2048;      // 16-byte vectors per tile (32 KiB of gradient)
+constexpr int kUnroll = AMP_GRAPH_UNROLL;  // vectors in flight per thread per loop iteration
+constexpr int64_t kTileVecs = AMP_GRAPH_TILE_VECS;  // 16-byte vectors per tile (32 KiB)
 constexpr int64_t kRowCost = 32;         // packing cost of a row beyond its vectors (its scalars,
                                          // its loop set-up), in vectors
 constexpr int64_t kPackMaxCost = kTileVecs / 4;  // rows at most this costly share tiles
