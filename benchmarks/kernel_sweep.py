@@ -31,8 +31,8 @@ CSRC = ROOT / "amp_graph" / "ops" / "csrc"
 HARNESS = Path(__file__).resolve().parent / "kernel_sweep.cu"
 
 VARIANTS: dict[str, dict[str, int]] = {
-    "base": {},  # the library's build: unroll 4, tiles of 2048 vectors, no bound, streaming
-    "plain hints": {"AMP_GRAPH_STREAMING": 0},
+    "base": {},  # the library's build: unroll 4, tiles of 2048 vectors, no bound, plain hints
+    "streaming hints": {"AMP_GRAPH_STREAMING": 1},  # the default until 2026-11-28's sweep
     "min 5 blocks": {"AMP_GRAPH_MIN_BLOCKS": 5},
     "min 6 blocks": {"AMP_GRAPH_MIN_BLOCKS": 6},
     "tile 8192": {"AMP_GRAPH_TILE_VECS": 8192},
@@ -40,11 +40,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "unroll 8": {"AMP_GRAPH_UNROLL": 8},
     "unroll 8, min 3": {"AMP_GRAPH_UNROLL": 8, "AMP_GRAPH_MIN_BLOCKS": 3},
     "unroll 2, min 6": {"AMP_GRAPH_UNROLL": 2, "AMP_GRAPH_MIN_BLOCKS": 6},
-    "unroll 8, tile 8192, plain": {
-        "AMP_GRAPH_UNROLL": 8,
-        "AMP_GRAPH_TILE_VECS": 8192,
-        "AMP_GRAPH_STREAMING": 0,
-    },
+    "unroll 8, tile 8192": {"AMP_GRAPH_UNROLL": 8, "AMP_GRAPH_TILE_VECS": 8192},
 }
 
 

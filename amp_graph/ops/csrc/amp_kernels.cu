@@ -15,12 +15,14 @@
 #include "tiling.h"
 
 // Tuning knobs (see tiling.h): blocks per multiprocessor asked of the register allocator (0: none)
-// and streaming cache hints on the body's loads and stores (1) or plain ones (0).
+// and streaming cache hints on the body's loads and stores (1: __ldcs/__stcs) or plain ones (0).
+// Plain: on an H200, 0.90-0.93x memcpy's bandwidth against 0.85-0.88x with the hints, in two
+// runs of benchmarks/kernel_sweep.py (BENCHMARKS.md, "GPU").
 #ifndef AMP_GRAPH_MIN_BLOCKS
 #define AMP_GRAPH_MIN_BLOCKS 0
 #endif
 #ifndef AMP_GRAPH_STREAMING
-#define AMP_GRAPH_STREAMING 1
+#define AMP_GRAPH_STREAMING 0
 #endif
 
 namespace amp_graph {
@@ -104,7 +106,7 @@ __device__ __forceinline__ void process_row(const TensorDesc& d, int64_t local, 
   Bits* elems = reinterpret_cast<Bits*>(d.addr);
   uint4* body = reinterpret_cast<uint4*>(elems + w.body_start);
 
-  // Aligned body: kUnroll 16-byte loads in flight per thread, streaming cache hints (default).
+  // Aligned body: kUnroll 16-byte loads in flight per thread.
   const int64_t iterations = vec_iterations(w, threads);
   for (int64_t it = 0; it < iterations; ++it) {
     Vec v[kUnroll];
