@@ -181,14 +181,22 @@ def run_tests(seconds: float, results: Results) -> None:
         raise GpuCheckError(f"CUDA tests: {results.cells['tests']} (exit {done.returncode})")
 
 
-def run_kernel_bench(seconds: float, results: Results) -> None:
+def _script_report(
+    script: str, args: list[str], seconds: float, *, any_exit: bool = False
+) -> tuple[subprocess.CompletedProcess, object]:
+    """Runs ``benchmarks/<script> <args> --json <file>`` and returns it with the report it wrote.
+    A missing report fails the stage, and so does a nonzero exit unless ``any_exit``."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "kernel.json"
-        command = [sys.executable, "benchmarks/kernel_bench.py", "--device", "cuda"]
-        done = _run([*command, "--variants", "unscale", "--json", str(out)], seconds)
-        if done.returncode != 0 or not out.exists():
-            raise GpuCheckError(f"kernel_bench.py failed (exit {done.returncode})")
-        report = json.loads(out.read_text())
+        out = Path(tmp) / "report.json"
+        done = _run([sys.executable, f"benchmarks/{script}", *args, "--json", str(out)], seconds)
+        if (done.returncode != 0 and not any_exit) or not out.exists():
+            raise GpuCheckError(f"{script} failed (exit {done.returncode})")
+        return done, json.loads(out.read_text())
+
+
+def run_kernel_bench(seconds: float, results: Results) -> None:
+    args = ["--device", "cuda", "--variants", "unscale"]
+    _, report = _script_report("kernel_bench.py", args, seconds)
     meta, rows = report["meta"], report["rows"]
     if meta["extension"] != "loaded":
         raise GpuCheckError(f"the CUDA extension is {meta['extension']}: no kernel was measured")
@@ -236,12 +244,7 @@ def run_kernel_bench(seconds: float, results: Results) -> None:
 
 
 def run_graph_step(seconds: float, results: Results) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "graph.json"
-        done = _run([sys.executable, "benchmarks/graph_step_cuda.py", "--json", str(out)], seconds)
-        if done.returncode != 0 or not out.exists():
-            raise GpuCheckError(f"graph_step_cuda.py failed (exit {done.returncode})")
-        step = json.loads(out.read_text())
+    _, step = _script_report("graph_step_cuda.py", [], seconds)
     results.raw["graph_step"] = step
     results.cells["syncs"] = f"{step['syncs_per_step']:g}"
     results.cells["captured"] = "yes" if step["bit_equal"] else "**no**"
@@ -251,12 +254,7 @@ def run_graph_step(seconds: float, results: Results) -> None:
 
 
 def run_scaler_share(seconds: float, results: Results) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "share.json"
-        done = _run([sys.executable, "benchmarks/scaler_share.py", "--json", str(out)], seconds)
-        if done.returncode != 0 or not out.exists():
-            raise GpuCheckError(f"scaler_share.py failed (exit {done.returncode})")
-        share = json.loads(out.read_text())
+    _, share = _script_report("scaler_share.py", [], seconds)
     results.raw["scaler_share"] = share
     results.cells["share"] = (
         f"amp_graph {share['ours_ms']:.3f} ms ({100 * share['ours_share']:.2f}%), torch's op "
@@ -266,12 +264,8 @@ def run_scaler_share(seconds: float, results: Results) -> None:
 
 
 def run_kernel_sweep(seconds: float, results: Results) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "sweep.json"
-        done = _run([sys.executable, "benchmarks/kernel_sweep.py", "--json", str(out)], seconds)
-        if not out.exists():
-            raise GpuCheckError(f"kernel_sweep.py failed (exit {done.returncode})")
-        rows = json.loads(out.read_text())
+    # its exit status says whether every variant was exact: its rows are reported either way
+    done, rows = _script_report("kernel_sweep.py", [], seconds, any_exit=True)
     results.raw["kernel_sweep"] = rows
     big = [r for r in rows if r["case"] == "1x1e8" and r["dtype"] == "fp32"]
     base = next(r for r in big if r["variant"] == "base")

@@ -21,6 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import kernel_bench
 import torch
 from graph_bench import StepGraph, setups
 
@@ -28,15 +29,8 @@ from amp_graph.ops import scaler_ops as ops
 
 
 def event_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of ``reps`` calls, each timed alone with CUDA events."""
+    return statistics.median(kernel_bench._time_ms(fn, "cuda") for _ in range(reps))
 
 
 def main(argv: list[str] | None = None) -> int:

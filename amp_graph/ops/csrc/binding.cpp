@@ -9,7 +9,6 @@
 // differentiated through, and an unboxed call (python_entry.cpp) then stays unboxed down to the
 // kernel instead of passing every tensor through the boxed autograd fallback.
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/empty.h>
@@ -34,6 +33,7 @@
 #include "amp_kernels.h"
 #include "launch_cache.h"
 #include "launch_plan.h"
+#include "list_ops.h"
 #include "table_cache.h"
 #include "tiling.h"
 
@@ -335,37 +335,28 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& trackers,
 // AutogradCUDA kernels: below autograd at once (gradients are data; the ops return nothing
 // differentiable), unboxed, without a pass over the tensors. The CUDA kernels bump the versions
 // of what they write, as the ADInplaceOrView kernels of torch's in-place ops do.
-template <class Signature>
-c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 void non_finite_check_and_unscale_autograd(c10::DispatchKeySet ks, at::TensorList grads,
                                            const at::Tensor& found_inf,
                                            const at::Tensor& inv_scale) {
-  static const auto op = typed_op<void(at::TensorList, const at::Tensor&, const at::Tensor&)>(
-      "amp_graph::non_finite_check_and_unscale_");
   at::AutoDispatchBelowADInplaceOrView guard;
-  op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
+  amp_graph::non_finite_check_and_unscale_op().redispatch(
+      ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
 }
 
 void non_finite_check_autograd(c10::DispatchKeySet ks, at::TensorList grads,
                                const at::Tensor& found_inf) {
-  static const auto op =
-      typed_op<void(at::TensorList, const at::Tensor&)>("amp_graph::non_finite_check_");
   at::AutoDispatchBelowADInplaceOrView guard;
-  op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf);
+  amp_graph::non_finite_check_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grads,
+                                              found_inf);
 }
 
 at::Tensor non_finite_check_unscale_and_norm_autograd(c10::DispatchKeySet ks,
                                                       at::TensorList grads,
                                                       const at::Tensor& found_inf,
                                                       const at::Tensor& inv_scale) {
-  static const auto op =
-      typed_op<at::Tensor(at::TensorList, const at::Tensor&, const at::Tensor&)>(
-          "amp_graph::non_finite_check_unscale_and_norm_");
   at::AutoDispatchBelowADInplaceOrView guard;
-  return op.redispatch(ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
+  return amp_graph::non_finite_check_unscale_and_norm_op().redispatch(
+      ks & c10::after_ADInplaceOrView_keyset, grads, found_inf, inv_scale);
 }
 
 }  // namespace

@@ -12,12 +12,13 @@
 // or a torch function mode. The caller (scaler_ops.py) then calls torch.ops as before.
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include <vector>
+
+#include "list_ops.h"
 
 namespace {
 
@@ -60,44 +61,34 @@ bool exact_tensors(std::initializer_list<PyObject*> objects) {
   return true;
 }
 
-template <class Signature>
-c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+// Borrows `grads` into `borrowed` when the unboxed call may stand for torch.ops' (see the top of
+// this file): no torch function mode, and exact tensors for the list and the flags.
+bool may_call_unboxed(BorrowedTensors& borrowed, py::handle grads,
+                      std::initializer_list<PyObject*> flags) {
+  return !at::impl::torch_function_mode_enabled() && exact_tensors(flags) &&
+         borrowed.borrow(grads.ptr());
 }
 
 bool check_and_unscale(py::handle grads, py::handle found_inf, py::handle inv_scale) {
-  static const auto op = typed_op<void(at::TensorList, const at::Tensor&, const at::Tensor&)>(
-      "amp_graph::non_finite_check_and_unscale_");
-  if (at::impl::torch_function_mode_enabled()) return false;
-  if (!exact_tensors({found_inf.ptr(), inv_scale.ptr()})) return false;
   BorrowedTensors borrowed;
-  if (!borrowed.borrow(grads.ptr())) return false;
-  op.call(borrowed.list(), THPVariable_Unpack(found_inf.ptr()),
-          THPVariable_Unpack(inv_scale.ptr()));
+  if (!may_call_unboxed(borrowed, grads, {found_inf.ptr(), inv_scale.ptr()})) return false;
+  amp_graph::non_finite_check_and_unscale_op().call(
+      borrowed.list(), THPVariable_Unpack(found_inf.ptr()), THPVariable_Unpack(inv_scale.ptr()));
   return true;
 }
 
 bool check(py::handle grads, py::handle found_inf) {
-  static const auto op =
-      typed_op<void(at::TensorList, const at::Tensor&)>("amp_graph::non_finite_check_");
-  if (at::impl::torch_function_mode_enabled()) return false;
-  if (!exact_tensors({found_inf.ptr()})) return false;
   BorrowedTensors borrowed;
-  if (!borrowed.borrow(grads.ptr())) return false;
-  op.call(borrowed.list(), THPVariable_Unpack(found_inf.ptr()));
+  if (!may_call_unboxed(borrowed, grads, {found_inf.ptr()})) return false;
+  amp_graph::non_finite_check_op().call(borrowed.list(), THPVariable_Unpack(found_inf.ptr()));
   return true;
 }
 
 py::object check_unscale_and_norm(py::handle grads, py::handle found_inf, py::handle inv_scale) {
-  static const auto op =
-      typed_op<at::Tensor(at::TensorList, const at::Tensor&, const at::Tensor&)>(
-          "amp_graph::non_finite_check_unscale_and_norm_");
-  if (at::impl::torch_function_mode_enabled()) return py::none();
-  if (!exact_tensors({found_inf.ptr(), inv_scale.ptr()})) return py::none();
   BorrowedTensors borrowed;
-  if (!borrowed.borrow(grads.ptr())) return py::none();
-  at::Tensor sum_of_squares = op.call(borrowed.list(), THPVariable_Unpack(found_inf.ptr()),
-                                      THPVariable_Unpack(inv_scale.ptr()));
+  if (!may_call_unboxed(borrowed, grads, {found_inf.ptr(), inv_scale.ptr()})) return py::none();
+  at::Tensor sum_of_squares = amp_graph::non_finite_check_unscale_and_norm_op().call(
+      borrowed.list(), THPVariable_Unpack(found_inf.ptr()), THPVariable_Unpack(inv_scale.ptr()));
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(sum_of_squares)));
 }
 
