@@ -120,7 +120,8 @@ class AmpInfo:
     ``detail``, ``low_dtype`` (inside the model's own autocast block). Written by
     assign_dtypes: ``compute_dtype``, ``out_dtype``, ``exact``. Cast
     nodes written by insert_casts carry ``role=CAST``, ``cast_for`` and ``out_dtype``;
-    recompute_casts sets ``recompute`` on those backward casts again instead of keeping;
+    recompute_casts sets ``recompute`` on those backward casts again instead of keeping
+    (``recompute_declined`` on those it could and keeps, saying why);
     absorb_casts sets ``cast_absorbed`` on ops that widen their input by their ``dtype=``.
     """
 
@@ -137,6 +138,7 @@ class AmpInfo:
     cast_for: tuple[str, ...] = field(default_factory=tuple)  # CAST: the consumers it feeds
     low_dtype: torch.dtype | None = None  # the model's autocast block's dtype; None: policy's
     recompute: str = ""  # CAST recast in backward, not kept: who keeps its source ("module")
+    recompute_declined: str = ""  # a cast recompute_casts could recast and keeps: why
     cast_absorbed: bool = False  # OP widens its input itself, by its dtype= (absorb_casts)
 
     @classmethod

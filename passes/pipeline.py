@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from amp_graph.ops.recompute_cost import RecomputeCost
 from amp_graph.policy import Policy
 
 from .absorb_casts import absorb_casts
@@ -54,11 +55,16 @@ class PipelineResult:
 
 
 def amp_passes(
-    policy: Policy, low_dtype: torch.dtype, full_verify: bool = False
+    policy: Policy,
+    low_dtype: torch.dtype,
+    full_verify: bool = False,
+    recompute_cost: RecomputeCost | None = None,
 ) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
     """The pass list, bound to a policy and a dtype. The final verify always lints and checks
     that every planned input has its planned dtype; ``full_verify`` also re-propagates every
-    dtype through the rewritten graph (as costly again as assign_dtypes: the tests use it)."""
+    dtype through the rewritten graph (as costly again as assign_dtypes: the tests use it).
+    ``recompute_cost``: what recomputing a cast costs where the graph runs, for
+    ``Policy(recompute_casts="auto")`` (None: nothing, as where AOTAutograd compiles it)."""
     passes: list[tuple[str, Callable[[fx.GraphModule], PassResult]]] = [
         ("classify", lambda gm: classify(gm, policy)),
     ]
@@ -79,7 +85,12 @@ def amp_passes(
     # last: it moves checkpointed nodes into submodules, after every dtype is settled
     passes.append(("outline_checkpoints", outline_checkpoints))
     # after the outlining: a checkpointed block's casts are recomputed by its checkpoint
-    passes.append(("recompute_casts", lambda gm: recompute_casts(gm, policy.recompute_casts)))
+    passes.append(
+        (
+            "recompute_casts",
+            lambda gm: recompute_casts(gm, policy.recompute_casts, recompute_cost),
+        )
+    )
     return passes
 
 
@@ -125,13 +136,14 @@ def run_passes(
     low_dtype: torch.dtype,
     *,
     check_each: bool = False,
+    recompute_cost: RecomputeCost | None = None,
 ) -> PipelineResult:
     """Run the AMP passes on ``gm`` (captured and flat, :func:`require_captured_graph`) in
-    place and return it with the counters."""
+    place and return it with the counters (``recompute_cost``: :func:`amp_passes`)."""
     require_captured_graph(gm)
     result = PipelineResult(gm)
     ran: list[str] = []
-    for name, run in amp_passes(policy, low_dtype, full_verify=check_each):
+    for name, run in amp_passes(policy, low_dtype, check_each, recompute_cost):
         start = time.perf_counter()
         try:
             out = run(gm)

@@ -25,6 +25,16 @@ float32 probabilities, under O1) are casts too, where they change only the dtype
 The fp8 policy's float8 copies of parameters (``fp8_quantize`` of a weight, which the fp8
 linear saves) are casts too: they become :func:`amp_graph.ops.recompute_ops.recomputed_quantize`.
 
+Where recomputing pays: a recompute costs fixed host time (recording the copy, the
+saved-tensor hooks, the recast's dispatch) besides its bytes, so under
+``Policy(recompute_casts="auto")`` (the default) a copy smaller than what the device casts
+in that time is kept, and so is every copy of a graph where the hooks on all its saved
+tensors would cost more than all its recasts' bytes take
+(:class:`amp_graph.ops.recompute_cost.RecomputeCost`, measured once per device by the
+entry point; every copy is decided where AOTAutograd compiles the graph,
+whose recompute runs no Python, and every FSDP2 unit's whatever its size). ``True`` decides
+every candidate, an int those of at least that many bytes, ``False`` none.
+
 Each decided cast becomes a call of :func:`amp_graph.ops.recompute_ops.recomputed_cast` (the same
 cast, visible as such in the printed graph); :func:`amp_graph.ops.recompute_ops.install` 's hooks
 on the GraphModule then keep its source instead of the copy, and where AOTAutograd
@@ -34,7 +44,7 @@ the same. Gradients are bit-identical: a cast is deterministic.
 Reads: ``meta["amp"]`` (casts: ``role=CAST`` or ``USER_CAST``; their sources' role and aten
 op), the sources' ``meta["val"]`` (dtypes, bytes). Writes: the decided casts' target and
 args; ``meta["amp"].recompute`` (why the source is kept: ``"module"``, ``"autograd"`` or
-``"smaller"``);
+``"smaller"``) or, on a candidate it keeps, ``meta["amp"].recompute_declined`` (why);
 ``meta["recompute"]`` and ``meta["ac_graph_id"]`` (torch's keys).
 Guarantees: every value is computed as before; only top-level casts change (a checkpointed
 block's casts are recomputed by its checkpoint already); a graph input's cast is decided
@@ -56,6 +66,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from amp_graph.ops.recompute_cost import RecomputeCost
 from amp_graph.ops.recompute_ops import (
     KEPT_BY_AUTOGRAD,
     KEPT_BY_MODULE,
@@ -64,7 +75,7 @@ from amp_graph.ops.recompute_ops import (
     recomputed_quantize,
 )
 
-from .meta import AMP, VAL, Role
+from .meta import AMP, FSDP_UNIT, VAL, Role
 from .result import PassResult
 from .sharing import CastSharing
 
@@ -163,7 +174,7 @@ def _recast_of(node: fx.Node) -> tuple[Any, torch.dtype] | None:
 
 def copy_dtype(node: fx.Node) -> torch.dtype:
     """The dtype of the copy a decided node makes (its recipe's target dtype)."""
-    return node.args[2] if node.target is recomputed_quantize else node.args[1]
+    return copy_dtype_of(node.target, node.args)
 
 
 def _widens(source: Any, dtype: torch.dtype) -> bool:
@@ -226,15 +237,102 @@ def _written_after_the_cast(gm: fx.GraphModule, casts: list[fx.Node]) -> set[fx.
     return unsafe
 
 
-def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
-    """Make the casts whose source outlives the forward recomputed in backward.
+def _copy_bytes(source: Any, dtype: torch.dtype) -> int | None:
+    """Bytes of ``source`` cast to ``dtype`` (symbolic sizes at their example's hint), or None."""
+    value = source.meta.get(VAL) if isinstance(source, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not isinstance(dtype, torch.dtype):
+        return None
+    numel = value.numel()
+    if isinstance(numel, torch.SymInt):
+        hint = numel.node.hint
+        numel = hint if isinstance(hint, int) else None
+    return None if numel is None else int(numel) * dtype.itemsize
 
-    ``enabled=False`` (``Policy(recompute_casts=False)``) decides none: backward keeps every
-    copy, as torch.autocast does. Stats: ``casts_recomputed`` and
-    ``recomputed_cast_bytes`` (per call, the bytes backward no longer holds: the copies',
-    less the low sources kept in the place of widened copies).
+
+def _saved_tensor_estimate(gm: fx.GraphModule) -> int:
+    """About how many tensors autograd saves in the forward: one per aten op with a floating
+    result that is not a view (a linear saves two, an add or a view none)."""
+    count = 0
+    for node in gm.graph.nodes:
+        target, value = node.target, node.meta.get(VAL)
+        if not (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)):
+            continue
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            count += not target.is_view
+    return count
+
+
+def _bytes_text(nbytes: int) -> str:
+    return f"{nbytes / 1024:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _declined(
+    candidates: list[tuple[fx.Node, int | None, bool]],
+    enabled: bool | str | int,
+    cost: RecomputeCost | None,
+    saved_tensors: int,
+) -> dict[fx.Node, str]:
+    """The candidates (node, copy bytes, in an FSDP2 unit) backward keeps, each with why.
+
+    ``True``, or ``"auto"`` without a cost: none. An int: copies below that many bytes.
+    ``"auto"``: copies below ``cost.min_copy_bytes``; then every one, where the hooks on
+    the forward's ``saved_tensors`` would cost more host time than the recasts spend on
+    their bytes (:meth:`RecomputeCost.hooks_pay`). An FSDP2 unit's casts are never
+    declined: their sources are the unit's unsharded parameters, and keeping the copies
+    would hold the whole unsharded model on every rank."""
+    if enabled is True or (enabled == "auto" and cost is None):
+        return {}
+    if isinstance(enabled, int):
+        minimum = enabled
+        why = f"its copy ({{size}}) is below Policy(recompute_casts={enabled})'s minimum."
+    else:
+        assert cost is not None
+        minimum = cost.min_copy_bytes
+        why = (
+            f"its copy ({{size}}) is below the {_bytes_text(minimum)} where recomputing "
+            f"pays ({cost.describe()})." + _ANYWAY
+        )
+    declined = {
+        node: why.format(size=_bytes_text(nbytes))
+        for node, nbytes, in_unit in candidates
+        if not in_unit and nbytes is not None and nbytes < minimum
+    }
+    if enabled != "auto" or cost is None or any(in_unit for *_, in_unit in candidates):
+        return declined  # (in an FSDP2 model the hooks run for the units' casts anyway)
+    left = [(node, nbytes or 0) for node, nbytes, _ in candidates if node not in declined]
+    total = sum(nbytes for _, nbytes in left)
+    if left and not cost.hooks_pay(saved_tensors, len(left), total):
+        why = (
+            f"recomputing the {len(left)} casts of this graph above that size "
+            f"({_bytes_text(total)}) would cost more host time, with the saved-tensor hooks "
+            f"on its ~{saved_tensors} saved tensors, than their bytes take to cast "
+            f"({cost.describe()}): it keeps every copy and runs no hook." + _ANYWAY
+        )
+        declined.update((node, why) for node, _ in left)
+    return declined
+
+
+_ANYWAY = " Policy(recompute_casts=True) recomputes every such cast."
+
+
+def recompute_casts(
+    gm: fx.GraphModule, enabled: bool | str | int = True, cost: RecomputeCost | None = None
+) -> PassResult:
+    """Make the casts whose source outlives the forward recomputed in backward, where it
+    pays.
+
+    ``enabled`` is ``Policy.recompute_casts``: ``False`` decides none (backward keeps every
+    copy, as torch.autocast does); ``True`` every one it may; an int, those whose copy has
+    at least that many bytes; ``"auto"``, those :class:`RecomputeCost` says pay on the
+    device, ``cost`` (None: every one, for a graph whose recompute runs no Python: one that
+    AOTAutograd compiles). An FSDP2 unit's casts are recomputed whatever the size. The
+    casts it could have recomputed and keeps carry why in ``meta["amp"].recompute_declined``.
+
+    Stats: ``casts_recomputed`` and ``recomputed_cast_bytes`` (per call, the bytes backward
+    no longer holds: the copies', less the low sources kept in the place of widened copies);
+    ``casts_recompute_declined``.
     """
-    if not enabled:
+    if enabled is False:
         return PassResult(gm, modified=False, stats={"casts_recomputed": 0})
     candidates: list[tuple[fx.Node, str, Any, tuple, dict]] = []
     for node in gm.graph.nodes:
@@ -252,13 +350,37 @@ def recompute_casts(gm: fx.GraphModule, enabled: bool = True) -> PassResult:
         if kept_by is not None:
             candidates.append((node, kept_by, target, args, kwargs))
     unsafe = _written_after_the_cast(gm, [node for node, *_ in candidates])
+    candidates = [candidate for candidate in candidates if candidate[0] not in unsafe]
+    declined = _declined(
+        [
+            (node, _copy_bytes(args[0], copy_dtype_of(target, args)), _in_fsdp_unit(args[0]))
+            for node, _, target, args, _ in candidates
+        ],
+        enabled,
+        cost,
+        _saved_tensor_estimate(gm) if enabled == "auto" and cost is not None else 0,
+    )
     count = nbytes = 0
     for node, kept_by, target, args, kwargs in candidates:
-        if node in unsafe:
+        if node in declined:
+            node.meta[AMP].recompute_declined = declined[node]
             continue
         node.op, node.target, node.args, node.kwargs = "call_function", target, args, kwargs
         _mark_recompute(node, kept_by)
         count += 1
         nbytes += _freed_bytes(node)
-    stats = {"casts_recomputed": count, "recomputed_cast_bytes": nbytes}
+    stats = {
+        "casts_recomputed": count,
+        "recomputed_cast_bytes": nbytes,
+        "casts_recompute_declined": len(declined),
+    }
     return PassResult(gm, modified=count > 0, stats=stats)
+
+
+def copy_dtype_of(target: Any, args: tuple) -> torch.dtype:
+    """The dtype of the copy a decided call makes, from its target and arguments."""
+    return args[2] if target is recomputed_quantize else args[1]
+
+
+def _in_fsdp_unit(source: Any) -> bool:
+    return isinstance(source, fx.Node) and source.meta.get(FSDP_UNIT) is not None

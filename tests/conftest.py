@@ -12,6 +12,8 @@ from amp_graph.passes import AMP, Role
 from torch.fx.node import map_aggregate
 
 import amp_graph
+from amp_graph.frontends import compiler
+from amp_graph.ops.recompute_cost import RecomputeCost
 
 # Tests measure behaviour, not speed: one intra-op thread keeps them fast and repeatable
 # on a 2-core machine that may be running other work (OpenMP spin-waits when oversubscribed).
@@ -86,6 +88,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+# What recompute_casts="auto" weighs, pinned for the suite so that what it decides does not
+# depend on the machine or its load: figures as measured on a 2-vCPU AMD EPYC (AVX512-BF16,
+# copies below 137 KiB kept) and, for CUDA, of the order an H100's host and HBM give
+# (copies below about 43 MiB kept). tests/test_recompute_decision.py measures for real.
+PINNED_RECOMPUTE_COSTS = {
+    "cpu": RecomputeCost(per_cast_ns=7e3, per_saved_ns=2e3, copy_bytes_per_ns=20.0, device="cpu"),
+    "cuda": RecomputeCost(
+        per_cast_ns=30e3, per_saved_ns=3e3, copy_bytes_per_ns=1500.0, device="cuda"
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def _pinned_recompute_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        compiler,
+        "measured_cost",
+        lambda device: PINNED_RECOMPUTE_COSTS[torch.device(device).type],
+    )
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ are all far above it. The ranks must agree exactly: they hold one model.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import socket
@@ -258,7 +259,10 @@ def ddp_compile(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, reference = TinyLM(), TinyLM()
     reference.load_state_dict(model.state_dict())
-    compiled = DDP(amp_graph.compile(model, policy="O1", dtype=torch.bfloat16))
+    # every cast recomputed (a DDP replica has no FSDP2 unit, and copies this small are kept
+    # under "auto"): the recompute under DDP's hooks
+    recompute_all = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=True)
+    compiled = DDP(amp_graph.compile(model, policy=recompute_all, dtype=torch.bfloat16))
     losses = train_compiled(compiled, model, rank)
     ref = DDP(reference)
     return {
@@ -630,8 +634,6 @@ def checkpoints(rank: int) -> dict[str, Any]:
 
 def _held_variants(make: Callable[[], nn.Module], x: torch.Tensor) -> dict[str, int]:
     """Bytes each rank holds for backward at the end of the forward, per variant."""
-    import dataclasses
-
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import amp_graph
@@ -847,7 +849,7 @@ def test_compile_fsdp2_fp16_scaler_skips_a_step_poisoned_on_one_rank(tmp_path: P
 
 
 def test_ddp_of_compiled_module_matches_ddp_autocast(tmp_path: Path) -> None:
-    """(with the weights' casts recomputed in backward, not kept: the default)"""
+    """(with the weights' casts recomputed in backward, not kept)"""
     ranks = run_ranks("ddp_compile", tmp_path)
     _assert_close_to_reference(ranks)
     assert all(rank["recomputed"] > 0 for rank in ranks)

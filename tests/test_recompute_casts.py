@@ -139,7 +139,7 @@ class CheckpointedGPT(nn.Module):
 def test_the_models_own_checkpoints_compose() -> None:
     model = CheckpointedGPT()
     held = compare(model, lambda m: m(IDS), "O1")
-    compiled = amp_graph.compile(model, "O1", BF16)
+    compiled = amp_graph.compile(model, policy("O1", True), BF16)
     compiled(IDS)
     code = compiled.code
     assert "checkpoint" in code and "recomputed_cast" in code
@@ -198,7 +198,7 @@ def test_backward_runs_no_extra_op_but_casts(case: str) -> None:
 
 def test_a_source_written_before_backward_is_an_error() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    compiled = amp_graph.compile(model, "O1", BF16)
+    compiled = amp_graph.compile(model, policy("O1", True), BF16)
     out = compiled(torch.randn(4, 8, requires_grad=True))
     with torch.no_grad():
         model[2].weight.add_(1.0)
@@ -225,7 +225,9 @@ def test_outer_saved_tensor_hooks_decide_and_gradients_stay() -> None:
 
 def test_report_and_explain_say_what_is_recomputed() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Softmax(-1), nn.Linear(16, 8))
-    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(torch.randn(4, 8),))
+    compiled = amp_graph.compile(
+        model, policy("O1", True), BF16, example_inputs=(torch.randn(4, 8),)
+    )
     report = amp_graph.report(compiled)
     assert report.casts_recomputed == 5  # two weights, two biases, softmax's output
     assert report.recomputed_cast_bytes == (8 * 16 + 16 + 16 * 8 + 8 + 4 * 16) * 2
@@ -361,7 +363,7 @@ def test_fp8_policy_trains_the_same_bits() -> None:
 
 def test_every_linear_weight_cast_is_recomputed_in_the_printed_graph() -> None:
     model = GPT(vocab=64, block=32, dim=64, heads=4, layers=1)
-    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(IDS,))
+    compiled = amp_graph.compile(model, policy("O1", True), BF16, example_inputs=(IDS,))
     casts = [n for n in compiled.graph.nodes if n.target is recomputed_cast]
     assert all(n.args[0].op == "get_attr" and n.args[2] == "module" for n in casts)
     sources = {n.args[0].target.removeprefix("model.") for n in casts}
@@ -502,7 +504,7 @@ def test_a_models_own_cast_of_a_kept_value_is_recomputed() -> None:
     model = transformers.GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 128, (2, 32))
     held = compare(model, lambda m: m(ids).logits, "O1")
-    compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(ids,))
+    compiled = amp_graph.compile(model, policy("O1", True), BF16, example_inputs=(ids,))
     model_casts = [
         n
         for n in compiled.graph.nodes
@@ -562,7 +564,7 @@ def test_a_widened_activation_is_held_once_in_its_low_dtype() -> None:
     x = torch.randn(8, 16)
     held = _held_on_and_off(_WidenedForPow(), x)
     assert held[False] - held[True] == 8 * 64 * (4 - 2)
-    compiled = amp_graph.compile(_WidenedForPow(), "O1", BF16, example_inputs=(x,))
+    compiled = amp_graph.compile(_WidenedForPow(), policy("O1", True), BF16, example_inputs=(x,))
     widened = next(
         n for n in compiled.graph.nodes if n.target is recomputed_cast and n.args[2] == "smaller"
     )

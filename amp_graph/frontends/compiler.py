@@ -35,6 +35,7 @@ from amp_graph.frontends.policy_request import (
     validate_node_overrides,
 )
 from amp_graph.ops import recompute_ops
+from amp_graph.ops.recompute_cost import RecomputeCost, measured_cost
 from amp_graph.passes import AMP, Role, inline_regions, run_passes
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.graph_copy import copy_graph, graph_module_over
@@ -60,6 +61,8 @@ class CompileRecord:
     # the captured graph before the passes, for diffs: a GraphModule, or (graph, root) that
     # becomes one when first asked for (generating its code costs as much as a pass)
     _original: Any = field(default=None, repr=False)
+    # what recompute_casts="auto" weighed (None: not asked, or the graph is compiled)
+    recompute_cost: RecomputeCost | None = None
 
     @property
     def original(self) -> fx.GraphModule | None:
@@ -87,6 +90,7 @@ def rewrite(
     check_each_pass: bool = False,
     seconds: dict[str, float] | None = None,
     keep_original: bool = True,
+    recompute_hooks: bool = True,
 ) -> CompileRecord:
     """Run the AMP passes on a captured ``gm`` in place and record what they did.
 
@@ -94,17 +98,24 @@ def rewrite(
     values (``meta["val"]``) so that every dtype is exact; ``seconds`` adds the capture's
     own timings to the record; ``keep_original=False`` keeps no copy of the graph before the
     passes (``record.original`` None: an export, which no diff reads).
+    ``recompute_hooks``: the graph runs as it is, its recomputed casts through
+    :mod:`amp_graph.ops.recompute_ops` 's saved-tensor hooks, so ``recompute_casts="auto"``
+    weighs their cost, measured on the device (False: AOTAutograd compiles the graph, and
+    its partitioner recomputes them at no host cost).
     """
     drop_string_annotations(gm)
     start = time.perf_counter()
     inlined = inline_regions(gm)  # the captured form the passes and diffs read: blocks flat
     inlined_seconds = time.perf_counter() - start
     original = (copy_graph(gm), gm) if keep_original else None
-    result = run_passes(gm, policy, dtype, check_each=check_each_pass)
+    cost = None
+    if recompute_hooks and policy.recompute_casts == "auto":
+        cost = measured_cost(device_type)
+    result = run_passes(gm, policy, dtype, check_each=check_each_pass, recompute_cost=cost)
     stats = {**inlined.stats, **result.stats}
     timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
     exact = bool(result.stats.get("exact_dtypes"))
-    record = CompileRecord(policy, dtype, device_type, stats, timings, exact, original)
+    record = CompileRecord(policy, dtype, device_type, stats, timings, exact, original, cost)
     gm.meta[COMPILE_META] = record
     if record.stats.get("casts_recomputed"):
         recompute_ops.install(gm)  # the hooks that keep those casts' sources instead

@@ -79,6 +79,10 @@ class Report:
     casts_recomputed: int = 0  # casts backward makes again instead of keeping
     # per call, the bytes no longer held: their copies', less widened copies' kept sources
     recomputed_cast_bytes: int = 0
+    # casts it could recompute and keeps, where that does not pay (recompute_casts="auto"
+    # or a minimum size), and the device's figures it weighed ("": none measured)
+    casts_recompute_declined: int = 0
+    recompute_cost: str = ""
     casts_absorbed: int = 0  # widening casts folded into the op's dtype= (absorb_casts)
     absorbed_cast_bytes: int = 0  # the float32 copies those casts made, per call
     # FSDP2 units whose MixedPrecisionPolicy the graph honours: unit path -> its fields
@@ -110,6 +114,7 @@ class Report:
             f"call: {bytes_text(self.cast_bytes)}\n"
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
+            + _declined_text(self.casts_recompute_declined, self.recompute_cost)
             + _products_text(self.products, self.wide_products, self.dtype)
             + _fsdp_text(self.fsdp_mixed_precision)
             + _read_low_text(self.fsdp_read_low, self.dtype)
@@ -302,6 +307,8 @@ def report(compiled: Any) -> Report:
         casts_absorbed=record.stats.get("casts_absorbed", 0),
         absorbed_cast_bytes=record.stats.get("absorbed_cast_bytes", 0),
         recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
+        casts_recompute_declined=record.stats.get("casts_recompute_declined", 0),
+        recompute_cost=record.recompute_cost.describe() if record.recompute_cost else "",
         fsdp_mixed_precision=dict(compiled.meta.get(FSDP_MIXED_PRECISION, {})),
         fsdp_read_low=fsdp_units_read_low(compiled, record.dtype),
         products=products,
@@ -344,9 +351,22 @@ class Explanation(str):
         printer.text(str(self))
 
 
+def _declined_text(declined: int, cost: str) -> str:
+    """The casts backward could recompute and keeps, where that does not pay."""
+    if not declined:
+        return ""
+    why = f" ({cost})" if cost else ""
+    return f"; kept where recomputing does not pay: {declined}{why}"
+
+
 def _recompute_sentence(cast: fx.Node, amp: AmpInfo) -> str:
     """What backward keeps of a cast (passes.recompute_casts decided it)."""
     source = cast.args[0]
+    if amp.recompute_declined:
+        return (
+            f"\nBackward keeps this cast where an op saves it, though its source "
+            f"'{source.name}' outlives the forward: {amp.recompute_declined}"
+        )
     if not amp.recompute:
         return (
             f"\nBackward keeps this cast where an op saves it: its source '{source.name}' is "

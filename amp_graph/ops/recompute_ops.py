@@ -48,6 +48,7 @@ __all__ = [
     "recomputed_cast",
     "recomputed_quantize",
     "recording",
+    "recording_call",
     "uninstall",
 ]
 
@@ -208,6 +209,14 @@ def _start_recording() -> _RecordingCall | None:
     forward already records (a graph called inside one), or outer hooks decide."""
     if not torch.is_grad_enabled() or _recording.copies is not None or _outer_hooks_active():
         return None
+    call = _RecordingCall()
+    call.__enter__()
+    return call
+
+
+def recording_call() -> _RecordingCall:
+    """A recording entered unconditionally (leave it with ``__exit__(None, None, None)``):
+    what :mod:`amp_graph.ops.recompute_cost` measures the hooks with."""
     call = _RecordingCall()
     call.__enter__()
     return call

@@ -231,6 +231,17 @@ def _checked_names(what: str, overrides: Any) -> dict[str, Rule]:
     return {key: as_rule(rule) for key, rule in overrides.items()}
 
 
+def _check_recompute_casts(value: Any) -> None:
+    """``recompute_casts`` is ``"auto"``, True, False or a byte count >= 0."""
+    valid = value == "auto" if isinstance(value, str) else isinstance(value, int)
+    if not valid or (isinstance(value, int) and not isinstance(value, bool) and value < 0):
+        raise ValueError(
+            f"Policy recompute_casts is 'auto' (recompute the casts that pay on the device), "
+            f"True (all), False (none) or a minimum copy size in bytes (an int >= 0); got "
+            f"{value!r}"
+        )
+
+
 def _checked_notes(notes: Any, nodes: Mapping[str, Rule]) -> dict[str, str]:
     if not isinstance(notes, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in notes.items()
@@ -296,10 +307,16 @@ class Policy:
             the evidence for each demotion here); :func:`amp_graph.explain` quotes it.
         fp8: run linear layers as float8 scaled matmuls (:mod:`amp_graph.ops.fp8_ops`) with this
             configuration; everything else follows the tables. None: no fp8.
-        recompute_casts: backward casts again, instead of keeping, every low-precision copy
-            whose source outlives the forward anyway (weights, softmax's float32 output):
-            the same gradients, bit for bit, without holding the copies from forward to
-            backward (``passes.recompute_casts``). False keeps them, as torch.autocast does.
+        recompute_casts: which low-precision copies whose source outlives the forward
+            anyway (weights, softmax's float32 output) backward casts again instead of
+            keeping: the same gradients, bit for bit, without holding the copies from
+            forward to backward (``passes.recompute_casts``). ``"auto"`` (the default):
+            those where it pays on the model's device, by a cost measured there once
+            (:mod:`amp_graph.ops.recompute_cost`: host time per cast and per saved tensor
+            against the copy's bytes; every one where the graph is compiled, whose
+            recompute runs no Python; every FSDP2 unit's). ``True``: every one. An int:
+            those whose copy has at least that many bytes. ``False``: none, as
+            torch.autocast.
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
             it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
             points for CPU models). Such an op computes in float32 whatever else the policy says.
@@ -319,7 +336,7 @@ class Policy:
     nodes: Mapping[str, Rule] = field(default_factory=lambda: _frozen(None))
     fp8: Fp8Config | None = None
     notes: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
-    recompute_casts: bool = True
+    recompute_casts: bool | str | int = "auto"
     missing_kernels: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
 
     def __post_init__(self) -> None:
@@ -332,10 +349,11 @@ class Policy:
         clash = (self.allow & self.deny) | (self.allow & self.promote) | (self.deny & self.promote)
         if clash:
             raise ValueError(f"op names in more than one Policy table: {sorted(clash)}")
-        for flag in ("cast_inputs", "master_weights", "recompute_casts"):
+        for flag in ("cast_inputs", "master_weights"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
                 raise ValueError(f"Policy {flag} is True or False; got {value!r}")
+        _check_recompute_casts(self.recompute_casts)
         object.__setattr__(self, "default", as_rule(self.default))
         object.__setattr__(self, "ops", _checked_ops(self.ops))
         object.__setattr__(self, "module_types", _checked_module_types(self.module_types))

@@ -445,7 +445,14 @@ class Graph:
             root, args, {}, policy, dtype, device_type=device, dynamic=dynamic, model_attr=attr
         )
         validate_node_overrides(policy, [n.name for n in captured.graph_module.graph.nodes])
-        rewrite(captured.graph_module, policy, dtype, device, seconds={"capture": captured.seconds})
+        rewrite(
+            captured.graph_module,
+            policy,
+            dtype,
+            device,
+            seconds={"capture": captured.seconds},
+            recompute_hooks=not self.config.compile,  # compiled: its partitioner recomputes
+        )
         return captured
 
     def _step_graph(self, captured: Captured) -> fx.GraphModule:

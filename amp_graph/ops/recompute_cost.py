@@ -1,0 +1,190 @@
+"""What recomputing a cast in backward costs on a device, measured once per device.
+
+A recomputed cast (:mod:`amp_graph.ops.recompute_ops`) frees its copy's bytes from the
+forward to the backward, and costs two kinds of time:
+
+* **host time that does not grow with the copy**: recording the copy, the saved-tensor
+  hooks' pack and unpack, the recast's dispatch (and, on a GPU, its launch);
+* **device time that does**: the recast reads the source and writes the copy again.
+
+Where the fixed part is larger than the bytes' part, the copy is too small for what it
+frees to be worth the Python: a GPT of width 128 pays 5-10% of its step on a CPU for 1.7
+MiB. :class:`RecomputeCost` holds the three figures the decision
+(:func:`amp_graph.passes.recompute_casts.recompute_casts`, ``Policy(recompute_casts="auto")``)
+weighs, and :func:`measured_cost` measures them once per device with the real hooks, on a
+small autograd program, outside any mode the caller has on.
+
+Once one cast of a graph is recomputed, the hooks also pack and unpack every other tensor
+that forward saves (2-5 us each on a CPU): a graph keeps every copy where that would cost
+more than all its recasts' bytes take (:meth:`RecomputeCost.hooks_pay`), as GPT of width
+128 would for the one float32 copy of its logits above the threshold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
+
+from amp_graph.ops import recompute_ops
+
+__all__ = ["RecomputeCost", "measured_cost"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecomputeCost:
+    """The figures the recompute decision weighs, for one device.
+
+    Attributes:
+        per_cast_ns: host time one recomputed cast adds to a forward + backward, beyond
+            keeping its copy: recording it, the hooks on the copy, the recast's dispatch.
+        per_saved_ns: host time the saved-tensor hooks add per tensor autograd saves, paid
+            by every saved tensor of a forward in which any cast is recomputed.
+        copy_bytes_per_ns: bytes of float32-to-bfloat16 copy the device writes per
+            nanosecond (the recast's own speed).
+        device: where it was measured (``"cpu"``, ``"cuda:0"``), for the report.
+    """
+
+    per_cast_ns: float
+    per_saved_ns: float
+    copy_bytes_per_ns: float
+    device: str = ""
+
+    @property
+    def min_copy_bytes(self) -> int:
+        """The smallest copy whose recast takes at least its fixed host time: below it the
+        Python costs more than the bytes."""
+        return math.ceil(self.per_cast_ns * self.copy_bytes_per_ns)
+
+    def hooks_pay(self, saved_tensors: int, casts: int, copy_bytes: int) -> bool:
+        """Whether a forward that saves ``saved_tensors`` tensors, recomputing ``casts``
+        casts of ``copy_bytes`` in all, spends no more host time on them than its recasts
+        spend on their bytes: :attr:`min_copy_bytes`'s rule for the whole graph, whose
+        every saved tensor goes through the hooks once one cast is recomputed."""
+        fixed_ns = saved_tensors * self.per_saved_ns + casts * self.per_cast_ns
+        return copy_bytes >= fixed_ns * self.copy_bytes_per_ns
+
+    def describe(self) -> str:
+        """One line: the figures and the threshold they make."""
+        return (
+            f"on {self.device or 'this device'} a recomputed cast costs "
+            f"{self.per_cast_ns / 1e3:.1f} us of host time and every saved tensor "
+            f"{self.per_saved_ns / 1e3:.1f} us under the hooks, and a cast writes "
+            f"{self.copy_bytes_per_ns:.1f} GB/s: copies below {_kib(self.min_copy_bytes)} "
+            "are kept"
+        )
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 1024:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _best_ns(run: Callable[[], object], sync: Callable[[], None], calls: int, rounds: int) -> float:
+    """The fastest round's time per call: the least disturbed by the rest of the machine."""
+    best = math.inf
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            run()
+        sync()
+        best = min(best, (time.perf_counter_ns() - start) / calls)
+    return best
+
+
+# The measuring program: LAYERS linears, each reading a cast of its own small weight (as a
+# model reads its weights: linear saves a view of the copy), forward and backward.
+_LAYERS = 32
+_WIDTH = 8
+
+
+def _program(weights: list[torch.Tensor], x: torch.Tensor, recompute: bool, hooks: bool) -> None:
+    call = recompute_ops.recording_call() if hooks else None
+    try:
+        y = x
+        for weight in weights:
+            if recompute:
+                copy = recompute_ops.recomputed_cast(weight, torch.bfloat16, "module")
+            else:
+                copy = weight.to(torch.bfloat16)
+            y = F.linear(y, copy)
+    finally:
+        if call is not None:
+            call.__exit__(None, None, None)
+    y.float().sum().backward()
+
+
+@functools.cache
+def _measure(device: str) -> RecomputeCost:
+    where = torch.device(device)
+
+    def sync() -> None:
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+
+    weights = [torch.ones(_WIDTH, _WIDTH, device=where).requires_grad_() for _ in range(_LAYERS)]
+    x = torch.ones(4, _WIDTH, device=where, dtype=torch.bfloat16)
+    variants = {
+        "kept": lambda: _program(weights, x, recompute=False, hooks=False),
+        "hooks": lambda: _program(weights, x, recompute=False, hooks=True),
+        "recomputed": lambda: _program(weights, x, recompute=True, hooks=True),
+    }
+    saved, casts = [], []
+    for _ in range(5):  # interleaved; the median of five estimates, each from the fastest
+        ns = {name: _best_ns(run, sync, calls=3, rounds=2) for name, run in variants.items()}
+        # each linear saves its input and its weight's copy (as a view): two saved tensors
+        saved.append((ns["hooks"] - ns["kept"]) / (2 * _LAYERS))
+        casts.append((ns["recomputed"] - ns["hooks"]) / _LAYERS)
+    per_saved, per_cast = max(statistics.median(saved), 0.0), max(statistics.median(casts), 0.0)
+    source = torch.ones(1 << 21, device=where)  # 8 MB read, 4 MB written
+    copy_ns = _best_ns(lambda: source.to(torch.bfloat16), sync, calls=3, rounds=5)
+    cost = RecomputeCost(
+        per_cast_ns=per_cast,
+        per_saved_ns=per_saved,
+        copy_bytes_per_ns=source.numel() * 2 / copy_ns,
+        device=str(where),
+    )
+    log.info("amp_graph recompute_casts='auto': %s", cost.describe())
+    return cost
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No garbage collection pause inside a timed round (one would be charged to a variant)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def measured_cost(device: torch.device | str) -> RecomputeCost:
+    """What recomputing a cast costs on ``device``, measured at the first call for it (about
+    0.1 s on a CPU; on a GPU it synchronizes) and then remembered for the process. The
+    measurement runs outside the caller's dispatch modes and fake mode, with grad on and
+    autocast off, and leaves the random number generators as they were."""
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
+    with (
+        _gc_paused(),
+        _disable_current_modes(),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autocast(where.type, enabled=False),
+    ):
+        return _measure(str(where))
