@@ -22,7 +22,7 @@ backward
     input's own dtype, with no conversion.
 
 Not counted: the casts backward makes again of the copies it did not keep
-(``recompute_casts``, on by default: at most one per recomputed cast, where an op saved the
+(``recompute_casts``: at most one per recomputed cast, where an op saved the
 copy; :func:`amp_graph.report` totals them and their bytes).
 
 An input needs a gradient when it depends on a parameter that requires one (or on a graph
