@@ -19,15 +19,20 @@ and what it costs, against the two fixed choices (``True``: every cast, the defa
    where the weight copies are a large part of what is held.
 
 It prints the device's measured cost first, and what ``"auto"`` decided on each model.
+``--device cuda --gpt2`` times the step of GPT-2 small's shape instead (12 layers, width
+768, 12 heads, vocabulary 8192, 8x512 tokens; no held section): ``make gpu-check`` runs it,
+with ``--json`` for its report.
 
     python benchmarks/eager_step.py --threads 1           # the run in BENCHMARKS.md
     python benchmarks/eager_step.py --quick
+    python benchmarks/eager_step.py --device cuda --gpt2 --repeats 9 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from measure import cpu_name
+from measure import cpu_name, sync
 
 import amp_graph
 from amp_graph.demo import models
@@ -59,11 +64,15 @@ def _decided(compiled: Any) -> str:
     )
 
 
-def step_times(dim: int, batch: int, seq: int, repeats: int) -> None:
+def step_times(
+    device: str, dim: int, layers: int, heads: int, vocab: int, batch: int, seq: int, repeats: int
+) -> dict[str, Any]:
+    """Step / torch.autocast per (policy, setting), with what "auto" decided; printed too."""
     torch.manual_seed(0)
-    model = models.GPTWithLoss(vocab=VOCAB, block=seq, dim=dim, heads=4, layers=4)
-    idx = torch.randint(0, VOCAB, (batch, seq))
-    targets = torch.randint(0, VOCAB, (batch, seq))
+    model = models.GPTWithLoss(vocab=vocab, block=seq, dim=dim, heads=heads, layers=layers)
+    model = model.to(device)
+    idx = torch.randint(0, vocab, (batch, seq), device=device)
+    targets = torch.randint(0, vocab, (batch, seq), device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9, fused=True)
 
     def step_of(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
@@ -75,7 +84,7 @@ def step_times(dim: int, batch: int, seq: int, repeats: int) -> None:
         return step
 
     def hand() -> torch.Tensor:
-        with torch.autocast("cpu", BF16):
+        with torch.autocast(device, BF16):
             return model(idx, targets)
 
     steps = {"torch.autocast": step_of(hand)}
@@ -93,18 +102,24 @@ def step_times(dim: int, batch: int, seq: int, repeats: int) -> None:
     for round_ in range(repeats):
         order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
         for name in order:
+            sync(device)
             start = time.perf_counter()
             steps[name]()
+            sync(device)
             times[name].append(time.perf_counter() - start)
     hand_ms = statistics.median(times["torch.autocast"]) * 1e3
-    print(f"\nGPT width {dim}, 4 layers, {batch}x{seq} tokens: torch.autocast {hand_ms:.2f} ms")
+    shape = f"GPT width {dim}, {layers} layers, {batch}x{seq} tokens"
+    print(f"\n{shape} on {device}: torch.autocast {hand_ms:.2f} ms")
     print("| compile policy, recompute_casts | step / torch.autocast | decided |")
     print("|---|---|---|")
+    ratios = {}
     for name in steps:
         if name == "torch.autocast":
             continue
-        ratios = [v / h for v, h in zip(times[name], times["torch.autocast"], strict=True)]
-        print(f"| {name} | {statistics.median(ratios):.3f} | {decided[name]} |")
+        per_round = [v / h for v, h in zip(times[name], times["torch.autocast"], strict=True)]
+        ratios[name] = statistics.median(per_round)
+        print(f"| {name} | {ratios[name]:.3f} | {decided[name]} |")
+    return {"shape": shape, "hand_ms": hand_ms, "ratios": ratios, "decided": decided}
 
 
 def _gpt(dim: int) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
@@ -173,17 +188,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
     parser.add_argument("--widths", default="128,384", help="GPT widths for the step times")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gpt2", action="store_true", help="GPT-2 small's shape, 8x512 tokens")
+    parser.add_argument("--no-held", action="store_true", help="skip the held-bytes section")
+    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"measured: {measured_cost('cpu').describe()}")
-    shapes = {128: (4, 64), 384: (8, 128)}
-    for dim in (int(w) for w in args.widths.split(",")):
-        batch, seq = shapes.get(dim, (4, 64))
-        repeats = args.repeats or (5 if args.quick else (101 if dim <= 128 else 21))
-        step_times(dim, batch, seq, repeats)
-    held(512)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
+    print(f"{where}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    cost = measured_cost(args.device)
+    print(f"measured: {cost.describe()}")
+    report: dict[str, Any] = {"device": where, "cost": dataclasses.asdict(cost), "steps": []}
+    report["cost"]["min_copy_bytes"] = cost.min_copy_bytes
+    if args.gpt2:
+        shapes = [(768, 12, 12, 8192, 8, 512, args.repeats or 9)]
+    else:
+        shapes = []
+        for dim in (int(w) for w in args.widths.split(",")):
+            batch, seq = {128: (4, 64), 384: (8, 128)}.get(dim, (4, 64))
+            repeats = args.repeats or (5 if args.quick else (101 if dim <= 128 else 21))
+            shapes.append((dim, 4, 4, VOCAB, batch, seq, repeats))
+    for dim, layers, heads, vocab, batch, seq, repeats in shapes:
+        report["steps"].append(
+            step_times(args.device, dim, layers, heads, vocab, batch, seq, repeats)
+        )
+    if not (args.no_held or args.gpt2 or args.device != "cpu"):
+        held(512)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=1)
 
 
 if __name__ == "__main__":

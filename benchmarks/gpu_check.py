@@ -17,7 +17,10 @@ Stages (each with its own time limit, all within --budget seconds, 570 by defaul
 4. ``benchmarks/scaler_share.py``: the check+unscale's share of a Graph O1 fp16 step on the
    GPT-2-small shape (8x512 tokens), amp_graph's op and torch's;
 5. ``benchmarks/kernel_sweep.py``: the kernel's build-time tuning knobs, each variant's
-   bandwidth over ``cudaMemcpyAsync`` of the same bytes (the library keeps its defaults).
+   bandwidth over ``cudaMemcpyAsync`` of the same bytes (the library keeps its defaults);
+6. ``benchmarks/eager_step.py --device cuda --gpt2``: what ``recompute_casts="auto"``
+   measures on this GPU and decides on GPT-2 small's shape, and the compiled O1 step against
+   torch.autocast with it, with every cast recomputed and with none.
 
 It rewrites BENCHMARKS.md's GPU table and writes every figure, with the device, torch and
 commit, into ``benchmarks/results/gpu-check.json``. Without a GPU it stops at once with exit
@@ -64,6 +67,12 @@ FIGURES = [  # (key, what, target)
     ("captured_time", "captured step vs uncaptured step (median ms)", "-"),
     ("share", "check+unscale's share of a Graph O1 fp16 step, GPT 12x768, 8x512 tokens", "-"),
     ("sweep", "kernel knobs (`kernel_sweep.py`), 1e8 fp32: default / best variant, / memcpy", "-"),
+    (
+        "recompute",
+        "`recompute_casts`: the measured threshold, what auto decides on GPT 12x768 (8x512, "
+        "bf16, O1), and the step / torch.autocast with auto, every cast, none",
+        "auto within 0.01 of the faster",
+    ),
 ]
 RESULTS_JSON = ROOT / "benchmarks" / "results" / "gpu-check.json"
 
@@ -278,12 +287,26 @@ def run_kernel_sweep(seconds: float, results: Results) -> None:
         raise GpuCheckError("kernel_sweep.py: a variant gave inexact results")
 
 
+def run_recompute(seconds: float, results: Results) -> None:
+    args = ["--device", "cuda", "--gpt2", "--repeats", "9"]
+    _, report = _script_report("eager_step.py", args, seconds)
+    results.raw["recompute"] = report
+    [step] = report["steps"]
+    ratios, decided = step["ratios"], step["decided"]
+    threshold = report["cost"]["min_copy_bytes"] / 2**20
+    results.cells["recompute"] = (
+        f"copies below {threshold:.1f} MiB kept; auto: {decided['O1, auto']}; "
+        f"{ratios['O1, auto']:.3f} / {ratios['O1, every cast']:.3f} / {ratios['O1, none']:.3f}"
+    )
+
+
 STAGES = [
     (run_tests, 330.0),
     (run_kernel_bench, 150.0),
     (run_graph_step, 90.0),
     (run_scaler_share, 120.0),
     (run_kernel_sweep, 180.0),
+    (run_recompute, 150.0),
 ]
 
 

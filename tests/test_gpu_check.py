@@ -18,7 +18,7 @@ import gpu_check  # noqa: E402
 
 
 def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
-    """Stands in for the three stages' subprocesses, writing the reports they would write."""
+    """Stands in for the stages' subprocesses, writing the reports they would write."""
     out = next((a.split("=", 1)[-1] for a in command if a.startswith("--junitxml=")), None)
     if out is not None:
         Path(out).write_text(
@@ -50,6 +50,18 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
             for name, gbps in (("base", 3480.0), ("unroll 8", 3900.0), ("tile 512", 3000.0))
         ]
         Path(command[command.index("--json") + 1]).write_text(json.dumps(sweep))
+    elif "benchmarks/eager_step.py" in command:
+        names = [f"O1, {setting}" for setting in ("auto", "every cast", "none")]
+        report = {
+            "cost": {"min_copy_bytes": 45 * 2**20},
+            "steps": [
+                {
+                    "ratios": dict(zip(names, (1.04, 1.2, 1.05), strict=True)),
+                    "decided": dict.fromkeys(names, "0 recomputed (0.00 MiB), 73 kept"),
+                }
+            ],
+        }
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
     else:
         step = {"syncs_per_step": 0, "bit_equal": True, "eager_ms": 2.0, "captured_ms": 0.5}
         Path(command[command.index("--json") + 1]).write_text(json.dumps(step | {"speedup": 4.0}))
@@ -76,6 +88,8 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| 0.87x / 0.97x (unroll 8) |" in text
     assert "| host syncs per Graph step (fp16 O1, fused AdamW) | 0 | 0 |" in text
     assert "bit-equal to uncaptured | yes | yes |" in text
+    assert "| copies below 45.0 MiB kept; auto: 0 recomputed (0.00 MiB), 73 kept; " in text
+    assert "73 kept; 1.040 / 1.200 / 1.050 |" in text
     assert gpu_check.NOT_MEASURED not in text
     # Every figure, machine-readable, with where it was measured.
     record = json.loads(results.read_text())

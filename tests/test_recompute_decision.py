@@ -199,6 +199,49 @@ def test_a_compiled_graph_recomputes_every_cast_it_may(monkeypatch) -> None:
     assert asked == ["cpu"]  # eager only
 
 
+class TrainSmallAndLarge(amp_graph.Graph):
+    def __init__(self, model: nn.Module, policy: amp_graph.Policy, compiled: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        self.config.enable_amp(True, policy=policy, dtype=BF16)
+        if compiled:
+            self.config.enable_compile(backend="aot_eager")
+
+    def build(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x).float().square().mean()
+        loss.backward()
+        return loss
+
+
+def test_graph_decides_as_compile_does_and_steps_the_same_bits(monkeypatch) -> None:
+    """The same policy through Graph: the eager step graph weighs the measured cost (the
+    large copy recomputed, the small kept); with enable_compile every cast is recomputed
+    and nothing is measured. Weights after two steps are the same bits as keeping all."""
+    asked = pinned(monkeypatch, SPLIT_AT_64_KIB)
+    x = torch.randn(8, 16, requires_grad=True)
+    weights, decided = {}, {}
+    for name, policy, compiled in (
+        ("auto", o1("auto"), False),
+        ("auto, compiled", o1("auto"), True),
+        ("none", o1(False), False),
+    ):
+        torch.manual_seed(0)
+        model = SmallAndLarge()
+        graph = TrainSmallAndLarge(model, policy, compiled)
+        for _ in range(2):
+            graph(x)
+        weights[name] = [p.detach().clone() for p in model.parameters()]
+        decided[name] = (
+            graph.step_graph.get_submodule("build").meta["amp_graph"].stats["casts_recomputed"]
+        )
+    # compiled: both weights and the float32 copy of the output that square saves
+    assert decided == {"auto": 1, "auto, compiled": 3, "none": 0}
+    assert asked == ["cpu"]  # the eager Graph's capture only
+    for name in ("auto", "auto, compiled"):
+        assert all(torch.equal(a, b) for a, b in zip(weights[name], weights["none"], strict=True))
+
+
 class CountOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -222,3 +265,11 @@ def test_the_measurement_is_sane_remembered_and_disturbs_nothing() -> None:
     # a recast costs host time (Python, a dispatch): at least a microsecond on any CPU
     assert cost.per_cast_ns > 1e3 and cost.min_copy_bytes > KIB
     assert cost.device == "cpu" and "copies below" in cost.describe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_measurement_on_cuda() -> None:
+    cost = recompute_cost.measured_cost("cuda")
+    assert cost.device == f"cuda:{torch.cuda.current_device()}"
+    assert cost.per_cast_ns > 1e3 and cost.copy_bytes_per_ns > 50  # a launch; HBM
+    assert recompute_cost.measured_cost(torch.device("cuda")) is cost

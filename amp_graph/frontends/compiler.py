@@ -100,16 +100,16 @@ def rewrite(
     passes (``record.original`` None: an export, which no diff reads).
     ``recompute_hooks``: the graph runs as it is, its recomputed casts through
     :mod:`amp_graph.ops.recompute_ops` 's saved-tensor hooks, so ``recompute_casts="auto"``
-    weighs their cost, measured on the device (False: AOTAutograd compiles the graph, and
-    its partitioner recomputes them at no host cost).
+    weighs their cost, measured on the device, a CPU or CUDA (False: AOTAutograd compiles
+    the graph, and its partitioner recomputes them at no host cost).
     """
     drop_string_annotations(gm)
     start = time.perf_counter()
     inlined = inline_regions(gm)  # the captured form the passes and diffs read: blocks flat
     inlined_seconds = time.perf_counter() - start
     original = (copy_graph(gm), gm) if keep_original else None
-    cost = None
-    if recompute_hooks and policy.recompute_casts == "auto":
+    cost = None  # (on another device type than these two: every cast, as before "auto")
+    if recompute_hooks and policy.recompute_casts == "auto" and device_type in ("cpu", "cuda"):
         cost = measured_cost(device_type)
     result = run_passes(gm, policy, dtype, check_each=check_each_pass, recompute_cost=cost)
     stats = {**inlined.stats, **result.stats}
