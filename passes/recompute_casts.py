@@ -172,6 +172,11 @@ def _recast_of(node: fx.Node) -> tuple[Any, torch.dtype] | None:
     return None if dtype is None else (node.args[0], dtype)
 
 
+def copy_dtype_of(target: Any, args: tuple) -> torch.dtype:
+    """The dtype of the copy a decided call makes, from its target and arguments."""
+    return args[2] if target is recomputed_quantize else args[1]
+
+
 def copy_dtype(node: fx.Node) -> torch.dtype:
     """The dtype of the copy a decided node makes (its recipe's target dtype)."""
     return copy_dtype_of(node.target, node.args)
@@ -375,11 +380,6 @@ def recompute_casts(
         "casts_recompute_declined": len(declined),
     }
     return PassResult(gm, modified=count > 0, stats=stats)
-
-
-def copy_dtype_of(target: Any, args: tuple) -> torch.dtype:
-    """The dtype of the copy a decided call makes, from its target and arguments."""
-    return args[2] if target is recomputed_quantize else args[1]
 
 
 def _in_fsdp_unit(source: Any) -> bool:
