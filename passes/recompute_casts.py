@@ -66,7 +66,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from amp_graph.ops.recompute_cost import RecomputeCost
+from amp_graph.ops.recompute_cost import RecomputeCost, size_text
 from amp_graph.ops.recompute_ops import (
     KEPT_BY_AUTOGRAD,
     KEPT_BY_MODULE,
@@ -267,10 +267,6 @@ def _saved_tensor_estimate(gm: fx.GraphModule) -> int:
     return count
 
 
-def _bytes_text(nbytes: int) -> str:
-    return f"{nbytes / 1024:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
-
-
 def _declined(
     candidates: list[tuple[fx.Node, int | None, bool]],
     enabled: bool | str | int,
@@ -294,11 +290,11 @@ def _declined(
         assert cost is not None
         minimum = cost.min_copy_bytes
         why = (
-            f"its copy ({{size}}) is below the {_bytes_text(minimum)} where recomputing "
+            f"its copy ({{size}}) is below the {size_text(minimum)} where recomputing "
             f"pays ({cost.describe()})." + _ANYWAY
         )
     declined = {
-        node: why.format(size=_bytes_text(nbytes))
+        node: why.format(size=size_text(nbytes))
         for node, nbytes, in_unit in candidates
         if not in_unit and nbytes is not None and nbytes < minimum
     }
@@ -309,7 +305,7 @@ def _declined(
     if left and not cost.hooks_pay(saved_tensors, len(left), total):
         why = (
             f"recomputing the {len(left)} casts of this graph above that size "
-            f"({_bytes_text(total)}) would cost more host time, with the saved-tensor hooks "
+            f"({size_text(total)}) would cost more host time, with the saved-tensor hooks "
             f"on its ~{saved_tensors} saved tensors, than their bytes take to cast "
             f"({cost.describe()}): it keeps every copy and runs no hook." + _ANYWAY
         )

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_helpers import CountOps
 
 import amp_graph
 from amp_graph.demo.models import GPT
@@ -144,16 +144,6 @@ def test_the_models_own_checkpoints_compose() -> None:
     code = compiled.code
     assert "checkpoint" in code and "recomputed_cast" in code
     assert held["True"] <= held["False"] < held["autocast"] + 1
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def is_alias(op_name: str) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 import torch.nn as nn
 from amp_graph.passes.meta import FSDP_UNIT
 from amp_graph.passes.recompute_casts import recompute_casts
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_helpers import CountOps
 
 import amp_graph
 from amp_graph.frontends import compiler
@@ -240,16 +239,6 @@ def test_graph_decides_as_compile_does_and_steps_the_same_bits(monkeypatch) -> N
     assert asked == ["cpu"]  # the eager Graph's capture only
     for name in ("auto", "auto, compiled"):
         assert all(torch.equal(a, b) for a, b in zip(weights[name], weights["none"], strict=True))
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_measurement_is_sane_remembered_and_disturbs_nothing() -> None:

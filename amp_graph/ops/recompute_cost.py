@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from amp_graph.ops import recompute_ops
 
-__all__ = ["RecomputeCost", "measured_cost"]
+__all__ = ["RecomputeCost", "measured_cost", "size_text"]
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,13 @@ class RecomputeCost:
             f"on {self.device or 'this device'} a recomputed cast costs "
             f"{self.per_cast_ns / 1e3:.1f} us of host time and every saved tensor "
             f"{self.per_saved_ns / 1e3:.1f} us under the hooks, and a cast writes "
-            f"{self.copy_bytes_per_ns:.1f} GB/s: copies below {_kib(self.min_copy_bytes)} "
+            f"{self.copy_bytes_per_ns:.1f} GB/s: copies below {size_text(self.min_copy_bytes)} "
             "are kept"
         )
 
 
-def _kib(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
+    """A copy's size as the decision's messages give it: KiB below a MiB, else MiB."""
     return f"{nbytes / 1024:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
