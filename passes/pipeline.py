@@ -25,6 +25,7 @@ from amp_graph.policy import Policy
 
 from .absorb_casts import absorb_casts
 from .assign_dtypes import assign_dtypes
+from .attribute_reads import read_attributes_directly
 from .checkpoints import outline_checkpoints
 from .classify import classify
 from .fp8_linears import fp8_linears
@@ -169,5 +170,6 @@ def run_passes(
         for key, value in out.stats.items():
             result.stats[key] = result.stats.get(key, 0) + value
         ran.append(name)
+    read_attributes_directly(gm.graph)
     gm.recompile()  # once, for all the passes (they edit the graph only)
     return result

@@ -14,10 +14,12 @@ loss: bfloat16, float32) to check only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from amp_graph.ops import scaler_ops as ops
 from amp_graph.scaler import errors, sharding
@@ -64,6 +66,11 @@ class GradientCheck:
         """The optimizer's gradients, partitioned. torch's ``ValueError`` for float16 gradients
         unless ``allow_fp16``; float16 sparse gradients are coalesced first, as torch does (their
         duplicate indices may overflow when summed)."""
+        groups = optimizer.param_groups
+        grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+        plain = _plain_partition(grads, allow_fp16)
+        if plain is not None:
+            return plain
         parts: dict[tuple, Partition] = {}
         for param in _params(optimizer):
             grad = param.grad
@@ -171,10 +178,35 @@ def check_only_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     if not grads:
         return
     if found_inf.device.type == "cpu":
-        one = torch.ones((), dtype=torch.float32)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, _cpu_one())
     else:
         ops.non_finite_check_(grads, found_inf)
+
+
+def _plain_partition(grads: list[torch.Tensor], allow_fp16: bool) -> list[Partition] | None:
+    """The partitions of gradients that are all plain dense tensors on one device (the
+    common case), without the per-gradient bookkeeping of sharded or sparse ones: one
+    partition agreed with nobody. None when any gradient needs that bookkeeping (or raises)."""
+    if not grads:
+        return []
+    device = grads[0].device
+    for grad in grads:
+        if (
+            type(grad) is not torch.Tensor  # DTensor shards, other subclasses
+            or grad.is_sparse
+            or grad.device != device
+            or (not allow_fp16 and grad.dtype == torch.float16)
+        ):
+            return None
+    return [Partition(device, (), False, grads)]
+
+
+@functools.cache
+def _cpu_one() -> torch.Tensor:
+    """The scale of 1 the CPU check passes (read only; made once, not per step): a plain
+    tensor whatever mode the first check runs under (fake, inference)."""
+    with _disable_current_modes(), torch.inference_mode(False), torch.no_grad():
+        return torch.ones((), dtype=torch.float32)
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

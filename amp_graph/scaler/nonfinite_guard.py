@@ -73,7 +73,7 @@ class NonFiniteGuard:
         self._found_inf: torch.Tensor | None = None  # all of them combined
         self._skipped: torch.Tensor | None = None  # int64 count on the flags' device
         self._initial_skipped = 0
-        self._last_step_taken: torch.Tensor | None = None
+        self._last_found: torch.Tensor | None = None  # the flag the last step() obeyed
         self._warned_host_read: set[int] = set()
 
     @property
@@ -133,7 +133,7 @@ class NonFiniteGuard:
         None when skipped. No synchronization with an optimizer that takes ``found_inf``,
         once its state exists; one host read otherwise."""
         found = self.found_inf()
-        self._last_step_taken = found == 0
+        self._last_found = found  # not compared here: one op fewer per step
         takes_found_inf = getattr(optimizer, "_step_supports_amp_scaling", False)
         if takes_found_inf and not _allocates_uninitialized_state(optimizer):
             optimizer.found_inf = found  # type: ignore[attr-defined]
@@ -172,7 +172,7 @@ class NonFiniteGuard:
     @property
     def last_step_taken(self) -> torch.Tensor | None:
         """Whether the last :meth:`step` stepped: a 0-dim bool device tensor (None before)."""
-        return self._last_step_taken
+        return None if self._last_found is None else self._last_found == 0
 
     @property
     def skipped_steps_counter(self) -> torch.Tensor | int:
@@ -204,9 +204,14 @@ def _allocates_uninitialized_state(optimizer: torch.optim.Optimizer) -> bool:
     """
     if not isinstance(optimizer, torch.optim.SGD):
         return False
-    state = optimizer.state
+    # by id: a lookup keyed by the tensor would call the Python Tensor.__hash__ per parameter
+    state_by_id = {id(p): s for p, s in optimizer.state.items()}
     return any(
-        group["momentum"] != 0 and p.grad is not None and "momentum_buffer" not in state.get(p, {})
-        for group in optimizer.param_groups
-        for p in group["params"]
+        [
+            "momentum_buffer" not in state_by_id.get(id(p), ())
+            for group in optimizer.param_groups
+            if group["momentum"] != 0
+            for p in group["params"]
+            if p.grad is not None
+        ]
     )
