@@ -45,7 +45,7 @@ def test_a_call_like_the_last_one_gets_the_graph_the_full_lookup_gives():
         compiled(args)
         cache = compiled._cache
         got = compiled._last
-        with mock.patch("amp_graph.frontends.compiler.pytree.tree_flatten") as flatten:
+        with mock.patch("amp_graph.frontends.capture_cache.pytree.tree_flatten") as flatten:
             again, _ = cache.get((args,), {})
         assert again is got
         assert not flatten.called  # a repeat of the last call
@@ -63,8 +63,8 @@ def test_a_call_with_other_than_plain_tensors_takes_the_full_lookup():
     weight = nn.Parameter(torch.randn(8, 64))  # a tensor subclass: not a plain tensor
     compiled(weight)
     with mock.patch(
-        "amp_graph.frontends.compiler.pytree.tree_flatten",
-        wraps=amp_graph.frontends.compiler.pytree.tree_flatten,
+        "amp_graph.frontends.capture_cache.pytree.tree_flatten",
+        wraps=amp_graph.frontends.capture_cache.pytree.tree_flatten,
     ) as flatten:
         compiled(weight)
     assert flatten.called

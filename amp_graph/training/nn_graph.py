@@ -51,7 +51,8 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.capture import Captured, capture_for_policy
 from amp_graph.capture.fsdp_units import fsdp_units
-from amp_graph.frontends.compiler import COMPILE_META, CaptureCache, rewrite
+from amp_graph.frontends.capture_cache import CaptureCache
+from amp_graph.frontends.compiler import COMPILE_META, rewrite
 from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,

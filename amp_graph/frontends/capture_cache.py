@@ -1,0 +1,138 @@
+"""Captured graphs by input signature: which graph serves a call, and when to capture again.
+
+:class:`CaptureCache` serves :class:`~amp_graph.frontends.compiler.CompiledModule` and
+:class:`amp_graph.Graph` alike: a new structure, dtype, device type or rank of the inputs,
+or a module's ``training`` flag, is a new signature; new sizes within one get one more
+capture with symbolic sizes. A call whose plain tensors have the last call's properties is
+answered without flattening its inputs (the common step: the same batch shape every time).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from amp_graph.capture import Captured, CaptureError
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPHS_PER_SIGNATURE = 8  # static captures of one input structure before warning
+
+
+def _describe(value: Any) -> Any:
+    """What a capture is specialized on, for one input: a tensor's dtype, device and rank
+    (not its sizes), a Python value itself; containers element by element."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device.type, value.dim())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_describe(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _describe(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", type(value).__name__, id(value))
+    return ("value", type(value).__name__, value)
+
+
+def _shapes(leaves: Sequence[Any]) -> tuple:
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in leaves)
+
+
+@dataclass
+class _Signature:
+    """The graphs captured for one input signature: one per static shape, or one dynamic."""
+
+    static: dict[tuple, Captured] = field(default_factory=dict)
+    dynamic: Captured | None = None
+    tried_dynamic: bool = False
+
+
+CaptureFn = Callable[[tuple, dict, bool], Captured]
+
+
+class CaptureCache:
+    """Captured graphs by input signature: the structure of ``(args, kwargs)``, each
+    tensor's dtype, device and rank, each Python value, and the ``training`` flag of every
+    module. Within a signature, the first sizes get a static capture; other sizes get one
+    capture with symbolic sizes, which then serves every size it accepts (a model that
+    needs static sizes gets one graph per size).
+
+    ``capture(args, kwargs, dynamic)`` makes a :class:`Captured`.
+    """
+
+    def __init__(self, capture: CaptureFn, modules: Sequence[nn.Module], what: str) -> None:
+        self._capture_fn, self._modules, self._what = capture, modules, what
+        self._signatures: dict[tuple, _Signature] = {}
+        self.captures: list[Captured] = []
+        self._last: tuple[tuple, Captured] | None = None  # the last call of plain tensors
+
+    def get(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
+        """The graph for these inputs (capturing it if needed) and the flat inputs."""
+        # A step calls with the tensors of the last step, as a rule: this answers it without
+        # flattening (the lookup below picks a graph by exactly these properties and sizes).
+        plain = not kwargs and all(type(a) is torch.Tensor for a in args)
+        if plain:
+            repeat = (
+                tuple([(a.dtype, a.device, a.shape) for a in args]),
+                tuple([m.training for m in self._modules]),
+            )
+            if self._last is not None and self._last[0] == repeat:
+                return self._last[1], list(args)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (
+            spec,
+            tuple(_describe(v) for v in leaves),
+            tuple(m.training for m in self._modules),
+        )
+        captured = self._lookup(key, leaves) or self._capture(key, args, kwargs, leaves)
+        self._last = (repeat, captured) if plain else None
+        return captured, leaves
+
+    def _lookup(self, key: tuple, leaves: list) -> Captured | None:
+        found = self._signatures.get(key)
+        if found is None:
+            return None
+        if found.dynamic is not None and found.dynamic.accepts(leaves):
+            return found.dynamic
+        return found.static.get(_shapes(leaves))
+
+    def _capture(self, key: tuple, args: tuple, kwargs: dict, leaves: list) -> Captured:
+        signature = self._signatures.setdefault(key, _Signature())
+        if self.captures:
+            log.info("amp_graph: new input signature or sizes for %s; capturing again", self._what)
+        if signature.static and not signature.tried_dynamic:
+            signature.tried_dynamic = True  # sizes vary: one graph with symbolic sizes
+            captured = None
+            try:
+                captured = self._capture_fn(args, kwargs, True)
+            except CaptureError as error:
+                log.info("capture with symbolic sizes failed (%s); capturing per size", error)
+            if captured is not None and captured.accepts(leaves):
+                signature.dynamic = captured
+                self.captures.append(captured)
+                return captured
+        if len(signature.static) >= MAX_GRAPHS_PER_SIGNATURE:
+            warnings.warn(
+                f"amp_graph has captured {len(signature.static)} graphs for the input sizes "
+                f"of {self._what} and captures another: it could not be captured with "
+                "symbolic sizes. Pad inputs to a few sizes.",
+                stacklevel=4,
+            )
+        captured = self._capture_fn(args, kwargs, False)
+        if captured.guard is None:  # no size to guard: it serves any
+            signature.dynamic = captured
+        else:
+            signature.static[_shapes(leaves)] = captured
+        self.captures.append(captured)
+        return captured
+
+
+__all__ = ["MAX_GRAPHS_PER_SIGNATURE", "CaptureCache", "CaptureFn"]
