@@ -78,20 +78,14 @@ class CaptureCache:
         """The graph for these inputs (capturing it if needed) and the flat inputs."""
         # A step calls with the tensors of the last step, as a rule: this answers it without
         # flattening (the lookup below picks a graph by exactly these properties and sizes).
+        training = tuple([m.training for m in self._modules])
         plain = not kwargs and all(type(a) is torch.Tensor for a in args)
         if plain:
-            repeat = (
-                tuple([(a.dtype, a.device, a.shape) for a in args]),
-                tuple([m.training for m in self._modules]),
-            )
+            repeat = (tuple([(a.dtype, a.device, a.shape) for a in args]), training)
             if self._last is not None and self._last[0] == repeat:
                 return self._last[1], list(args)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = (
-            spec,
-            tuple(_describe(v) for v in leaves),
-            tuple(m.training for m in self._modules),
-        )
+        key = (spec, tuple(_describe(v) for v in leaves), training)
         captured = self._lookup(key, leaves) or self._capture(key, args, kwargs, leaves)
         self._last = (repeat, captured) if plain else None
         return captured, leaves
