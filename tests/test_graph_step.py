@@ -348,3 +348,11 @@ def test_enable_compile_hands_the_build_graph_to_torch_compile(fresh_dynamo):
 def test_enable_compile_rejects_unknown_options():
     with pytest.raises(TypeError, match=r"unknown option 'mdoe'.*Did you mean 'mode'"):
         Graph().config.enable_compile(mdoe="max-autotune")
+
+
+def test_enable_compile_passes_torch_compiles_mode_on():
+    config = Graph().config
+    config.enable_compile(mode="max-autotune")  # torch.compile's mode, not the on/off flag
+    assert config.compile and config.compile_options == {"mode": "max-autotune"}
+    config.enable_compile(False)
+    assert not config.compile

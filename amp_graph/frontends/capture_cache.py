@@ -94,9 +94,11 @@ class CaptureCache:
         found = self._signatures.get(key)
         if found is None:
             return None
-        if found.dynamic is not None and found.dynamic.accepts(leaves):
+        # sizes captured statically keep their graph: a replayed CUDA graph of it stays valid
+        static = found.static.get(_shapes(leaves))
+        if static is None and found.dynamic is not None and found.dynamic.accepts(leaves):
             return found.dynamic
-        return found.static.get(_shapes(leaves))
+        return static
 
     def _capture(self, key: tuple, args: tuple, kwargs: dict, leaves: list) -> Captured:
         signature = self._signatures.setdefault(key, _Signature())

@@ -65,6 +65,7 @@ from amp_graph.ops import recompute_ops
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.policy import Policy, nearest
 from amp_graph.scaler import GradScaler, NonFiniteGuard
+from amp_graph.training import cuda_graph_step as cuda_graphs
 from amp_graph.training.master_weights import MasterWeights
 from amp_graph.training.step_graph import StepPlan, build_step_graph
 
@@ -88,6 +89,7 @@ class GraphConfig:
         self.compile_options: dict[str, Any] = {}
         self.process_group: dist.ProcessGroup | None = None
         self.monitor: Monitor | None = None
+        self.cuda_graph: cuda_graphs.CudaGraphOptions | None = None
 
     def enable_amp(
         self, mode: bool = True, *, policy: Policy | str = "O1", dtype: torch.dtype | None = None
@@ -128,12 +130,13 @@ class GraphConfig:
             raise ValueError(f"gradient accumulation steps is a positive int; got {steps!r}")
         self.accumulation_steps = steps
 
-    def enable_compile(self, mode: bool = True, **options: Any) -> None:
+    def enable_compile(self, enabled: bool = True, /, **options: Any) -> None:
         """Hand the build graph (forward, casts and backward) to ``torch.compile`` (inductor
         unless ``backend=`` says otherwise), as OneFlow's ``nn.Graph`` compiles its graph.
 
         ``options`` are torch.compile's keyword arguments (``backend``, ``mode``,
-        ``dynamic``, ``fullgraph``, ``options``, ...). The step around the build (gradient
+        ``dynamic``, ``fullgraph``, ``options``, ...; ``mode="max-autotune"`` is torch.compile's
+        mode, ``enable_compile(False)`` turns it off). The step around the build (gradient
         check, optimizer step, master weights) stays eager, as in a hand-written loop.
         Takes effect at the next capture (the first call).
         """
@@ -143,7 +146,30 @@ class GraphConfig:
                     f"enable_compile got an unknown option {name!r}; torch.compile takes "
                     f"{list(COMPILE_OPTIONS)}.{nearest(name, COMPILE_OPTIONS)}"
                 )
-        self.compile, self.compile_options = bool(mode), dict(options)
+        self.compile, self.compile_options = bool(enabled), dict(options)
+
+    def enable_cuda_graph(
+        self, mode: bool = True, *, warmup_steps: int = 3, max_graphs: int = 8
+    ) -> None:
+        """Run the whole step (forward, backward, unscale and check, clipping, optimizer
+        steps, O2 masters, scale update) as one CUDA graph, replayed each call.
+
+        Per input signature (sizes, dtypes, the values of non-tensor inputs): the first
+        ``warmup_steps`` calls run eagerly on a side stream, the next captures the step and
+        replays it; later calls copy the batch into the captured inputs and replay. At most
+        ``max_graphs`` graphs are held (least recently used dropped), sharing one memory
+        pool; each capture logs a line. What a call returns is a copy (kept safely across
+        replays). Gradients are zeroed in place rather than set to None (the graph writes
+        them at fixed addresses); LR schedulers step on the host after each call, changing a
+        tensor learning rate in place. A monitor's logging steps run uncaptured.
+
+        Refused at the first call, with the cause and the way out: a CPU model or CPU
+        tensors in the step, an optimizer without ``fused=True``/``capturable=True``, a float
+        learning rate that a scheduler drives, a ``build`` reading device values on the host
+        (``.item()``, boolean masks), torch.compile modes with CUDA graphs of their own, and
+        distributed steps (not captured yet). Set it before the first call.
+        """
+        self.cuda_graph = cuda_graphs.CudaGraphOptions(warmup_steps, max_graphs) if mode else None
 
     def enable_monitor(self, every: int = 100, **options: Any) -> Monitor:
         """Measure the build's chosen nodes every ``every`` steps (one call of the graph is a
@@ -161,9 +187,10 @@ class GraphConfig:
     def __repr__(self) -> str:
         amp = f"amp={self.amp}" + (f" ({self.policy}, {self.dtype})" if self.amp else "")
         compiled = f", compile={self.compile_options or True}" if self.compile else ""
+        captured = f", cuda_graph={self.cuda_graph}" if self.cuda_graph else ""
         return (
             f"GraphConfig({amp}, clip_max_norm={self.clip_max_norm}, "
-            f"accumulation_steps={self.accumulation_steps}{compiled})"
+            f"accumulation_steps={self.accumulation_steps}{compiled}{captured})"
         )
 
 
@@ -209,6 +236,8 @@ class Graph:
         self._step = 0
         self._scaler_in_use: GradScaler | None = None
         self._guard = NonFiniteGuard()  # checks gradients when no loss is scaled
+        self._replayer: cuda_graphs.StepReplayer | None = None  # config.enable_cuda_graph
+        self._replayed_lrs: list[Any] = []  # the Python learning rates its graphs keep
         self._init_called = True
 
     # ---- registration -----------------------------------------------------------------
@@ -324,10 +353,15 @@ class Graph:
         self._last = step
         monitor = self.config.monitor
         run = step if monitor is None else monitor.graph_for_step(step, owner=self, inputs=args)
+        if self._replayer is not None and run is step:  # a logging step runs uncaptured
+            run = self._replay_step(step)
         if not self.training:
             with torch.no_grad():
                 return run(*leaves)
         out = run(*leaves)
+        if self._replayer is not None:  # not in the step graph: a replay runs no Python
+            for scheduler in self._schedulers:
+                scheduler.step()
         self._step += 1
         if monitor is not None:
             monitor.after_step(self, out)
@@ -344,6 +378,8 @@ class Graph:
                 list(root.modules()),
                 f"{type(self).__name__}.build",
             )
+        if self._steps and (self.config.cuda_graph is None) != (self._replayer is None):
+            raise RuntimeError(self._CUDA_GRAPH_TOO_LATE)
         if self._guard.process_group is not self.config.process_group:
             self._guard.set_process_group(self.config.process_group)
         n = self.config.accumulation_steps
@@ -360,7 +396,46 @@ class Graph:
             leaves = pytree.tree_leaves(args)
         if id(captured) not in self._steps:
             self._steps[id(captured)] = self._step_graph(captured)
+            if self._replayer is not None:
+                self._replayer.device.check_devices(cuda_graphs.step_tensors(self._modules, leaves))
         return self._steps[id(captured)], leaves
+
+    def _replay_step(self, step: fx.GraphModule) -> Any:
+        """``step`` run by the CUDA graph replayer (warm-up, capture or replay)."""
+        assert self._replayer is not None
+        cuda_graphs.refuse_changed_learning_rates(
+            self._replayed_lrs, cuda_graphs.learning_rates(self._optimizers)
+        )
+        replayer = self._replayer
+        return lambda *leaves: replayer.run(id(step), step, leaves)
+
+    def _start_replayer(self, build: fx.GraphModule, scaler: GradScaler | None) -> None:
+        """config.enable_cuda_graph: refuse what a captured step cannot do, then replay."""
+        options = self.config.cuda_graph
+        if options is None:
+            return
+        cuda_graphs.refuse_uncapturable_step(
+            self._optimizers,
+            self._schedulers,
+            self.config.compile_options if self.config.compile else None,
+            self.config.process_group,
+            self._modules,
+            build,
+        )
+        if self._replayer is None:
+            # a replay runs no Python: it must leave the step's flags where its capture did
+            pins = [(scaler, "_last_step_taken")] if scaler else [(self._guard, "_last_found")]
+            self._replayer = cuda_graphs.StepReplayer(
+                f"{type(self).__name__}", options, self._step_capture(), pins
+            )
+            self._replayed_lrs = cuda_graphs.learning_rates(self._optimizers)
+
+    _CUDA_GRAPH_TOO_LATE = (
+        "config.enable_cuda_graph changed after the first call: the step graph was built for "
+        "the setting of the first call. Set it in __init__, before calling the graph."
+    )
+    # what captures and replays (tests on the CPU substitute a stand-in)
+    _step_capture: Any = cuda_graphs.CudaGraphCapture
 
     def _check_divisible(self, args: tuple) -> None:
         n = self.config.accumulation_steps
@@ -490,6 +565,7 @@ class Graph:
             loss_positions=list(losses),
             micro_batches=self.config.accumulation_steps if self.training else 1,
             clip_max_norm=self.config.clip_max_norm,
+            grads_to_none=self.config.cuda_graph is None,
             scaler="scaler" if scaler is not None else None,
             guard="guard" if scaler is None and self.training else None,
         )
@@ -502,11 +578,13 @@ class Graph:
             plan.optimizers.append(f"optimizer_{i}")
         for i, scheduler in enumerate(self._schedulers):
             setattr(step_root, f"lr_scheduler_{i}", scheduler)
-            plan.schedulers.append(f"lr_scheduler_{i}")
+            if self.config.cuda_graph is None:  # else stepped by __call__, after the replay
+                plan.schedulers.append(f"lr_scheduler_{i}")
         if self._master is not None:
             step_root.master_weights = self._master
             plan.master = "master_weights"
         self._scaler_in_use = scaler
+        self._start_replayer(build, scaler)
         step = build_step_graph(step_root, build, plan)
         if self.config.compile:
             recompute_ops.uninstall(build)  # AOTAutograd's partitioner decides what is kept
@@ -577,6 +655,9 @@ class Graph:
         if state.get("nonfinite_guard") is not None:
             self._guard.load_state_dict(state["nonfinite_guard"])
         self._step = int(state["step"])
+        if self._replayer is not None:  # the loaded state is in new tensors: capture again
+            self._replayer.clear()
+            self._replayed_lrs = cuda_graphs.learning_rates(self._optimizers)
 
     def __repr__(self) -> str:
         head = f"{type(self).__name__}({', '.join(self._modules)}; {self.config})"

@@ -53,6 +53,7 @@ class StepPlan:
     scaler: str | None = None
     guard: str | None = None
     clip_max_norm: float | None = None
+    grads_to_none: bool = True  # False: zeroed in place (a CUDA graph writes them in place)
     master: str | None = None  # attribute name of the MasterWeights (O2)
     weight_casts: list[tuple[str, torch.dtype]] = field(default_factory=list)  # hoisted
 
@@ -102,7 +103,10 @@ def build_step_graph(root: nn.Module, build: fx.GraphModule, plan: StepPlan) -> 
         inputs.append(node)
     optimizers = [attr(o) for o in plan.optimizers]
     for i, opt in enumerate(optimizers):
-        call(step_ops.zero_grad, (opt,), f"zero_grad_{i}", "gradients to None before backward")
+        if plan.grads_to_none:
+            call(step_ops.zero_grad, (opt,), f"zero_grad_{i}", "gradients to None before backward")
+        else:
+            call(step_ops.zero_grad_in_place, (opt,), f"zero_grad_{i}", "gradients zeroed in place")
     micro_inputs = _micro_batches(graph, call, inputs, plan)
     if plan.weight_casts:
         names, dtypes = zip(*plan.weight_casts, strict=True)

@@ -31,6 +31,12 @@ def zero_grad(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def zero_grad_in_place(optimizer: torch.optim.Optimizer) -> None:
+    """Zero the optimizer's gradients where they are (a captured step's graph writes them at
+    the addresses it was captured with; the first step allocates them)."""
+    optimizer.zero_grad(set_to_none=False)
+
+
 def scale_loss(scaler: GradScaler, loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
     """The loss that ``backward`` sees: averaged over micro-batches, times the loss scale."""
     if micro_batches != 1:

@@ -1,0 +1,448 @@
+"""The whole step of an :class:`amp_graph.Graph` as one CUDA graph: ``config.enable_cuda_graph``.
+
+A replayed CUDA graph runs the captured kernels again on the same memory and runs no Python.
+So the step's tensors must stay where the capture saw them, and nothing the step decides on
+the host may change between replays. What this module holds, and why:
+
+* the refusals, made at the first call before any step is taken, each naming its cause and
+  the way out: an optimizer that cannot skip on the device or be captured (``fused=True``,
+  ``capturable=True``), a float learning rate an LR scheduler would change (a replay keeps
+  the captured value; a device tensor changed in place is read by every replay), torch.compile
+  modes that capture CUDA graphs themselves, distributed steps (not yet), a ``build`` that
+  reads a device value on the host (``.item()``, boolean-mask indexing: a node list), and
+  (in :class:`CudaGraphCapture`) tensors that are not on a CUDA device;
+* :class:`StepReplayer`: per input signature (sizes, dtypes, devices, the values of
+  non-tensor inputs) ``warmup_steps`` eager steps on a side stream, then one capture into
+  static inputs, then replays; the captured graphs share one memory pool and live in a
+  bounded least-recently-used cache, with a log line per capture and per eviction; what a
+  replay returns is cloned, so that it survives the next replay;
+* :class:`CudaGraphCapture`: the CUDA half (side stream, pool, ``torch.cuda.graph``), the
+  only part that needs a GPU. Tests on the CPU give the replayer a stand-in that reruns the
+  step, which checks the replayer's bookkeeping but not a capture (``pytest -m cuda`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils import _pytree as pytree
+
+from amp_graph.passes.meta import AMP
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+# aten ops whose result the host must read before it can go on: a device-to-host copy
+# (a synchronization), which stream capture forbids.
+HOST_READS = frozenset(
+    {
+        aten._local_scalar_dense,
+        aten.item,
+        aten.is_nonzero,
+        aten.equal,
+        aten.nonzero,
+        aten.masked_select,
+        aten._unique,
+        aten._unique2,
+        aten.unique_dim,
+        aten.unique_consecutive,
+    }
+)
+
+# torch.compile modes and options that capture CUDA graphs themselves (nested capture fails)
+COMPILE_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+OUT_OF_GRAPH = "turn it off with config.enable_cuda_graph(False)"
+
+
+class CudaGraphError(RuntimeError):
+    """The step cannot be captured as it is: the message names the cause and the way out."""
+
+
+@dataclass(frozen=True)
+class CudaGraphOptions:
+    """``config.enable_cuda_graph``'s settings (see there)."""
+
+    warmup_steps: int = 3
+    max_graphs: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "max_graphs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"enable_cuda_graph: {name} is a positive int; got {value!r}")
+
+
+# ---- refusals ----------------------------------------------------------------------------
+
+
+def refuse_uncapturable_step(
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    compile_options: dict[str, Any] | None,
+    process_group: Any,
+    modules: dict[str, torch.nn.Module],
+    build: fx.GraphModule,
+) -> None:
+    """Every refusal a Graph's step meets before its first step, except the devices (which
+    the :class:`StepCapture` checks): ``compile_options`` is None without enable_compile."""
+    scheduled = {id(s.optimizer) for s in schedulers if hasattr(s, "optimizer")}
+    refuse_uncapturable_optimizers(optimizers, scheduled)
+    if compile_options is not None:
+        refuse_compile_cuda_graphs(compile_options)
+    refuse_distributed(process_group, [p for m in modules.values() for p in m.parameters()])
+    refuse_host_reads(build)
+
+
+def step_tensors(
+    modules: dict[str, torch.nn.Module], leaves: Sequence[Any]
+) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a step reads or writes, named: parameters, buffers, tensor inputs."""
+    named = [
+        (f"{kind} {prefix}.{name}", t)
+        for prefix, module in modules.items()
+        for kind, items in (
+            ("parameter", module.named_parameters()),
+            ("buffer", module.named_buffers()),
+        )
+        for name, t in items
+    ]
+    return named + [(f"input {i}", x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+
+def refuse_uncapturable_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer], scheduled: set[int]
+) -> None:
+    """Every optimizer must skip an inf/nan step on the device (it takes ``found_inf``:
+    torch's ``fused=True``) and, where it has the flag, be ``capturable=True``; an optimizer
+    that an LR scheduler drives (``id`` in ``scheduled``) must hold its learning rate as a
+    tensor, which a scheduler changes in place."""
+    for i, opt in enumerate(optimizers):
+        name = f"optimizer {i} ({type(opt).__name__})"
+        if not getattr(opt, "_step_supports_amp_scaling", False):
+            raise CudaGraphError(
+                f"enable_cuda_graph: {name} cannot skip an inf/nan step on the device, so "
+                "each step would read the flag on the host, which a captured graph cannot "
+                f"do. Construct it with fused=True (torch's Adam, AdamW and SGD), or "
+                f"{OUT_OF_GRAPH}."
+            )
+        for k, group in enumerate(opt.param_groups):
+            if "capturable" in group and not group["capturable"]:
+                raise CudaGraphError(
+                    f"enable_cuda_graph: {name}, param group {k}, has capturable=False: its "
+                    "step count lives on the host. Construct it with capturable=True (and "
+                    f"fused=True), or {OUT_OF_GRAPH}."
+                )
+            if id(opt) in scheduled and not isinstance(group["lr"], torch.Tensor):
+                raise CudaGraphError(
+                    f"enable_cuda_graph: {name}, param group {k}, has lr={group['lr']!r}, a "
+                    "Python number, and an LR scheduler changes it: a replayed graph keeps "
+                    "the value it was captured with. Pass the learning rate as a device "
+                    "tensor (lr=torch.tensor(1e-3, device='cuda')); schedulers change it in "
+                    "place, and every replay reads it."
+                )
+
+
+def learning_rates(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
+    """The learning rates a capture bakes in (Python numbers; tensors are read by replays)."""
+    return [
+        group["lr"]
+        for opt in optimizers
+        for group in opt.param_groups
+        if not isinstance(group["lr"], torch.Tensor)
+    ]
+
+
+def refuse_changed_learning_rates(captured: list[Any], now: list[Any]) -> None:
+    """A Python learning rate set since the capture would be ignored by every replay."""
+    if captured != now:
+        raise CudaGraphError(
+            f"enable_cuda_graph: a learning rate changed from {captured} to {now} since the "
+            "step was captured; a replayed graph keeps the captured value. Pass the learning "
+            "rate as a device tensor (lr=torch.tensor(1e-3, device='cuda')) and change it in "
+            "place (schedulers do), or set it before the first call."
+        )
+
+
+def refuse_compile_cuda_graphs(compile_options: dict[str, Any]) -> None:
+    """torch.compile modes that capture CUDA graphs of their own cannot run inside ours."""
+    mode = compile_options.get("mode")
+    cudagraphs = (compile_options.get("options") or {}).get("triton.cudagraphs")
+    if mode in COMPILE_CUDA_GRAPH_MODES or cudagraphs:
+        raise CudaGraphError(
+            f"enable_cuda_graph: enable_compile(mode={mode!r}) captures CUDA graphs of its "
+            "own, which cannot run inside the step's capture. Use enable_compile() with the "
+            "default mode (the whole step is captured anyway), or keep torch.compile's graphs "
+            "and turn enable_cuda_graph off."
+        )
+
+
+def refuse_distributed(process_group: Any, tensors: Iterable[torch.Tensor]) -> None:
+    """Capturing collectives of the step (DDP, FSDP2, an agreeing process group) is not done
+    yet: NCCL allows it in some setups, which amp_graph has not tested."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(t, DTensor) for t in tensors)
+    if process_group is not None or sharded:
+        what = "DTensor (FSDP2) parameters" if sharded else "config.set_process_group"
+        raise CudaGraphError(
+            f"enable_cuda_graph: the step has {what}, whose collectives amp_graph does not "
+            "capture yet (NCCL can be captured only in setups amp_graph has not tested). "
+            f"Run distributed steps uncaptured: {OUT_OF_GRAPH}."
+        )
+
+
+def host_reads(build: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``build`` that read a device value on the host: ops of
+    :data:`HOST_READS`, and any node whose size depends on the data (an unbacked symbol)."""
+    found = []
+    for node in build.graph.nodes:
+        packet = getattr(node.target, "overloadpacket", None)
+        val = node.meta.get("val")
+        data_dependent = isinstance(val, torch.Tensor) and free_unbacked_symbols(val)
+        if packet in HOST_READS or data_dependent:
+            found.append(node)
+    return found
+
+
+def refuse_host_reads(build: fx.GraphModule) -> None:
+    """Refuse a ``build`` that reads device values on the host, naming where."""
+    nodes = host_reads(build)
+    if nodes:
+        where = [f"{n.name} ({getattr(n.target, '__name__', n.target)}{_in(n)})" for n in nodes[:5]]
+        raise CudaGraphError(
+            "enable_cuda_graph: build reads device values on the host, which a captured "
+            f"graph cannot do: {', '.join(where)}. Remove the .item() / boolean-mask indexing "
+            "/ data-dependent branch from build (or compute it with tensor ops such as "
+            f"torch.where), or {OUT_OF_GRAPH}."
+        )
+
+
+def _in(node: fx.Node) -> str:
+    info = node.meta.get(AMP)
+    return f" in {info.module_path}" if info is not None and info.module_path else ""
+
+
+# ---- capture and replay ------------------------------------------------------------------
+
+
+class StepCapture(Protocol):
+    """What :class:`StepReplayer` needs from a device: run a step uncaptured (warm-up),
+    capture one (the step is not computed), replay a capture (returns its outputs)."""
+
+    def check_devices(self, named: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def warmup(self, fn: Callable[[], Any]) -> Any: ...
+    def capture(self, fn: Callable[[], Any]) -> Any: ...
+    def replay(self, captured: Any) -> Any: ...
+
+
+@dataclass
+class _CudaCaptured:
+    graph: torch.cuda.CUDAGraph
+    outputs: Any
+
+
+class CudaGraphCapture:
+    """Warm-up on a side stream, capture with ``torch.cuda.graph`` into one memory pool
+    shared by all of this step's graphs (they never run at once), replay."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+        self._side: torch.cuda.Stream | None = None
+
+    def check_devices(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        named = list(named)
+        elsewhere = [(what, t.device) for what, t in named if t.device.type != "cuda"]
+        if not elsewhere:
+            return
+        if len(elsewhere) == len(named):
+            raise CudaGraphError(
+                f"enable_cuda_graph: the step runs on {elsewhere[0][1]}, not on a CUDA "
+                f"device: CUDA graphs capture CUDA work. Move the model and the inputs to the "
+                f"GPU (.cuda()), or {OUT_OF_GRAPH}."
+            )
+        listed = ", ".join(f"{what} on {device}" for what, device in elsewhere[:4])
+        raise CudaGraphError(
+            f"enable_cuda_graph: tensors of the step are not on a CUDA device ({listed}): a "
+            "captured graph cannot read or write them. Move them to the GPU, or "
+            f"{OUT_OF_GRAPH}."
+        )
+
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        # torch's rule: warm up on a side stream, so that lazy initialization (cuBLAS
+        # workspaces, optimizer state, autotuning) happens before and outside the capture
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        current = torch.cuda.current_stream()
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            out = fn()
+        current.wait_stream(self._side)
+        return out
+
+    def capture(self, fn: Callable[[], Any]) -> _CudaCaptured:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = fn()
+        except RuntimeError as error:
+            if "captur" not in str(error):
+                raise
+            raise CudaGraphError(
+                "enable_cuda_graph: the step did something a CUDA graph cannot capture (a "
+                "host synchronization: .item(), printing a tensor, a branch on a tensor's "
+                f"value, a CPU tensor): {error}. Remove it from build, or {OUT_OF_GRAPH}."
+            ) from error
+        return _CudaCaptured(graph, outputs)
+
+    def replay(self, captured: _CudaCaptured) -> Any:
+        captured.graph.replay()
+        return captured.outputs
+
+
+Signature = tuple
+
+
+def signature_of(leaves: Sequence[Any]) -> Signature:
+    """What a capture fixes about the inputs: each tensor's sizes, dtype, device and
+    ``requires_grad``; each other input's value (it is baked into the captured kernels)."""
+    out: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            try:
+                hash(leaf)
+                out.append((type(leaf), leaf))
+            except TypeError:
+                out.append((type(leaf), repr(leaf)))
+    return tuple(out)
+
+
+@dataclass
+class _Entry:
+    statics: list[Any]  # the inputs the capture reads: tensors (copied into) and values
+    captured: Any
+    pinned: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, attr, value)
+
+
+class StepReplayer:
+    """Warm-up, capture and replay of a step, one captured graph per input signature.
+
+    :meth:`run` takes the step (a callable of the flat inputs), a key naming it (the same
+    step graph: the same key) and the flat inputs. The first ``warmup_steps`` calls of a
+    signature run the step eagerly (on a side stream); the next captures it, reading static
+    copies of the inputs, and replays it; later calls copy their inputs into the statics and
+    replay. ``pins`` are ``(owner, attribute)`` pairs whose values the capture set from
+    Python (a replay runs none): each replay puts back its own capture's values.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        options: CudaGraphOptions,
+        capture: StepCapture,
+        pins: Sequence[tuple[Any, str]] = (),
+    ) -> None:
+        self.name = name
+        self.options = options
+        self.device = capture
+        self.pins = list(pins)
+        self._graphs: OrderedDict[Signature, _Entry] = OrderedDict()
+        self._warmed: Counter[Signature] = Counter()
+        self.captures = 0  # graphs captured so far (evicted ones included)
+        self.replays = 0
+
+    @property
+    def graphs(self) -> int:
+        """Captured graphs held now (at most ``max_graphs``)."""
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Drop every captured graph (the next calls warm up and capture again)."""
+        self._graphs.clear()
+        self._warmed.clear()
+
+    def run(self, key: Any, step: Callable[..., Any], leaves: Sequence[Any]) -> Any:
+        signature = (key, signature_of(leaves))
+        entry = self._graphs.get(signature)
+        if entry is None:
+            if self._warmed[signature] < self.options.warmup_steps:
+                self._warmed[signature] += 1
+                return self.device.warmup(lambda: step(*leaves))
+            entry = self._capture(signature, step, leaves)
+        else:
+            self._graphs.move_to_end(signature)
+            for static, leaf in zip(entry.statics, leaves, strict=True):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(leaf)
+        outputs = self.device.replay(entry.captured)
+        for owner, attr, value in entry.pinned:
+            setattr(owner, attr, value)
+        self.replays += 1
+        # the outputs live in the graph's memory, which the next replay overwrites
+        return pytree.tree_map_only(torch.Tensor, _detached_copy, outputs)
+
+    def _capture(self, signature: Signature, step: Callable[..., Any], leaves: Sequence) -> _Entry:
+        statics = [_static_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        captured = self.device.capture(lambda: step(*statics))
+        pinned = [(owner, attr, getattr(owner, attr, None)) for owner, attr in self.pins]
+        entry = _Entry(statics, captured, pinned)
+        self._graphs[signature] = entry
+        self.captures += 1
+        shapes = [tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)]
+        log.info(
+            "%s: captured the step as CUDA graph %d for input sizes %s (%d held, at most %d)",
+            self.name,
+            self.captures,
+            shapes,
+            len(self._graphs),
+            self.options.max_graphs,
+        )
+        while len(self._graphs) > self.options.max_graphs:
+            old, _ = self._graphs.popitem(last=False)
+            del self._warmed[old]
+            log.info(
+                "%s: dropped the least recently used CUDA graph (max_graphs=%d)",
+                self.name,
+                self.options.max_graphs,
+            )
+        return entry
+
+
+def _detached_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone()
+
+
+def _static_copy(x: torch.Tensor) -> torch.Tensor:
+    static = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x.detach())
+    return static.requires_grad_(x.requires_grad)
+
+
+__all__ = [
+    "CudaGraphCapture",
+    "CudaGraphError",
+    "CudaGraphOptions",
+    "StepCapture",
+    "StepReplayer",
+    "host_reads",
+    "learning_rates",
+    "refuse_changed_learning_rates",
+    "refuse_compile_cuda_graphs",
+    "refuse_distributed",
+    "refuse_host_reads",
+    "refuse_uncapturable_optimizers",
+    "refuse_uncapturable_step",
+    "signature_of",
+    "step_tensors",
+]

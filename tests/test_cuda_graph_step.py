@@ -1,0 +1,407 @@
+"""``Graph.config.enable_cuda_graph``: the whole step captured as a CUDA graph and replayed.
+
+On the CPU: the configuration errors, every refusal (made at the first call, before any
+step), and the replayer's bookkeeping with a stand-in for the CUDA capture
+(:class:`RerunCapture`: warm-up runs the step, a capture computes nothing, a replay reruns
+the recorded step on the static inputs and copies its outputs into the capture's own, as a
+CUDA graph's outputs are overwritten by each replay). Against an uncaptured Graph, bit for
+bit: which batches run warm-up, capture or replay, a new batch shape and a last smaller one,
+skipped inf/nan steps, an LR scheduler across replays, a state_dict round trip, a monitor's
+logging steps. With a GPU (``pytest -m cuda``): the same comparisons with real captures, and
+zero host synchronizations while replaying.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+import amp_graph
+from amp_graph.training import cuda_graph_step as cuda_graphs
+from amp_graph.training.cuda_graph_step import CudaGraphError
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+class RerunCapture:
+    """Stands in for :class:`~amp_graph.training.cuda_graph_step.CudaGraphCapture` on the CPU."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def check_devices(self, named: Any) -> None:
+        self.events.append("check")
+
+    def warmup(self, fn: Any) -> Any:
+        self.events.append("warmup")
+        return fn()
+
+    def capture(self, fn: Any) -> list:
+        self.events.append("capture")
+        return [fn, None]  # nothing is computed, as in a CUDA capture
+
+    def replay(self, captured: list) -> Any:
+        self.events.append("replay")
+        fn, outputs = captured
+        fresh = fn()
+        if outputs is None:
+            captured[1] = fresh
+        else:  # the graph's outputs live at fixed addresses: a replay overwrites them
+            pairs = zip(pytree.tree_leaves(outputs), pytree.tree_leaves(fresh), strict=True)
+            for old, new in pairs:
+                if isinstance(old, torch.Tensor):
+                    old.detach().copy_(new)
+        return captured[1]
+
+
+class Step(amp_graph.Graph):
+    def __init__(
+        self,
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        *,
+        sch: Any = None,
+        captured: bool = True,
+        policy: str = "O1",
+        dtype: torch.dtype = torch.bfloat16,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt, lr_sch=sch)
+        self.config.enable_amp(True, policy=policy, dtype=dtype)
+        if dtype == torch.float16:
+            self.set_grad_scaler(amp_graph.GradScaler(init_scale=2.0**12, growth_interval=3))
+        if captured:
+            self.config.enable_cuda_graph(True, **options)
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+class RerunStep(Step):
+    _step_capture = RerunCapture
+
+
+def mlp(device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(device)
+
+
+def batch(gen: torch.Generator, rows: int, device: str = "cpu", inf: bool = False) -> tuple:
+    x = torch.randn(rows, 16, generator=gen)
+    if inf:
+        x[0, 0] = float("inf")  # the step's gradients are inf/nan: it must be skipped
+    return x.to(device), torch.randint(0, 4, (rows,), generator=gen).to(device)
+
+
+def fused_sgd(model: nn.Module) -> torch.optim.Optimizer:
+    lr = torch.tensor(0.1, device=next(model.parameters()).device)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, fused=True)
+
+
+# ---- configuration and refusals (no GPU needed) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options", [{"warmup_steps": 0}, {"max_graphs": 0}, {"max_graphs": 1.5}, {"warmup_steps": True}]
+)
+def test_options_are_checked_when_set(options: dict) -> None:
+    config = amp_graph.Graph().config
+    with pytest.raises(ValueError, match=next(iter(options))):
+        config.enable_cuda_graph(True, **options)
+    config.enable_cuda_graph(True, warmup_steps=2, max_graphs=3)
+    assert "cuda_graph=CudaGraphOptions(warmup_steps=2, max_graphs=3)" in repr(config)
+    config.enable_cuda_graph(False)
+    assert config.cuda_graph is None and "cuda_graph" not in repr(config)
+
+
+def _refused(graph: amp_graph.Graph, model: nn.Module, match: str) -> None:
+    """The first call raises ``match`` and takes no step: the weights are untouched."""
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CudaGraphError, match=match):
+        graph(*batch(torch.Generator().manual_seed(0), 8))
+    assert graph.steps == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_a_cpu_model_is_refused_at_the_first_call() -> None:
+    model = mlp()
+    _refused(Step(model, fused_sgd(model)), model, r"runs on cpu, not on a CUDA device.*\.cuda\(\)")
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=1e-3), r"AdamW.*fused=True"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, foreach=True), r"SGD.*fused=True"),
+        (lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), r"capturable=False.*capturable=True"),
+    ],
+)
+def test_an_optimizer_that_cannot_be_captured_is_named_with_its_flag(make: Any, match: str) -> None:
+    model = mlp()
+    _refused(RerunStep(model, make(model.parameters())), model, match)
+
+
+def test_a_float_learning_rate_driven_by_a_scheduler_is_refused() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    sch = torch.optim.lr_scheduler.StepLR(opt, 2)
+    _refused(RerunStep(model, opt, sch=sch), model, r"lr=0\.1, a Python number.*device tensor")
+
+
+def test_a_float_learning_rate_changed_after_the_capture_is_refused() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    graph = RerunStep(model, opt, warmup_steps=1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        graph(*batch(gen, 8))
+    opt.param_groups[0]["lr"] = 0.05  # a replay would keep 0.1
+    with pytest.raises(CudaGraphError, match=r"changed from \[0\.1\] to \[0\.05\]"):
+        graph(*batch(gen, 8))
+    assert graph.steps == 3
+
+
+class HostReading(Step):
+    _step_capture = RerunCapture
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, how: str) -> None:
+        super().__init__(model, opt)
+        self.how = how
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        if self.how == "item":
+            out = out / out.abs().max().item()
+        if self.how == "mask":
+            out = out + out[out > 0].sum()  # boolean mask: a data-dependent size
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return loss
+
+
+@pytest.mark.parametrize(("how", "node"), [("item", r"item \(item"), ("mask", r"index")])
+def test_a_build_that_reads_device_values_on_the_host_is_refused(how: str, node: str) -> None:
+    model = mlp()
+    _refused(HostReading(model, fused_sgd(model), how), model, rf"on the host.*{node}")
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes_with_cuda_graphs_of_their_own_are_refused(mode: str) -> None:
+    model = mlp()
+    graph = RerunStep(model, fused_sgd(model))
+    graph.config.enable_compile(mode=mode)
+    _refused(graph, model, rf"mode='{mode}'.*default mode")
+
+
+def test_a_distributed_step_is_refused_with_the_reason() -> None:
+    code = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from tests.test_cuda_graph_step import RerunStep, mlp, fused_sgd, batch
+        from amp_graph.training.cuda_graph_step import CudaGraphError
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        model = mlp()
+        graph = RerunStep(model, fused_sgd(model))
+        graph.config.set_process_group(dist.group.WORLD)
+        try:
+            graph(*batch(torch.Generator().manual_seed(0), 8))
+        except CudaGraphError as error:
+            print(error)
+        dist.destroy_process_group()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "config.set_process_group, whose collectives amp_graph does not" in done.stdout
+
+
+def test_turning_it_on_or_off_after_the_first_call_raises() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for first in (True, False):
+        model = mlp()
+        graph = RerunStep(model, fused_sgd(model), captured=first)
+        graph(*batch(gen, 8))
+        graph.config.enable_cuda_graph(not first)
+        with pytest.raises(RuntimeError, match="changed after the first call"):
+            graph(*batch(gen, 8))
+
+
+# ---- the replayer, with a stand-in for the capture -----------------------------------------
+
+
+def _run(
+    graph_cls: type[Step], device: str, rows: list[int], overflow: set[int], **kw: Any
+) -> tuple[Step, nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    model = mlp(device)
+    opt = fused_sgd(model)
+    sch = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    graph = graph_cls(model, opt, sch=sch, **kw)
+    gen = torch.Generator().manual_seed(1)
+    losses = [graph(*batch(gen, n, device, inf=i in overflow)) for i, n in enumerate(rows)]
+    return graph, model, opt, losses
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) or bool(x.isnan().all() and y.isnan().all())
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+ROWS = [8] * 6 + [16] * 5 + [8] * 3 + [5]  # a new batch size, back, and a last smaller batch
+
+
+def test_replayed_steps_equal_uncaptured_ones_bit_for_bit() -> None:
+    ref, ref_model, ref_opt, ref_losses = _run(Step, "cpu", ROWS, {7}, captured=False)
+    graph, model, opt, losses = _run(RerunStep, "cpu", ROWS, {7}, warmup_steps=2)
+    assert _same(losses, ref_losses)
+    assert _same(list(model.parameters()), list(ref_model.parameters()))
+    assert torch.equal(opt.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"])
+    assert graph.skipped_steps == ref.skipped_steps == 1
+    events = graph._replayer.device.events
+    # per signature: 2 warm-ups, a capture, then a replay per call (the capture's included);
+    # 8 rows: calls 0-5 and 11-13; 16 rows: calls 6-10; the last smaller batch: a warm-up
+    assert [e for e in events if e != "check"] == (
+        ["warmup"] * 2 + ["capture"] + ["replay"] * 4  # 8 rows
+        + ["warmup"] * 2 + ["capture"] + ["replay"] * 3  # 16 rows
+        + ["replay"] * 3  # 8 rows again: no new capture
+        + ["warmup"]  # 5 rows
+    )  # fmt: skip
+    assert graph._replayer.captures == 2 and graph._replayer.replays == 10
+    step = graph.step_graph.code
+    assert "zero_grad_in_place" in step and "lr_step" not in step
+
+
+def test_what_a_replay_returns_survives_the_next_replay() -> None:
+    _, _, _, losses = _run(RerunStep, "cpu", [8] * 6, set(), warmup_steps=1)
+    ref = _run(Step, "cpu", [8] * 6, set(), captured=False)[3]
+    assert _same(losses, ref)
+    assert len({float(x) for x in losses}) == len(losses)  # not all one overwritten buffer
+    assert all(x.grad_fn is None for x in losses[1:])  # replayed: detached copies
+
+
+def test_graphs_are_bounded_and_each_capture_logs_a_line(caplog: pytest.LogCaptureFixture) -> None:
+    rows = [8, 8, 16, 16, 12, 12, 8, 8]
+    with caplog.at_level(logging.INFO, logger=cuda_graphs.__name__):
+        graph, model, _, losses = _run(RerunStep, "cpu", rows, set(), warmup_steps=1, max_graphs=2)
+    captured = [r.message for r in caplog.records if "captured the step" in r.message]
+    dropped = [r.message for r in caplog.records if "dropped the least recently used" in r.message]
+    # 8, 16, 12 captured; 12 evicts 8, which must warm up and be captured again
+    assert len(captured) == 4 and len(dropped) == 2
+    assert "input sizes [(16, 16), (16,)]" in captured[1]
+    assert graph._replayer.graphs == 2
+    _, ref_model, _, ref_losses = _run(Step, "cpu", rows, set(), captured=False)
+    assert _same(losses, ref_losses)
+    assert _same(list(model.parameters()), list(ref_model.parameters()))
+
+
+def _float16_runs(graph_cls: type[Step], device: str, **kw: Any) -> list:
+    """A float16 run with the scaler, overflowing batches, a state_dict saved at step 5 and
+    loaded at step 8 (the run goes on from step 5's state)."""
+    model = mlp(device)
+    opt = fused_sgd(model)
+    graph = graph_cls(model, opt, dtype=torch.float16, **kw)
+    gen = torch.Generator().manual_seed(2)
+    out, saved = [], {}
+    for i in range(14):
+        if i == 8:
+            graph.load_state_dict(saved)
+        out.append(graph(*batch(gen, 8, device, inf=i in (3, 10))))
+        if i == 5:
+            saved = copy.deepcopy(graph.state_dict())
+    return [*out, *model.parameters(), torch.tensor(graph.grad_scaler.get_scale())]
+
+
+def test_a_state_dict_round_trip_mid_run_captures_again_and_matches() -> None:
+    ref = _float16_runs(Step, "cpu", captured=False)
+    got = _float16_runs(RerunStep, "cpu", warmup_steps=1)
+    assert _same(got, ref)
+
+
+def test_a_monitors_logging_steps_run_uncaptured() -> None:
+    def run(cls: type[Step], **kw: Any) -> tuple[Step, list]:
+        model = mlp()
+        graph = cls(model, fused_sgd(model), **kw)
+        graph.config.enable_monitor(every=3)
+        gen = torch.Generator().manual_seed(3)
+        losses = [graph(*batch(gen, 8)) for _ in range(9)]
+        return graph, [*losses, *model.parameters()]
+
+    graph, got = run(RerunStep, warmup_steps=1)
+    _, ref = run(Step, captured=False)
+    assert _same(got, ref)
+    events = [e for e in graph._replayer.device.events if e != "check"]
+    # steps 0, 3, 6 log (run uncaptured); the others warm up once, capture, replay
+    assert events == ["warmup", "capture", "replay", "replay", "replay", "replay", "replay"]
+    assert graph.config.monitor.history.steps == [0, 3, 6]
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+class CudaStep(Step):
+    """The real capture; AdamW fused and capturable, the LR a device tensor."""
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    lr = torch.tensor(1e-3, device="cuda")
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=True)
+
+
+def _cuda_run(captured: bool, policy: str, dtype: torch.dtype, rows: list[int]) -> list:
+    model = mlp("cuda")
+    opt = _adamw(model)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    graph = CudaStep(model, opt, sch=sch, captured=captured, policy=policy, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    losses = [graph(*batch(gen, n, "cuda", inf=i in (7, 12))) for i, n in enumerate(rows)]
+    state = [s for p in model.parameters() for s in opt.state[p].values()]
+    return [graph, *losses, *model.parameters(), *state, opt.param_groups[0]["lr"]]
+
+
+@cuda
+@pytest.mark.parametrize(
+    ("policy", "dtype"), [("O1", torch.float16), ("O1", torch.bfloat16), ("O2", torch.bfloat16)]
+)
+def test_captured_steps_equal_uncaptured_ones_on_the_gpu(policy: str, dtype: torch.dtype) -> None:
+    got = _cuda_run(True, policy, dtype, ROWS)
+    ref = _cuda_run(False, policy, dtype, ROWS)
+    assert _same(got[1:], ref[1:])
+    graph = got[0]
+    assert graph._replayer.captures == 2 and graph.skipped_steps == ref[0].skipped_steps == 2
+
+
+@cuda
+def test_replays_make_no_host_synchronization() -> None:
+    model = mlp("cuda")
+    graph = CudaStep(model, _adamw(model), dtype=torch.float16, warmup_steps=2)
+    gen = torch.Generator().manual_seed(1)
+    data = [batch(gen, 8, "cuda") for _ in range(8)]
+    for x, y in data[:3]:  # warm-up and capture
+        graph(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in data[3:]:
+            graph(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert graph._replayer.replays == 6
