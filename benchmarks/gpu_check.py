@@ -14,6 +14,9 @@ Stages (each with its own time limit, all within --budget seconds, 570 by defaul
    on 10,000 small tensors and on GPT-2 small's gradients, and the host time per tensor;
 3. ``benchmarks/graph_step_cuda.py``: host syncs per Graph step, and the Graph step captured in
    a CUDA graph (bit-equal to the uncaptured step, and its time);
+3b. ``benchmarks/cuda_graph_bench.py``: ``Graph.config.enable_cuda_graph`` on the GPT-2-small
+   shape (8 and 64 x 512 tokens, bf16 and fp16) against the hand-written autocast loop and
+   (bf16) the ``torch.compile(mode="reduce-overhead")`` loop, and its step's peak memory;
 4. ``benchmarks/scaler_share.py``: the check+unscale's share of a Graph O1 fp16 step on the
    GPT-2-small shape (8x512 tokens), amp_graph's op and torch's;
 5. ``benchmarks/kernel_sweep.py``: the kernel's build-time tuning knobs, each variant's
@@ -65,6 +68,23 @@ FIGURES = [  # (key, what, target)
     ("syncs", "host syncs per Graph step (fp16 O1, fused AdamW)", "0"),
     ("captured", "Graph step captured in a CUDA graph: bit-equal to uncaptured", "yes"),
     ("captured_time", "captured step vs uncaptured step (median ms)", "-"),
+    (
+        "step_capture",
+        "Graph O1 `enable_cuda_graph`, GPT 12x768, 8x512 tokens, / hand-written eager autocast "
+        "loop: bf16; fp16",
+        "<= 0.45x",
+    ),
+    (
+        "step_capture_compile",
+        'the same / `torch.compile(mode="reduce-overhead")` + fused AdamW loop (bf16)',
+        "<= 0.90x",
+    ),
+    ("step_capture_64", "the same at 64x512 tokens / hand loop: bf16; fp16", "<= 0.95x"),
+    (
+        "step_capture_memory",
+        "captured step's peak / uncaptured Graph step's (8x512, bf16)",
+        "<= 1.10x",
+    ),
     ("share", "check+unscale's share of a Graph O1 fp16 step, GPT 12x768, 8x512 tokens", "-"),
     ("sweep", "kernel knobs (`kernel_sweep.py`), 1e8 fp32: default / best variant, / memcpy", "-"),
     (
@@ -262,6 +282,30 @@ def run_graph_step(seconds: float, results: Results) -> None:
     )
 
 
+def run_step_capture(seconds: float, results: Results) -> None:
+    args = ["--batch", "8", "64", "--dtype", "bf16", "fp16", "--compile-dtype", "bf16"]
+    _, rows = _script_report("cuda_graph_bench.py", [*args, "--repeats", "10"], seconds)
+    results.raw["step_capture"] = rows
+    captured, hand, compiled = "Graph O1 cuda_graph", "hand", "torch.compile reduce-overhead"
+    by = {(r["setup"].split(", ")[-1].split(" ")[0], r["dtype"]): r for r in rows}
+    for key, batch in (("step_capture", "8x512"), ("step_capture_64", "64x512")):
+        cells = [
+            f"{by[batch, d][captured]['vs_hand']:.3f}x ({by[batch, d][captured]['ms']:.2f} ms "
+            f"vs {by[batch, d][hand]['ms']:.2f} ms)"
+            for d in ("bfloat16", "float16")
+            if (batch, d) in by
+        ]
+        results.cells[key] = "; ".join(cells)
+    row = by.get(("8x512", "bfloat16"))
+    if row is not None and "captured_vs_compile" in row:
+        results.cells["step_capture_compile"] = (
+            f"{row['captured_vs_compile']:.3f}x ({row[compiled]['ms']:.2f} ms)"
+        )
+    if row is not None and row[captured]["peak_step_mb"]:
+        peak, base = row[captured]["peak_step_mb"], row["Graph O1"]["peak_step_mb"]
+        results.cells["step_capture_memory"] = f"{peak / base:.2f}x ({peak:.0f} / {base:.0f} MB)"
+
+
 def run_scaler_share(seconds: float, results: Results) -> None:
     _, share = _script_report("scaler_share.py", [], seconds)
     results.raw["scaler_share"] = share
@@ -304,6 +348,7 @@ STAGES = [
     (run_tests, 330.0),
     (run_kernel_bench, 150.0),
     (run_graph_step, 90.0),
+    (run_step_capture, 240.0),
     (run_scaler_share, 120.0),
     (run_kernel_sweep, 180.0),
     (run_recompute, 150.0),

@@ -129,10 +129,12 @@ def test_options_are_checked_when_set(options: dict) -> None:
 
 
 def _refused(graph: amp_graph.Graph, model: nn.Module, match: str) -> None:
-    """The first call raises ``match`` and takes no step: the weights are untouched."""
+    """The first call raises ``match`` and takes no step: the weights are untouched; and so
+    does the next call."""
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(CudaGraphError, match=match):
-        graph(*batch(torch.Generator().manual_seed(0), 8))
+    for _ in range(2):
+        with pytest.raises(CudaGraphError, match=match):
+            graph(*batch(torch.Generator().manual_seed(0), 8))
     assert graph.steps == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
@@ -352,6 +354,29 @@ def test_a_monitors_logging_steps_run_uncaptured() -> None:
     assert graph.config.monitor.history.steps == [0, 3, 6]
 
 
+class Overflowing(RerunStep):
+    """Built with no arguments, as replay() builds a recorded class; float16 with the scaler,
+    the whole step replayed from step 2 on."""
+
+    def __init__(self, captured: bool = True) -> None:
+        model = mlp()
+        super().__init__(model, fused_sgd(model), dtype=torch.float16, captured=captured)
+        if captured:
+            self.config.enable_cuda_graph(True, warmup_steps=1)
+
+
+def test_a_repro_bundle_of_a_replayed_skipped_step_replays_bit_for_bit(tmp_path) -> None:
+    graph = Overflowing()
+    monitor = graph.config.enable_monitor(every=100, repro_dir=tmp_path)
+    gen = torch.Generator().manual_seed(6)
+    for i in range(7):
+        graph(*batch(gen, 8, inf=i == 5))  # step 5 is replayed, and skipped
+    assert graph._replayer.replays == 5 and graph.skipped_steps == 1  # step 0 logs, 1 warms up
+    assert monitor.repro_path == tmp_path / "step_5"
+    result = amp_graph.replay(monitor.repro_path, Overflowing(captured=False))
+    assert result.skipped and result.reproduced, result.mismatches
+
+
 # ---- on a GPU -------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -387,6 +412,45 @@ def test_captured_steps_equal_uncaptured_ones_on_the_gpu(policy: str, dtype: tor
     assert _same(got[1:], ref[1:])
     graph = got[0]
     assert graph._replayer.captures == 2 and graph.skipped_steps == ref[0].skipped_steps == 2
+
+
+class Featured(Step):
+    """A step with dropout, gradient accumulation and clipping, or a monitor."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, feature: str, **kw: Any):
+        super().__init__(model, opt, dtype=torch.float16, **kw)
+        if feature == "accumulation":
+            self.config.set_gradient_accumulation_steps(2)
+            self.config.set_gradient_clipping(1.0)
+        if feature == "monitor":
+            self.config.enable_monitor(every=4)
+
+
+def _featured_run(feature: str, captured: bool) -> list:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4)).cuda()
+    if feature != "dropout":
+        model[2].p = 0.0
+    graph = Featured(model, _adamw(model), feature, captured=captured, warmup_steps=2)
+    gen = torch.Generator().manual_seed(4)
+    torch.cuda.manual_seed(5)
+    losses = [graph(*batch(gen, 8, "cuda", inf=i == 6)) for i in range(12)]
+    return [graph, *losses, *model.parameters(), torch.tensor(graph.grad_scaler.get_scale())]
+
+
+@cuda
+@pytest.mark.parametrize("feature", ["dropout", "accumulation", "monitor"])
+def test_dropout_accumulation_and_monitor_steps_replay_bit_for_bit(feature: str) -> None:
+    got, ref = _featured_run(feature, True), _featured_run(feature, False)
+    assert _same(got[1:], ref[1:])
+    assert got[0]._replayer.captures == 1 and got[0]._replayer.replays > 0
+
+
+@cuda
+def test_a_state_dict_round_trip_on_the_gpu() -> None:
+    ref = _float16_runs(Step, "cuda", captured=False)
+    got = _float16_runs(CudaStep, "cuda", warmup_steps=1)
+    assert _same(got, ref)
 
 
 @cuda

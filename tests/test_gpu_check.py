@@ -50,6 +50,26 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
             for name, gbps in (("base", 3480.0), ("unroll 8", 3900.0), ("tile 512", 3000.0))
         ]
         Path(command[command.index("--json") + 1]).write_text(json.dumps(sweep))
+    elif "benchmarks/cuda_graph_bench.py" in command:
+        rows = []
+        for batch, hand_ms in ((8, 30.0), (64, 200.0)):
+            for dtype, captured_ms in (("bfloat16", 0.4), ("float16", 0.42)):
+                ms = {"hand": hand_ms, "Graph O1": hand_ms * 1.1}
+                ms["Graph O1 cuda_graph"] = hand_ms * (captured_ms if batch == 8 else 0.9)
+                row = {"setup": f"GPT (12 layers, dim 768, {batch}x512 tokens)", "dtype": dtype}
+                row |= {
+                    name: {"ms": v, "vs_hand": v / hand_ms, "peak_step_mb": 1000.0 + 50 * (i == 2)}
+                    for i, (name, v) in enumerate(ms.items())
+                }
+                if batch == 8 and dtype == "bfloat16":
+                    row["torch.compile reduce-overhead"] = {
+                        "ms": 15.0,
+                        "vs_hand": 0.5,
+                        "peak_step_mb": 900.0,
+                    }
+                    row["captured_vs_compile"] = 0.8
+                rows.append(row)
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(rows))
     elif "benchmarks/eager_step.py" in command:
         names = [f"O1, {setting}" for setting in ("auto", "every cast", "none")]
         report = {
@@ -90,6 +110,10 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "bit-equal to uncaptured | yes | yes |" in text
     assert "| copies below 45.0 MiB kept; auto: 0 recomputed (0.00 MiB), 73 kept; " in text
     assert "73 kept; 1.040 / 1.200 / 1.050 |" in text
+    assert "| 0.400x (12.00 ms vs 30.00 ms); 0.420x (12.60 ms vs 30.00 ms) |" in text
+    assert "| <= 0.90x | 0.800x (15.00 ms) |" in text
+    assert "| <= 0.95x | 0.900x (180.00 ms vs 200.00 ms); 0.900x" in text
+    assert "| <= 1.10x | 1.05x (1050 / 1000 MB) |" in text
     assert gpu_check.NOT_MEASURED not in text
     # Every figure, machine-readable, with where it was measured.
     record = json.loads(results.read_text())

@@ -395,9 +395,10 @@ class Graph:
         if splits:
             leaves = pytree.tree_leaves(args)
         if id(captured) not in self._steps:
-            self._steps[id(captured)] = self._step_graph(captured)
-            if self._replayer is not None:
+            step = self._step_graph(captured)
+            if self._replayer is not None:  # before it is kept: a refusal holds at every call
                 self._replayer.device.check_devices(cuda_graphs.step_tensors(self._modules, leaves))
+            self._steps[id(captured)] = step
         return self._steps[id(captured)], leaves
 
     def _replay_step(self, step: fx.GraphModule) -> Any:

@@ -1,0 +1,254 @@
+"""The whole training step as one CUDA graph (``Graph.config.enable_cuda_graph``) against the
+loops a user would write, in one run, on the GPT-2-small shape (issue 41's targets).
+
+    python benchmarks/cuda_graph_bench.py                         # needs a CUDA GPU
+    python benchmarks/cuda_graph_bench.py --batch 8 --dtype bf16 --json out.json
+    python benchmarks/cuda_graph_bench.py --device cpu --tiny     # the code path, no capture
+    python benchmarks/cuda_graph_bench.py --host-overhead         # any machine
+
+Setup: ``graph_bench.py``'s GPT (12 layers, dim 768, BATCH x 512 tokens, vocabulary 8192),
+AdamW everywhere (fused; ``capturable=True`` and a device-tensor learning rate where a CUDA
+graph replays it), float16 with a loss scaler (``init_scale=2**12``) or bfloat16. Variants,
+timed in interleaved rounds (medians of the per-round ratio to the hand-written loop):
+
+* ``hand``: the eager ``torch.autocast`` loop with ``torch.amp.GradScaler`` (fp16);
+* ``torch.compile reduce-overhead``: the same loop over ``torch.compile(model,
+  mode="reduce-overhead")`` (forward and backward in CUDA graphs; optimizer and scaler
+  eager): the best torch-only loop (``--compile-dtype`` picks the dtypes: it compiles);
+* ``amp_graph backend reduce-overhead``: the loop without autocast over ``torch.compile(model,
+  backend=amp_graph.backend("O1", dtype), mode="reduce-overhead")`` (amp_graph's casts, then
+  inductor with its CUDA graphs), measured with the torch.compile loop;
+* ``Graph O1``: ``amp_graph.Graph`` uncaptured;
+* ``Graph O1 cuda_graph``: the same Graph with ``config.enable_cuda_graph(True)``.
+
+``--host-overhead``: what a replayed step still costs the host, on any machine: a Graph (the
+tiny GPT, fused SGD) whose capture is replaced by one that keeps the outputs and whose replay
+launches nothing, so that a call is the Graph's and the replayer's Python alone (the input
+signature, the batch copied into the static inputs, the outputs copied out).
+
+Memory: the peak bytes of one step beyond what the model, gradients and optimizer state hold,
+uncaptured (``max_memory_allocated``) against captured (the segments of the graphs' private
+pool, which a replay uses without the allocator seeing it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from graph_bench import DTYPES, Setup, StepGraph, handwritten, ratio
+from measure import interleaved_seconds
+
+import amp_graph
+from amp_graph.demo import models
+
+
+def gpt_setup(batch: int, device: str, tiny: bool) -> Setup:
+    torch.manual_seed(0)
+    seq, dim, heads, layers, vocab = (32, 64, 4, 2, 512) if tiny else (512, 768, 12, 12, 8192)
+    model = models.GPTWithLoss(vocab=vocab, block=seq, dim=dim, heads=heads, layers=layers)
+    idx = torch.randint(0, vocab, (batch, seq), device=device)
+    targets = torch.randint(0, vocab, (batch, seq), device=device)
+    name = f"GPT ({layers} layers, dim {dim}, {batch}x{seq} tokens)"
+    return Setup(name, model.to(device), adamw, (idx, targets), True)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+
+def capturable_adamw(params: Any) -> torch.optim.Optimizer:
+    params = list(params)
+    lr = torch.tensor(1e-4, device=params[0].device)
+    return torch.optim.AdamW(params, lr=lr, fused=True, capturable=True)
+
+
+def variants(
+    setup: Setup, dtype: torch.dtype, compiled: bool, capture: bool
+) -> dict[str, tuple[Callable, Any]]:
+    """name -> (step, the Graph or None)."""
+    out: dict[str, tuple[Callable, Any]] = {}
+    out["hand"] = (handwritten(setup, copy.deepcopy(setup.model), dtype), None)
+    if compiled:
+        model = copy.deepcopy(setup.model)
+        step = _compiled_loop(setup, model, dtype)
+        out["torch.compile reduce-overhead"] = (step, None)
+        model = copy.deepcopy(setup.model)
+        step = _compiled_loop(setup, model, dtype, amp_graph_backend=True)
+        out["amp_graph backend reduce-overhead"] = (step, None)
+    graph = StepGraph(setup, copy.deepcopy(setup.model), "O1", dtype)
+    out["Graph O1"] = (graph, graph)
+    if capture:
+        captured_setup = Setup(setup.name, setup.model, capturable_adamw, setup.inputs, True)
+        graph = StepGraph(captured_setup, copy.deepcopy(setup.model), "O1", dtype)
+        graph.config.enable_cuda_graph(True)
+        out["Graph O1 cuda_graph"] = (graph, graph)
+    return out
+
+
+def _compiled_loop(
+    setup: Setup, model: torch.nn.Module, dtype: torch.dtype, amp_graph_backend: bool = False
+) -> Callable:
+    opt = adamw(model.parameters())
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, enabled=dtype == torch.float16)
+    backend = amp_graph.backend("O1", dtype) if amp_graph_backend else "inductor"
+    forward = torch.compile(model, backend=backend, mode="reduce-overhead")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype, enabled=not amp_graph_backend):
+            loss = setup.loss(forward, x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach().clone()  # cudagraph trees overwrite it at the next replay
+
+    return step
+
+
+def step_peak_bytes(step: Callable, graph: Any, inputs: tuple) -> int | None:
+    """The peak bytes one step adds to what is held between steps (None on the CPU)."""
+    if inputs[0].device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(*inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - held
+    replayer = getattr(graph, "_replayer", None)
+    if replayer is not None and replayer.captures:
+        pool = replayer.device._pool
+        segments = torch.cuda.memory_snapshot()
+        peak += sum(s["total_size"] for s in segments if s.get("segment_pool_id") == pool)
+    return peak
+
+
+def measure(setup: Setup, dtype: torch.dtype, compiled: bool, repeats: int) -> dict[str, Any]:
+    device = setup.inputs[0].device.type
+    steps = variants(setup, dtype, compiled, capture=device == "cuda")
+    for step, _ in steps.values():
+        for _ in range(5):  # warm-up steps, the capture, compilation
+            step(*setup.inputs)
+    peaks = {
+        name: step_peak_bytes(step, graph, setup.inputs) for name, (step, graph) in steps.items()
+    }
+    calls = {name: (lambda s=step: s(*setup.inputs)) for name, (step, _) in steps.items()}
+    times = interleaved_seconds(calls, repeats, device=device)
+    row: dict[str, Any] = {"setup": setup.name, "dtype": str(dtype).removeprefix("torch.")}
+    for name in steps:
+        row[name] = {
+            "ms": statistics.median(times[name]) * 1e3,
+            "vs_hand": ratio(times, name, "hand"),
+            "peak_step_mb": None if peaks[name] is None else peaks[name] / 2**20,
+        }
+    if "torch.compile reduce-overhead" in steps and "Graph O1 cuda_graph" in steps:
+        row["captured_vs_compile"] = ratio(
+            times, "Graph O1 cuda_graph", "torch.compile reduce-overhead"
+        )
+    return row
+
+
+class _NoLaunch:
+    """A capture that computes the step once and whose replays launch nothing."""
+
+    def check_devices(self, named: Any) -> None:
+        pass
+
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def replay(self, outputs: Any) -> Any:
+        return outputs
+
+
+def host_overhead(repeats: int) -> dict[str, float]:
+    """Microseconds of host time per replayed Graph call, and per plain step for scale."""
+    import time
+
+    setup = gpt_setup(4, "cpu", tiny=True)
+    captured_setup = Setup(setup.name, setup.model, fused_sgd_cpu, setup.inputs, True)
+
+    class NoLaunchGraph(StepGraph):
+        _step_capture = _NoLaunch
+
+    graph = NoLaunchGraph(captured_setup, copy.deepcopy(setup.model), "O1", torch.bfloat16)
+    graph.config.enable_cuda_graph(True, warmup_steps=1)
+    eager = StepGraph(setup, copy.deepcopy(setup.model), "O1", torch.bfloat16)
+    out: dict[str, float] = {}
+    for name, step in (("replayed call", graph), ("uncaptured step", eager)):
+        for _ in range(3):
+            step(*setup.inputs)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step(*setup.inputs)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times) * 1e6
+    return out
+
+
+def fused_sgd_cpu(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=torch.tensor(1e-3), momentum=0.9, fused=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16"])
+    parser.add_argument("--compile-dtype", nargs="*", choices=sorted(DTYPES), default=["bf16"])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT (a quick check)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--host-overhead", action="store_true", help="see the docstring")
+    args = parser.parse_args(argv)
+    if args.host_overhead:
+        figures = host_overhead(args.repeats * 10)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, tiny GPT, fused SGD")
+        for name, us in figures.items():
+            print(f"{name:<20} {us:>9.1f} us (median of {args.repeats * 10})")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("cuda_graph_bench.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+        return 2
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (no capture)"
+    print(f"torch {torch.__version__} on {where}; {args.repeats} interleaved rounds, medians")
+    rows = []
+    for batch in args.batch:
+        setup = gpt_setup(batch, args.device, args.tiny)
+        for name in args.dtype:
+            compiled = args.device == "cuda" and name in args.compile_dtype
+            row = measure(setup, DTYPES[name], compiled, args.repeats)
+            rows.append(row)
+            print(f"== {row['setup']}, {row['dtype']}, AdamW")
+            for variant, cell in row.items():
+                if isinstance(cell, dict):
+                    peak = cell["peak_step_mb"]
+                    print(
+                        f"{variant:<32} {cell['ms']:>9.2f} ms {cell['vs_hand']:>7.3f}x hand"
+                        + ("" if peak is None else f"   step peak {peak:>8.1f} MB")
+                    )
+            if "captured_vs_compile" in row:
+                print(
+                    f"cuda_graph / torch.compile reduce-overhead: {row['captured_vs_compile']:.3f}"
+                )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
