@@ -18,6 +18,9 @@ timed in interleaved rounds (medians of the per-round ratio to the hand-written 
 * ``amp_graph backend reduce-overhead``: the loop without autocast over ``torch.compile(model,
   backend=amp_graph.backend("O1", dtype), mode="reduce-overhead")`` (amp_graph's casts, then
   inductor with its CUDA graphs), measured with the torch.compile loop;
+* ``compile O1`` and ``compile O1 cuda_graph``: the loop without autocast over
+  ``amp_graph.compile(model, "O1", dtype)``, uncaptured and with ``cuda_graph=True`` (forward
+  and backward replayed; optimizer and scaler eager);
 * ``Graph O1``: ``amp_graph.Graph`` uncaptured;
 * ``Graph O1 cuda_graph``: the same Graph with ``config.enable_cuda_graph(True)``.
 
@@ -83,6 +86,11 @@ def variants(
         model = copy.deepcopy(setup.model)
         step = _compiled_loop(setup, model, dtype, amp_graph_backend=True)
         out["amp_graph backend reduce-overhead"] = (step, None)
+    if capture:
+        for label, graphed in (("compile O1", False), ("compile O1 cuda_graph", True)):
+            model = copy.deepcopy(setup.model)
+            forward = amp_graph.compile(model, "O1", dtype, cuda_graph=graphed)
+            out[label] = (_compiled_loop(setup, model, dtype, forward=forward), None)
     graph = StepGraph(setup, copy.deepcopy(setup.model), "O1", dtype)
     out["Graph O1"] = (graph, graph)
     if capture:
@@ -94,16 +102,24 @@ def variants(
 
 
 def _compiled_loop(
-    setup: Setup, model: torch.nn.Module, dtype: torch.dtype, amp_graph_backend: bool = False
+    setup: Setup,
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    amp_graph_backend: bool = False,
+    forward: Callable | None = None,
 ) -> Callable:
+    """The user's loop over ``forward`` (torch.compile with mode="reduce-overhead", inductor
+    or the amp_graph backend, unless given): fused AdamW, torch's GradScaler in float16."""
     opt = adamw(model.parameters())
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, enabled=dtype == torch.float16)
-    backend = amp_graph.backend("O1", dtype) if amp_graph_backend else "inductor"
-    forward = torch.compile(model, backend=backend, mode="reduce-overhead")
+    autocast = forward is None and not amp_graph_backend  # amp_graph's casts are in the graph
+    if forward is None:
+        backend = amp_graph.backend("O1", dtype) if amp_graph_backend else "inductor"
+        forward = torch.compile(model, backend=backend, mode="reduce-overhead")
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype, enabled=not amp_graph_backend):
+        with torch.autocast("cuda", dtype, enabled=autocast):
             loss = setup.loss(forward, x, y)
         scaler.scale(loss).backward()
         scaler.step(opt)

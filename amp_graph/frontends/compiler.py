@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.capture import Captured, CaptureError, capture_for_policy, export_refused
 from amp_graph.frontends.capture_cache import CaptureCache
+from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
 from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
@@ -193,9 +194,11 @@ class CompiledModule(nn.Module):
         device_type: str,
         *,
         check_each_pass: bool = False,
+        cuda_graph: bool = False,
     ) -> None:
         super().__init__()
         self._orig_mod = model
+        self._graphed = GraphedCalls(type(model).__name__) if cuda_graph else None
         self.policy, self.dtype, self.device_type = policy, dtype, device_type
         self.check_each_pass, self._warned_autocast = check_each_pass, False
         self._cache = self._new_cache()
@@ -267,6 +270,8 @@ class CompiledModule(nn.Module):
         (they hold fake values and shape symbols tied to this process)."""
         state = self.__dict__.copy()
         state["_cache"], state["_last"], state["_monitor"] = self._new_cache(), None, None
+        if self._graphed is not None:
+            state["_graphed"] = GraphedCalls(self._graphed.name)
         return state
 
     # ---- calling ---------------------------------------------------------------------
@@ -297,7 +302,17 @@ class CompiledModule(nn.Module):
         return self._run(captured, args, kwargs, leaves)
 
     def _run(self, captured: Captured, args: tuple, kwargs: dict, leaves: list) -> Any:
-        return captured.call(leaves, self._monitor and self._monitor.graph_for_step)
+        choose = self._monitor and self._monitor.graph_for_step
+        if self._graphed is None:
+            return captured.call(leaves, choose)
+        gm = captured.graph_module
+        graph = gm if choose is None else choose(gm)  # a logging step runs uncaptured
+        replayed = None if graph is not gm else self._graphed.call(gm, leaves, self._tensors)
+        return captured.unflatten(graph(*leaves) if replayed is None else replayed)
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        model = self._orig_mod
+        return [*model.named_parameters(), *model.named_buffers()]
 
     def _warn_autocast(self) -> None:
         if not self._warned_autocast:
@@ -430,6 +445,7 @@ def compile(
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,
+    cuda_graph: bool = False,
 ) -> CompiledModule:
     """Rewrite ``model`` so that each op computes at the dtype ``policy`` gives it.
 
@@ -447,6 +463,11 @@ def compile(
             captured now; otherwise at the first call, from that call's inputs. Either way
             they are used as fake tensors, so every dtype is exact and nothing is computed.
         check_each_pass: run the verifier after every pass (slower; the tests use it).
+        cuda_graph: replay each graph's forward and backward as CUDA graphs, for a loop of
+            your own (:mod:`amp_graph.frontends.graphed_calls`): per input signature, the
+            first call with grad enabled warms up and captures both; later calls replay
+            them. Outputs are overwritten by the next replay: run backward first, clone
+            what you keep. Evaluation (no grad) and a monitor's logging steps run uncaptured.
 
     Returns:
         A :class:`CompiledModule`: call it as the model. It shares the model's parameters
@@ -475,10 +496,23 @@ def compile(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
     check_request(policy, dtype)
+    if not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph is True or False; got {cuda_graph!r}")
     request = resolve(policy, dtype, device_type_of(model, examples))
+    if cuda_graph and request.device_type != "cuda":
+        raise CudaGraphError(
+            f"compile(..., cuda_graph=True): the model is on {request.device_type}, not on a "
+            "CUDA device: CUDA graphs capture CUDA work. Move the model to the GPU first, or "
+            "leave cuda_graph off."
+        )
     validate_module_overrides(request.policy, [name for name, _ in model.named_modules()])
     compiled = CompiledModule(
-        model, request.policy, request.dtype, request.device_type, check_each_pass=check_each_pass
+        model,
+        request.policy,
+        request.dtype,
+        request.device_type,
+        check_each_pass=check_each_pass,
+        cuda_graph=cuda_graph,
     )
     if example_inputs is not None or example_kwargs is not None:
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})

@@ -34,6 +34,12 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
+from amp_graph.frontends.graphed_calls import (
+    CudaGraphError,
+    Signature,
+    refuse_off_cuda,
+    signature_of,
+)
 from amp_graph.passes.meta import AMP
 
 log = logging.getLogger(__name__)
@@ -61,10 +67,6 @@ HOST_READS = frozenset(
 COMPILE_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 OUT_OF_GRAPH = "turn it off with config.enable_cuda_graph(False)"
-
-
-class CudaGraphError(RuntimeError):
-    """The step cannot be captured as it is: the message names the cause and the way out."""
 
 
 @dataclass(frozen=True)
@@ -259,22 +261,7 @@ class CudaGraphCapture:
         self._side: torch.cuda.Stream | None = None
 
     def check_devices(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        named = list(named)
-        elsewhere = [(what, t.device) for what, t in named if t.device.type != "cuda"]
-        if not elsewhere:
-            return
-        if len(elsewhere) == len(named):
-            raise CudaGraphError(
-                f"enable_cuda_graph: the step runs on {elsewhere[0][1]}, not on a CUDA "
-                f"device: CUDA graphs capture CUDA work. Move the model and the inputs to the "
-                f"GPU (.cuda()), or {OUT_OF_GRAPH}."
-            )
-        listed = ", ".join(f"{what} on {device}" for what, device in elsewhere[:4])
-        raise CudaGraphError(
-            f"enable_cuda_graph: tensors of the step are not on a CUDA device ({listed}): a "
-            "captured graph cannot read or write them. Move them to the GPU, or "
-            f"{OUT_OF_GRAPH}."
-        )
+        refuse_off_cuda(named, OUT_OF_GRAPH)
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
         # torch's rule: warm up on a side stream, so that lazy initialization (cuBLAS
@@ -308,25 +295,6 @@ class CudaGraphCapture:
     def replay(self, captured: _CudaCaptured) -> Any:
         captured.graph.replay()
         return captured.outputs
-
-
-Signature = tuple
-
-
-def signature_of(leaves: Sequence[Any]) -> Signature:
-    """What a capture fixes about the inputs: each tensor's sizes, dtype, device and
-    ``requires_grad``; each other input's value (it is baked into the captured kernels)."""
-    out: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            out.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
-        else:
-            try:
-                hash(leaf)
-                out.append((type(leaf), leaf))
-            except TypeError:
-                out.append((type(leaf), repr(leaf)))
-    return tuple(out)
 
 
 @dataclass

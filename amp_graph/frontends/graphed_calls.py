@@ -1,0 +1,301 @@
+"""``amp_graph.compile(model, ..., cuda_graph=True)``: the forward and the backward of each
+rewritten graph replayed as two CUDA graphs, for users who keep their own training loop.
+
+What ``torch.cuda.make_graphed_callables`` does, per input signature (the graph a call uses,
+its inputs' sizes, dtypes and devices, the values of its non-tensor inputs), with what a
+training loop needs beside it:
+
+* the backward hands autograd *copies* of the gradients. make_graphed_callables returns views
+  of the backward graph's static memory, which autograd may keep as a parameter's ``.grad``;
+  the next replay then writes into that ``.grad``, so that two backwards before a step
+  (gradient accumulation) or gradients zeroed in place are summed twice;
+* the warm-up leaves no trace: buffers the graph writes (BatchNorm's statistics) and the CUDA
+  RNG state are put back after it, so that a step computes what the uncaptured graph would;
+* calls it does not capture run the graph uncaptured: without grad (evaluation), a monitor's
+  logging steps, a graph none of whose outputs needs a gradient;
+* graphs in a bounded least-recently-used cache sharing one memory pool, a log line each;
+* refusals at the first call, before anything runs: tensors not on a CUDA device, DTensor
+  (FSDP2) parameters.
+
+The forward returns the forward graph's outputs, which the next replay of that graph
+overwrites (as make_graphed_callables and ``torch.compile(mode="reduce-overhead")`` do):
+run backward before the next call, and clone what you keep.
+
+``signature_of`` and :class:`CudaGraphError` are shared with ``Graph.config.enable_cuda_graph``
+(:mod:`amp_graph.training.cuda_graph_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
+
+Signature = tuple
+
+
+class CudaGraphError(RuntimeError):
+    """A step cannot be captured as it is: the message names the cause and the way out."""
+
+
+def signature_of(leaves: Sequence[Any]) -> Signature:
+    """What a capture fixes about the inputs: each tensor's sizes, dtype, device and
+    ``requires_grad``; each other input's value (it is baked into the captured kernels)."""
+    out: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            try:
+                hash(leaf)
+                out.append((type(leaf), leaf))
+            except TypeError:
+                out.append((type(leaf), repr(leaf)))
+    return tuple(out)
+
+
+def refuse_off_cuda(named: Iterable[tuple[str, torch.Tensor]], way_out: str) -> None:
+    """Every tensor a captured graph reads or writes must be on a CUDA device."""
+    named = list(named)
+    elsewhere = [(what, t.device) for what, t in named if t.device.type != "cuda"]
+    if not elsewhere:
+        return
+    if len(elsewhere) == len(named):
+        raise CudaGraphError(
+            f"cuda graphs: the model runs on {elsewhere[0][1]}, not on a CUDA device: CUDA "
+            f"graphs capture CUDA work. Move the model and its inputs to the GPU (.cuda()), or "
+            f"{way_out}."
+        )
+    listed = ", ".join(f"{what} on {device}" for what, device in elsewhere[:4])
+    raise CudaGraphError(
+        f"cuda graphs: tensors are not on a CUDA device ({listed}): a captured graph cannot "
+        f"read or write them. Move them to the GPU, or {way_out}."
+    )
+
+
+WAY_OUT = "compile without cuda_graph=True"
+
+
+class _Bound(nn.Module):
+    """A graph with its non-tensor inputs bound: called with the tensors alone, returning the
+    tensors alone (what a capture takes and gives); its parameters are the graph's."""
+
+    def __init__(self, gm: fx.GraphModule, leaves: Sequence[Any]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def forward(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        leaves = list(self.template)
+        for i, tensor in zip(self.tensor_positions, tensors, strict=True):
+            leaves[i] = tensor
+        return [t for t in pytree.tree_leaves(self.gm(*leaves)) if isinstance(t, torch.Tensor)]
+
+
+def capture_forward_backward(
+    module: nn.Module,
+    sample: tuple[torch.Tensor, ...],
+    pool: Any,
+    warmup: int,
+    named: list[tuple[str, torch.Tensor]],
+) -> Callable[..., Any] | None:
+    """``module``'s forward and backward as CUDA graphs (None: nothing needs a gradient);
+    the returned function takes the tensors ``sample`` stands for and returns the outputs.
+    ``named``: every tensor the module reads, for the refusals."""
+    refuse_off_cuda(named, WAY_OUT)
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(t, DTensor) for _, t in named):
+        raise CudaGraphError(
+            "cuda graphs: the model has DTensor (FSDP2) parameters, whose collectives "
+            f"amp_graph does not capture yet; {WAY_OUT}."
+        )
+    params = tuple(p for p in module.parameters() if p.requires_grad)
+    statics = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in sample)
+    surface = tuple(t for t in (*statics, *params) if t.requires_grad)
+    if not surface:
+        return None
+    side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            outs = [o for o in module(*statics) if o.requires_grad]
+            if not outs:
+                current.wait_stream(side)
+                return None
+            torch.autograd.grad(
+                outs, surface, [torch.empty_like(o) for o in outs], allow_unused=True
+            )
+    current.wait_stream(side)
+    forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward, pool=pool):
+        outputs = module(*statics)
+    needing = [o for o in outputs if o.requires_grad]
+    grad_outputs = [torch.empty_like(o) for o in needing]
+    with torch.cuda.graph(backward, pool=pool):
+        grads = torch.autograd.grad(needing, surface, grad_outputs, allow_unused=True)
+    grad_of = {id(t): g for t, g in zip(surface, grads, strict=True)}
+    inputs_grads = [grad_of.get(id(t)) for t in (*statics, *params)]
+    which = [o.requires_grad for o in outputs]
+
+    class Replayed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            for static, given in zip(statics, inputs[: len(statics)], strict=True):
+                if static.data_ptr() != given.data_ptr():
+                    static.copy_(given)
+            forward.replay()
+            return tuple(o.detach() for o in outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx: Any, *grads_in: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            needed = [g for g, w in zip(grads_in, which, strict=True) if w]
+            for static, given in zip(grad_outputs, needed, strict=True):
+                if given is None:
+                    static.zero_()
+                elif static.data_ptr() != given.data_ptr():
+                    static.copy_(given)
+            backward.replay()
+            # copies: autograd may keep a returned gradient as .grad, which the next replay
+            # would overwrite (make_graphed_callables returns views, see the module)
+            return tuple(None if g is None else g.clone() for g in inputs_grads)
+
+    def run(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return Replayed.apply(*tensors, *params)
+
+    return run
+
+
+class GraphedCalls:
+    """The captured forward/backward pairs of a compiled module, per input signature."""
+
+    def __init__(
+        self,
+        name: str,
+        max_graphs: int = 8,
+        warmup: int = 3,
+        capture: Callable[..., Callable[..., Any] | None] = capture_forward_backward,
+    ) -> None:
+        self.name, self.max_graphs, self.warmup = name, max_graphs, warmup
+        self._capture = capture
+        self._pool: Any = None
+        self._graphs: OrderedDict[Signature, Callable[..., Any] | None] = OrderedDict()
+        self.captures = 0
+        self.replays = 0
+
+    @property
+    def graphs(self) -> int:
+        return len(self._graphs)
+
+    def call(
+        self, gm: fx.GraphModule, leaves: Sequence[Any], modules: Callable[[], Iterable]
+    ) -> Any:
+        """The flat outputs of ``gm`` on ``leaves``, replayed; None where this call runs
+        uncaptured (no grad). ``modules`` gives the model's (name, tensor) pairs for the
+        device check at the first capture."""
+        if not torch.is_grad_enabled():
+            return None
+        key = (id(gm), signature_of(leaves))
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            replay = self._graphs[key]
+        else:
+            replay = self._new(key, gm, leaves, modules)
+        if replay is None:
+            return None
+        self.replays += 1
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        return _merge(gm, leaves, replay(*tensors))
+
+    def _new(
+        self, key: Signature, gm: fx.GraphModule, leaves: Sequence[Any], modules: Callable
+    ) -> Callable[..., Any] | None:
+        named = [*modules(), *((f"input {i}", x) for i, x in enumerate(leaves) if _is_t(x))]
+        if not _tensor_outputs_only(gm):
+            log.info("%s: the graph returns values it computes on the host: uncaptured", self.name)
+            self._graphs[key] = None
+            return None
+        bound = _Bound(gm, leaves)
+        tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        if self._pool is None and torch.cuda.is_available():
+            self._pool = torch.cuda.graph_pool_handle()
+        with _untouched(gm):  # the warm-up's forwards write buffers and draw random numbers
+            replay = self._capture(bound, tensors, self._pool, self.warmup, named)
+        self._graphs[key] = replay
+        if replay is None:
+            log.info("%s: no output needs a gradient: runs uncaptured", self.name)
+            return None
+        self.captures += 1
+        log.info(
+            "%s: captured forward and backward as CUDA graphs for input sizes %s (%d held, "
+            "at most %d)",
+            self.name,
+            [tuple(t.shape) for t in tensors],
+            len(self._graphs),
+            self.max_graphs,
+        )
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+            log.info("%s: dropped the least recently used CUDA graph", self.name)
+        return replay
+
+
+def _is_t(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _tensor_outputs_only(gm: fx.GraphModule) -> bool:
+    """Whether every output ``gm`` computes is a tensor (constants aside)."""
+    [output] = [n for n in gm.graph.nodes if n.op == "output"]
+    return all(
+        _is_t(a.meta.get("val"))
+        for a in pytree.tree_leaves(output.args[0])
+        if isinstance(a, fx.Node)
+    )
+
+
+def _merge(gm: fx.GraphModule, leaves: Sequence[Any], tensors: Sequence[torch.Tensor]) -> Any:
+    """What ``gm`` returns, with the replayed tensors in its tensor outputs' places (its
+    other outputs are constants of the graph: its output node holds them)."""
+    [output] = [n for n in gm.graph.nodes if n.op == "output"]
+    flat, spec = pytree.tree_flatten(output.args[0])
+    replayed = iter(tensors)
+    values = [next(replayed) if isinstance(a, fx.Node) else a for a in flat]
+    return pytree.tree_unflatten(values, spec)
+
+
+class _untouched:
+    """Puts ``gm``'s buffers and the CUDA RNG state back as they were on entry."""
+
+    def __init__(self, gm: nn.Module) -> None:
+        self.gm = gm
+
+    def __enter__(self) -> None:
+        self.buffers = [(b, b.detach().clone()) for b in self.gm.buffers()]
+        self.rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        if self.rng is not None:
+            torch.cuda.set_rng_state(self.rng)
+
+
+__all__ = [
+    "CudaGraphError",
+    "GraphedCalls",
+    "capture_forward_backward",
+    "refuse_off_cuda",
+    "signature_of",
+]

@@ -1,0 +1,173 @@
+"""``amp_graph.compile(..., cuda_graph=True)``: each graph's forward and backward as CUDA graphs,
+for a training loop of the user's own.
+
+On the CPU: the refusal of a CPU model, and the bookkeeping around the capture with a stand-in
+for it (:func:`rerun_capture`: the warm-up's forwards run, as make_graphed_callables runs
+them, and a "replay" reruns the graph): one capture per signature, non-tensor inputs and
+outputs kept in place, no-grad calls and a monitor's logging steps uncaptured, and the
+warm-up's traces (BatchNorm statistics) undone, against the plain compiled module bit for bit.
+With a GPU (``pytest -m cuda``): the real capture against the uncaptured module, bit for bit,
+through a loop with torch's GradScaler and fused AdamW, BatchNorm, dropout, two micro-batches
+accumulated into gradients zeroed in place, and a new batch size.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_graph
+from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+class Net(nn.Module):
+    """BatchNorm (buffers the forward writes), dropout, and a non-tensor input and output."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.fc1, self.norm = nn.Linear(16, 32), nn.BatchNorm1d(32)
+        self.drop, self.fc2 = nn.Dropout(p), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> dict[str, Any]:
+        logits = self.fc2(self.drop(torch.relu(self.norm(self.fc1(x))))) * scale
+        return {"logits": logits, "classes": 4}
+
+
+def rerun_capture(module: nn.Module, sample: tuple, pool: Any, warmup: int, named: list) -> Any:
+    """Stands in for capture_forward_backward on the CPU: warm-up forwards write the buffers,
+    as the real warm-up's do; the "replay" runs the module."""
+    for _ in range(warmup):
+        module(*sample)
+    return lambda *tensors: module(*tensors)
+
+
+def test_a_cpu_model_is_refused_when_compiled() -> None:
+    with pytest.raises(CudaGraphError, match=r"on cpu, not on a CUDA device.*GPU first"):
+        amp_graph.compile(Net(), "O1", torch.bfloat16, cuda_graph=True)
+
+
+def _train(compiled: Any, model: nn.Module, rows: list[int], device: str = "cpu") -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for n in rows:
+        x = torch.randn(n, 16, generator=gen).to(device)
+        y = torch.randint(0, 4, (n,), generator=gen).to(device)
+        opt.zero_grad(set_to_none=False)
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):  # two backwards per step
+            result = compiled(xs, 0.5)
+            assert result["classes"] == 4
+            loss = F.cross_entropy(result["logits"].float(), ys)
+            loss.backward()
+            out.append(loss.detach().clone())
+        opt.step()
+    with torch.no_grad():
+        out.append(compiled(x)["logits"].clone())
+    return [*out, *model.parameters(), *model.buffers()]
+
+
+def test_the_bookkeeping_around_a_capture_matches_the_uncaptured_module() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    ref_model = copy.deepcopy(model)
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    compiled._graphed = GraphedCalls("Net", capture=rerun_capture)
+    rows = [8, 8, 8, 12, 12, 8]
+    got = _train(compiled, model, rows)
+    ref = _train(amp_graph.compile(ref_model, "O1", torch.bfloat16), ref_model, rows)
+    assert len(got) == len(ref)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    graphed = compiled._graphed
+    # micro-batches of 4 and 6 rows: two signatures, one graph each; the no-grad calls of
+    # 8 and 12 rows ran uncaptured
+    assert graphed.captures == 2 and graphed.replays == 12
+
+
+def test_a_monitors_logging_steps_run_uncaptured() -> None:
+    model = Net()
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    compiled._graphed = GraphedCalls("Net", capture=rerun_capture)
+    monitor = amp_graph.monitor(compiled, every=2)
+    x = torch.randn(8, 16)
+    for _ in range(4):
+        compiled(x)["logits"].sum().backward()
+    assert compiled._graphed.replays == 2  # steps 0 and 2 logged
+    assert monitor.history.steps == [0, 2]
+
+
+def test_cuda_graph_takes_a_bool() -> None:
+    with pytest.raises(TypeError, match="cuda_graph is True or False"):
+        amp_graph.compile(Net(), "O1", torch.bfloat16, cuda_graph="yes")
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def _cuda_loop(graphed: bool, dtype: torch.dtype, rows: list[int]) -> tuple[Any, list]:
+    torch.manual_seed(0)
+    model = Net(p=0.2).cuda()
+    compiled = amp_graph.compile(model, "O1", dtype, cuda_graph=graphed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, enabled=dtype == torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    torch.cuda.manual_seed(2)
+    out = []
+    for i, n in enumerate(rows):
+        x = torch.randn(n, 16, generator=gen).cuda() * (1e5 if i == 4 else 1.0)
+        y = torch.randint(0, 4, (n,), generator=gen).cuda()
+        opt.zero_grad(set_to_none=i % 2 == 0)  # both ways
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = F.cross_entropy(compiled(xs, 0.5)["logits"].float(), ys)
+            scaler.scale(loss).backward()
+            out.append(loss.detach().clone())
+        scaler.step(opt)
+        scaler.update()
+    with torch.no_grad():
+        out.append(compiled(x)["logits"].clone())
+    return compiled, [*out, *model.parameters(), *model.buffers(), torch.tensor(scaler.get_scale())]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_replayed_forward_and_backward_equal_uncaptured_ones(dtype: torch.dtype) -> None:
+    rows = [8] * 6 + [12] * 3
+    compiled, got = _cuda_loop(True, dtype, rows)
+    _, ref = _cuda_loop(False, dtype, rows)
+    assert len(got) == len(ref)
+    same = [
+        torch.equal(a, b) or bool(a.isnan().all() and b.isnan().all())
+        for a, b in zip(got, ref, strict=True)
+    ]
+    assert all(same), same
+    assert compiled._graphed.captures == 2 and compiled._graphed.replays == 18
+
+
+@cuda
+def test_why_the_backward_hands_out_copies() -> None:
+    """torch.cuda.make_graphed_callables' backward returns views of its static gradients;
+    autograd keeps one as ``.grad`` (no copy), so a second backward before the step writes
+    into that ``.grad`` and then adds to it: the accumulated gradient is not the sum. If this
+    test fails, torch copies now, and graphed_calls' own copies can go."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 4).cuda()
+    x = torch.randn(2, 8, 16, device="cuda")
+    expected = torch.zeros_like(layer.weight)
+    for xs in x:
+        expected += torch.autograd.grad(layer(xs).square().sum(), layer.weight)[0]
+    graphed = torch.cuda.make_graphed_callables(copy.deepcopy(layer), (x[0],))
+    for xs in x:
+        graphed(xs).square().sum().backward()
+    assert not torch.allclose(graphed.weight.grad, expected)
+    compiled = amp_graph.compile(layer, "O0", cuda_graph=True)
+    for xs in x:
+        compiled(xs).square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, expected)
