@@ -17,6 +17,7 @@ from amp_graph.accuracy.autopolicy_search import AutopolicyError, autopolicy
 from amp_graph.deploy import export, export_info
 from amp_graph.frontends.compiler import CaptureError, CompiledModule, compile, compile_, uncompile
 from amp_graph.frontends.dynamo_backend import AmpGraphBackend, backend, captured_graphs
+from amp_graph.frontends.graphed_calls import CudaGraphError
 from amp_graph.inspect import dataflow, diff, draw
 from amp_graph.inspect.numerics import NumericsReport, numerics
 from amp_graph.inspect.replay import ReplayResult, replay
@@ -139,6 +140,7 @@ __all__ = [
     "AutopolicyError",
     "CaptureError",
     "CompiledModule",
+    "CudaGraphError",
     "FSDPPlan",
     "GradScaler",
     "Graph",
