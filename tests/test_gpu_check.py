@@ -129,6 +129,7 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert set(record["figures"]) == {key for key, _, _ in gpu_check.FIGURES}
     assert None not in record["figures"].values()
     assert len(record["kernel_bench"]["rows"]) == 7 and record["graph_step"]["bit_equal"]
+    assert set(record["stage_seconds"]) == {stage.__name__ for stage, _ in gpu_check.STAGES}
     # Only the section changed.
     before, after = (ROOT / "BENCHMARKS.md").read_text(), text
     head = before.split(gpu_check.BEGIN)[0]
