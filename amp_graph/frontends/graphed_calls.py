@@ -27,9 +27,10 @@ run backward before the next call, and clone what you keep.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +85,31 @@ def refuse_off_cuda(named: Iterable[tuple[str, torch.Tensor]], way_out: str) -> 
 WAY_OUT = "compile without cuda_graph=True"
 
 
+def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor (FSDP2), whose collectives are not captured."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def static_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` for a capture to read: same layout and ``requires_grad``."""
+    static = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x.detach())
+    return static.requires_grad_(x.requires_grad)
+
+
+@contextlib.contextmanager
+def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Work queued inside runs on ``stream`` after what the current stream queued before, and
+    the current stream waits for it on exit: torch's rule for the warm-up before a capture
+    (lazy initialization, such as cuBLAS workspaces and optimizer state, happens outside)."""
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
 class _Bound(nn.Module):
     """A graph with its non-tensor inputs bound: called with the tensors alone, returning the
     tensors alone (what a capture takes and gives); its parameters are the graph's."""
@@ -112,30 +138,24 @@ def capture_forward_backward(
     the returned function takes the tensors ``sample`` stands for and returns the outputs.
     ``named``: every tensor the module reads, for the refusals."""
     refuse_off_cuda(named, WAY_OUT)
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(t, DTensor) for _, t in named):
+    if is_sharded(t for _, t in named):
         raise CudaGraphError(
             "cuda graphs: the model has DTensor (FSDP2) parameters, whose collectives "
             f"amp_graph does not capture yet; {WAY_OUT}."
         )
     params = tuple(p for p in module.parameters() if p.requires_grad)
-    statics = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in sample)
+    statics = tuple(static_copy(x) for x in sample)
     surface = tuple(t for t in (*statics, *params) if t.requires_grad)
     if not surface:
         return None
-    side, current = torch.cuda.Stream(), torch.cuda.current_stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
+    with on_side_stream(torch.cuda.Stream()):
         for _ in range(warmup):
             outs = [o for o in module(*statics) if o.requires_grad]
             if not outs:
-                current.wait_stream(side)
                 return None
             torch.autograd.grad(
                 outs, surface, [torch.empty_like(o) for o in outs], allow_unused=True
             )
-    current.wait_stream(side)
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(forward, pool=pool):
         outputs = module(*statics)
@@ -296,6 +316,9 @@ __all__ = [
     "CudaGraphError",
     "GraphedCalls",
     "capture_forward_backward",
+    "is_sharded",
+    "on_side_stream",
     "refuse_off_cuda",
     "signature_of",
+    "static_copy",
 ]

@@ -37,8 +37,11 @@ from torch.utils import _pytree as pytree
 from amp_graph.frontends.graphed_calls import (
     CudaGraphError,
     Signature,
+    is_sharded,
+    on_side_stream,
     refuse_off_cuda,
     signature_of,
+    static_copy,
 )
 from amp_graph.passes.meta import AMP
 
@@ -190,9 +193,7 @@ def refuse_compile_cuda_graphs(compile_options: dict[str, Any]) -> None:
 def refuse_distributed(process_group: Any, tensors: Iterable[torch.Tensor]) -> None:
     """Capturing collectives of the step (DDP, FSDP2, an agreeing process group) is not done
     yet: NCCL allows it in some setups, which amp_graph has not tested."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = any(isinstance(t, DTensor) for t in tensors)
+    sharded = is_sharded(tensors)
     if process_group is not None or sharded:
         what = "DTensor (FSDP2) parameters" if sharded else "config.set_process_group"
         raise CudaGraphError(
@@ -264,16 +265,10 @@ class CudaGraphCapture:
         refuse_off_cuda(named, OUT_OF_GRAPH)
 
     def warmup(self, fn: Callable[[], Any]) -> Any:
-        # torch's rule: warm up on a side stream, so that lazy initialization (cuBLAS
-        # workspaces, optimizer state, autotuning) happens before and outside the capture
         if self._side is None:
             self._side = torch.cuda.Stream()
-        current = torch.cuda.current_stream()
-        self._side.wait_stream(current)
-        with torch.cuda.stream(self._side):
-            out = fn()
-        current.wait_stream(self._side)
-        return out
+        with on_side_stream(self._side):
+            return fn()
 
     def capture(self, fn: Callable[[], Any]) -> _CudaCaptured:
         if self._pool is None:
@@ -362,7 +357,7 @@ class StepReplayer:
         return _copied_out(outputs)
 
     def _capture(self, signature: Signature, step: Callable[..., Any], leaves: Sequence) -> _Entry:
-        statics = [_static_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        statics = [static_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         captured = self.device.capture(lambda: step(*statics))
         pinned = [(owner, attr, getattr(owner, attr, None)) for owner, attr in self.pins]
         entry = _Entry(statics, captured, pinned)
@@ -394,11 +389,6 @@ def _copied_out(outputs: Any) -> Any:
         if isinstance(outputs, torch.Tensor):
             return outputs.clone()
         return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, outputs)
-
-
-def _static_copy(x: torch.Tensor) -> torch.Tensor:
-    static = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x.detach())
-    return static.requires_grad_(x.requires_grad)
 
 
 __all__ = [
