@@ -41,6 +41,7 @@ import copy
 import json
 import statistics
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,31 +74,44 @@ def capturable_adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, fused=True, capturable=True)
 
 
+Built = tuple[Callable, Any]  # (the step, the Graph or None)
+
+
 def variants(
     setup: Setup, dtype: torch.dtype, compiled: bool, capture: bool
-) -> dict[str, tuple[Callable, Any]]:
-    """name -> (step, the Graph or None)."""
-    out: dict[str, tuple[Callable, Any]] = {}
-    out["hand"] = (handwritten(setup, copy.deepcopy(setup.model), dtype), None)
+) -> dict[str, Callable[[], Built]]:
+    """name -> what builds that variant's step (built one by one, so that one that fails to
+    build or to run is reported beside the others' figures)."""
+
+    def graph(captured: bool) -> Built:
+        opt = capturable_adamw if captured else setup.optimizer
+        graph_setup = Setup(setup.name, setup.model, opt, setup.inputs, True)
+        step = StepGraph(graph_setup, copy.deepcopy(setup.model), "O1", dtype)
+        if captured:
+            step.config.enable_cuda_graph(True)
+        return step, step
+
+    def user_loop(graphed: bool) -> Built:
+        model = copy.deepcopy(setup.model)
+        forward = amp_graph.compile(model, "O1", dtype, cuda_graph=graphed)
+        return _compiled_loop(setup, model, dtype, forward=forward), None
+
+    def torch_compiled(amp_graph_backend: bool) -> Built:
+        model = copy.deepcopy(setup.model)
+        return _compiled_loop(setup, model, dtype, amp_graph_backend=amp_graph_backend), None
+
+    out: dict[str, Callable[[], Built]] = {
+        "hand": lambda: (handwritten(setup, copy.deepcopy(setup.model), dtype), None)
+    }
     if compiled:
-        model = copy.deepcopy(setup.model)
-        step = _compiled_loop(setup, model, dtype)
-        out["torch.compile reduce-overhead"] = (step, None)
-        model = copy.deepcopy(setup.model)
-        step = _compiled_loop(setup, model, dtype, amp_graph_backend=True)
-        out["amp_graph backend reduce-overhead"] = (step, None)
+        out["torch.compile reduce-overhead"] = lambda: torch_compiled(False)
+        out["amp_graph backend reduce-overhead"] = lambda: torch_compiled(True)
     if capture:
-        for label, graphed in (("compile O1", False), ("compile O1 cuda_graph", True)):
-            model = copy.deepcopy(setup.model)
-            forward = amp_graph.compile(model, "O1", dtype, cuda_graph=graphed)
-            out[label] = (_compiled_loop(setup, model, dtype, forward=forward), None)
-    graph = StepGraph(setup, copy.deepcopy(setup.model), "O1", dtype)
-    out["Graph O1"] = (graph, graph)
+        out["compile O1"] = lambda: user_loop(False)
+        out["compile O1 cuda_graph"] = lambda: user_loop(True)
+    out["Graph O1"] = lambda: graph(False)
     if capture:
-        captured_setup = Setup(setup.name, setup.model, capturable_adamw, setup.inputs, True)
-        graph = StepGraph(captured_setup, copy.deepcopy(setup.model), "O1", dtype)
-        graph.config.enable_cuda_graph(True)
-        out["Graph O1 cuda_graph"] = (graph, graph)
+        out["Graph O1 cuda_graph"] = lambda: graph(True)
     return out
 
 
@@ -149,16 +163,25 @@ def step_peak_bytes(step: Callable, graph: Any, inputs: tuple) -> int | None:
 
 def measure(setup: Setup, dtype: torch.dtype, compiled: bool, repeats: int) -> dict[str, Any]:
     device = setup.inputs[0].device.type
-    steps = variants(setup, dtype, compiled, capture=device == "cuda")
-    for step, _ in steps.values():
-        for _ in range(5):  # warm-up steps, the capture, compilation
-            step(*setup.inputs)
-    peaks = {
-        name: step_peak_bytes(step, graph, setup.inputs) for name, (step, graph) in steps.items()
-    }
+    row: dict[str, Any] = {"setup": setup.name, "dtype": str(dtype).removeprefix("torch.")}
+    steps: dict[str, Built] = {}
+    peaks: dict[str, int | None] = {}
+    for name, build in variants(setup, dtype, compiled, capture=device == "cuda").items():
+        try:
+            step, graph = build()
+            for _ in range(5):  # warm-up steps, the capture, compilation
+                step(*setup.inputs)
+            peaks[name] = step_peak_bytes(step, graph, setup.inputs)
+            steps[name] = step, graph
+        except Exception as error:  # reported in the row; the other variants still run
+            traceback.print_exc()
+            row[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            if device == "cuda":
+                torch.cuda.synchronize()
+    if "hand" not in steps:
+        return row
     calls = {name: (lambda s=step: s(*setup.inputs)) for name, (step, _) in steps.items()}
     times = interleaved_seconds(calls, repeats, device=device)
-    row: dict[str, Any] = {"setup": setup.name, "dtype": str(dtype).removeprefix("torch.")}
     for name in steps:
         row[name] = {
             "ms": statistics.median(times[name]) * 1e3,
@@ -225,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp16"])
     parser.add_argument("--compile-dtype", nargs="*", choices=sorted(DTYPES), default=["bf16"])
+    parser.add_argument(
+        "--compile-batch", type=int, nargs="*", default=[8], help="batches that compile"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT (a quick check)")
@@ -247,11 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         setup = gpt_setup(batch, args.device, args.tiny)
         for name in args.dtype:
             compiled = args.device == "cuda" and name in args.compile_dtype
+            compiled = compiled and batch in args.compile_batch
             row = measure(setup, DTYPES[name], compiled, args.repeats)
             rows.append(row)
             print(f"== {row['setup']}, {row['dtype']}, AdamW")
             for variant, cell in row.items():
-                if isinstance(cell, dict):
+                if isinstance(cell, dict) and "error" in cell:
+                    print(f"{variant:<32} FAILED: {cell['error']}")
+                elif isinstance(cell, dict):
                     peak = cell["peak_step_mb"]
                     print(
                         f"{variant:<32} {cell['ms']:>9.2f} ms {cell['vs_hand']:>7.3f}x hand"
@@ -261,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"cuda_graph / torch.compile reduce-overhead: {row['captured_vs_compile']:.3f}"
                 )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    return 0
+            if args.json:  # after each row: a run cut short still leaves its figures
+                args.json.write_text(json.dumps(rows, indent=1))
+    failed = any(isinstance(c, dict) and "error" in c for row in rows for c in row.values())
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -4,26 +4,32 @@ BENCHMARKS.md's GPU table.
     python benchmarks/gpu_check.py                      # what `make gpu-check` runs
     python benchmarks/gpu_check.py --no-write           # print the table, leave BENCHMARKS.md
 
-Stages (each with its own time limit, all within --budget seconds, 570 by default):
+Stages, in this order (what an earlier run has not measured first), each with its own time
+limit, all within --budget seconds (570 by default):
 
 1. the CUDA tests: ``pytest -m cuda``: every test that skips without a GPU (tests/conftest.py
    marks them) and tests/test_kernel_host.py (the CUDA sources compiled and their host logic);
    on a GPU none may skip;
-2. ``benchmarks/kernel_bench.py --variants unscale``: check+unscale bandwidth on 1e8 elements
+2. ``benchmarks/cuda_graph_bench.py``: ``Graph.config.enable_cuda_graph`` on the GPT-2-small
+   shape (8 and 64 x 512 tokens, bf16 and fp16) against the hand-written autocast loop and
+   (bf16, 8x512) the ``torch.compile(mode="reduce-overhead")`` loop, and its step's peak memory;
+3. ``benchmarks/eager_step.py --device cuda --gpt2``: what ``recompute_casts="auto"``
+   measures on this GPU and decides on GPT-2 small's shape, and the compiled O1 step against
+   torch.autocast with it, with every cast recomputed and with none;
+4. ``benchmarks/graph_step_cuda.py``: host syncs per Graph step, and the Graph step captured in
+   a CUDA graph by hand (bit-equal to the uncaptured step, and its time);
+5. ``benchmarks/kernel_bench.py --variants unscale``: check+unscale bandwidth on 1e8 elements
    (fp32, fp16, bf16) against ``copy_`` and the device's peak, speed against torch's foreach op
    on 10,000 small tensors and on GPT-2 small's gradients, and the host time per tensor;
-3. ``benchmarks/graph_step_cuda.py``: host syncs per Graph step, and the Graph step captured in
-   a CUDA graph (bit-equal to the uncaptured step, and its time);
-3b. ``benchmarks/cuda_graph_bench.py``: ``Graph.config.enable_cuda_graph`` on the GPT-2-small
-   shape (8 and 64 x 512 tokens, bf16 and fp16) against the hand-written autocast loop and
-   (bf16) the ``torch.compile(mode="reduce-overhead")`` loop, and its step's peak memory;
-4. ``benchmarks/scaler_share.py``: the check+unscale's share of a Graph O1 fp16 step on the
+6. ``benchmarks/scaler_share.py``: the check+unscale's share of a Graph O1 fp16 step on the
    GPT-2-small shape (8x512 tokens), amp_graph's op and torch's;
-5. ``benchmarks/kernel_sweep.py``: the kernel's build-time tuning knobs, each variant's
-   bandwidth over ``cudaMemcpyAsync`` of the same bytes (the library keeps its defaults);
-6. ``benchmarks/eager_step.py --device cuda --gpt2``: what ``recompute_casts="auto"``
-   measures on this GPU and decides on GPT-2 small's shape, and the compiled O1 step against
-   torch.autocast with it, with every cast recomputed and with none.
+7. ``benchmarks/kernel_sweep.py``: the kernel's build-time tuning knobs, each variant's
+   bandwidth over ``cudaMemcpyAsync`` of the same bytes (the library keeps its defaults).
+
+A benchmark killed at its limit gives the figures it wrote so far (cuda_graph_bench.py writes
+its report row by row) and counts as a failure; a stage the budget never reaches shows the
+earlier run's figures from the results JSON, marked with that run's date and device.
+``--log-dir DIR`` keeps each command's whole output (the console gets its tail).
 
 It rewrites BENCHMARKS.md's GPU table and writes every figure, with the device, torch and
 commit, into ``benchmarks/results/gpu-check.json``. Without a GPU it stops at once with exit
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import re
 import subprocess
@@ -171,15 +178,32 @@ def preflight() -> list[str]:
     return problems
 
 
+TIMED_OUT = -9  # the exit status _run reports for a command killed at its limit
+LOG_DIR: list[Path] = []  # where _run keeps each command's whole output (--log-dir), if set
+
+
 def _run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+    """Runs ``command`` for at most ``seconds``; a command past its limit is killed and comes
+    back with exit status ``TIMED_OUT`` and what it had printed (its report, if it writes one
+    as it goes, is read all the same)."""
     print("$", " ".join(command), flush=True)
     try:
         done = subprocess.run(
             command, cwd=ROOT, timeout=max(seconds, 1), capture_output=True, text=True
         )
     except subprocess.TimeoutExpired as error:
-        raise GpuCheckError(f"`{' '.join(command)}` ran past its {seconds:.0f} s") from error
+
+        def text(out: str | bytes | None) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+        stderr = text(error.stderr) + f"\n[gpu_check: killed at its {seconds:.0f} s limit]"
+        done = subprocess.CompletedProcess(command, TIMED_OUT, text(error.stdout), stderr)
     print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
+    for folder in LOG_DIR:  # the whole output, where the tail above cuts it
+        folder.mkdir(parents=True, exist_ok=True)
+        name = next((Path(a).stem for a in command if a.endswith(".py")), command[-1])
+        name = "pytest" if "pytest" in command else name
+        (folder / f"{name}.log").write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
     return done
 
 
@@ -194,8 +218,12 @@ def run_tests(seconds: float, results: Results) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
-        command += [f"--junitxml={report}", "-m", "cuda"]
+        command += [f"--junitxml={report}", "-m", "cuda", "--durations=15"]
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            command.append("--timeout=150")  # a hung capture fails its test, not the stage
         done = _run(command, seconds)
+        if done.returncode == TIMED_OUT:
+            raise GpuCheckError(f"the CUDA tests ran past their {seconds:.0f} s")
         if not report.exists():
             raise GpuCheckError(f"pytest wrote no report (exit status {done.returncode})")
         suite = ElementTree.parse(report).getroot()
@@ -217,21 +245,29 @@ def run_tests(seconds: float, results: Results) -> None:
 
 
 def _script_report(
-    script: str, args: list[str], seconds: float, *, any_exit: bool = False
+    script: str, args: list[str], seconds: float, results: Results, *, any_exit: bool = False
 ) -> tuple[subprocess.CompletedProcess, object]:
     """Runs ``benchmarks/<script> <args> --json <file>`` and returns it with the report it wrote.
-    A missing report fails the stage, and so does a nonzero exit unless ``any_exit``."""
+    A missing report fails the stage, and so does a nonzero exit unless ``any_exit``; a script
+    killed at its limit whose report exists (one written as it goes) gives its figures so far,
+    and the check records the timeout as a failure."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         done = _run([sys.executable, f"benchmarks/{script}", *args, "--json", str(out)], seconds)
-        if (done.returncode != 0 and not any_exit) or not out.exists():
+        if done.returncode == TIMED_OUT:
+            if not out.exists():
+                raise GpuCheckError(f"{script} ran past its {seconds:.0f} s, with no figures")
+            results.failures.append(
+                f"{script} ran past its {seconds:.0f} s: its figures are those it had"
+            )
+        elif (done.returncode != 0 and not any_exit) or not out.exists():
             raise GpuCheckError(f"{script} failed (exit {done.returncode})")
         return done, json.loads(out.read_text())
 
 
 def run_kernel_bench(seconds: float, results: Results) -> None:
     args = ["--device", "cuda", "--variants", "unscale"]
-    _, report = _script_report("kernel_bench.py", args, seconds)
+    _, report = _script_report("kernel_bench.py", args, seconds, results)
     meta, rows = report["meta"], report["rows"]
     if meta["extension"] != "loaded":
         raise GpuCheckError(f"the CUDA extension is {meta['extension']}: no kernel was measured")
@@ -279,7 +315,7 @@ def run_kernel_bench(seconds: float, results: Results) -> None:
 
 
 def run_graph_step(seconds: float, results: Results) -> None:
-    _, step = _script_report("graph_step_cuda.py", [], seconds)
+    _, step = _script_report("graph_step_cuda.py", [], seconds, results)
     results.raw["graph_step"] = step
     results.cells["syncs"] = f"{step['syncs_per_step']:g}"
     results.cells["captured"] = "yes" if step["bit_equal"] else "**no**"
@@ -290,35 +326,57 @@ def run_graph_step(seconds: float, results: Results) -> None:
 
 def run_step_capture(seconds: float, results: Results) -> None:
     args = ["--batch", "8", "64", "--dtype", "bf16", "fp16", "--compile-dtype", "bf16"]
-    _, rows = _script_report("cuda_graph_bench.py", [*args, "--repeats", "10"], seconds)
+    args += ["--compile-batch", "8", "--repeats", "10"]
+    _, rows = _script_report("cuda_graph_bench.py", args, seconds, results, any_exit=True)
     results.raw["step_capture"] = rows
     captured, hand, compiled = "Graph O1 cuda_graph", "hand", "torch.compile reduce-overhead"
     by = {(r["setup"].split(", ")[-1].split(" ")[0], r["dtype"]): r for r in rows}
+    broken = [
+        f"{r['setup']} {r['dtype']}, {name}: {cell['error']}"
+        for r in rows
+        for name, cell in r.items()
+        if isinstance(cell, dict) and "error" in cell
+    ]
+
+    def timed(row: dict | None, name: str) -> dict | None:
+        cell = None if row is None else row.get(name)
+        return cell if isinstance(cell, dict) and "ms" in cell else None
+
     for key, batch in (("step_capture", "8x512"), ("step_capture_64", "64x512")):
-        cells = [
-            f"{by[batch, d][captured]['vs_hand']:.3f}x ({by[batch, d][captured]['ms']:.2f} ms "
-            f"vs {by[batch, d][hand]['ms']:.2f} ms)"
-            for d in ("bfloat16", "float16")
-            if (batch, d) in by
-        ]
-        results.cells[key] = "; ".join(cells)
+        cells = []
+        for d in ("bfloat16", "float16"):
+            row = by.get((batch, d))
+            mine, theirs = timed(row, captured), timed(row, hand)
+            if mine is not None and theirs is not None:
+                cells.append(
+                    f"{mine['vs_hand']:.3f}x ({mine['ms']:.2f} ms vs {theirs['ms']:.2f} ms)"
+                )
+            elif row is not None:
+                cells.append(f"{d}: failed")
+        if cells:
+            results.cells[key] = "; ".join(cells)
     row = by.get(("8x512", "bfloat16"))
-    if row is not None and "captured_vs_compile" in row:
+    if row is not None and "captured_vs_compile" in row and timed(row, compiled):
         results.cells["step_capture_compile"] = (
             f"{row['captured_vs_compile']:.3f}x ({row[compiled]['ms']:.2f} ms)"
         )
     loops = ("compile O1 cuda_graph", "compile O1", "amp_graph backend reduce-overhead")
-    if row is not None and all(name in row for name in loops):
+    if row is not None and any(name in row for name in loops):
         results.cells["step_capture_user_loop"] = "; ".join(
-            f"{row[name]['vs_hand']:.3f}x" for name in loops
+            f"{cell['vs_hand']:.3f}x" if (cell := timed(row, name)) else "failed" for name in loops
         )
-    if row is not None and row[captured]["peak_step_mb"]:
-        peak, base = row[captured]["peak_step_mb"], row["Graph O1"]["peak_step_mb"]
-        results.cells["step_capture_memory"] = f"{peak / base:.2f}x ({peak:.0f} / {base:.0f} MB)"
+    mine, base = timed(row, captured), timed(row, "Graph O1")
+    if mine is not None and base is not None and mine["peak_step_mb"] and base["peak_step_mb"]:
+        peak, base_mb = mine["peak_step_mb"], base["peak_step_mb"]
+        results.cells["step_capture_memory"] = (
+            f"{peak / base_mb:.2f}x ({peak:.0f} / {base_mb:.0f} MB)"
+        )
+    if broken:
+        raise GpuCheckError("cuda_graph_bench.py: " + "; ".join(broken))
 
 
 def run_scaler_share(seconds: float, results: Results) -> None:
-    _, share = _script_report("scaler_share.py", [], seconds)
+    _, share = _script_report("scaler_share.py", [], seconds, results)
     results.raw["scaler_share"] = share
     results.cells["share"] = (
         f"amp_graph {share['ours_ms']:.3f} ms ({100 * share['ours_share']:.2f}%), torch's op "
@@ -329,7 +387,7 @@ def run_scaler_share(seconds: float, results: Results) -> None:
 
 def run_kernel_sweep(seconds: float, results: Results) -> None:
     # its exit status says whether every variant was exact: its rows are reported either way
-    done, rows = _script_report("kernel_sweep.py", [], seconds, any_exit=True)
+    done, rows = _script_report("kernel_sweep.py", [], seconds, results, any_exit=True)
     results.raw["kernel_sweep"] = rows
     big = [r for r in rows if r["case"] == "1x1e8" and r["dtype"] == "fp32"]
     base = next(r for r in big if r["variant"] == "base")
@@ -344,7 +402,7 @@ def run_kernel_sweep(seconds: float, results: Results) -> None:
 
 def run_recompute(seconds: float, results: Results) -> None:
     args = ["--device", "cuda", "--gpt2", "--repeats", "9"]
-    _, report = _script_report("eager_step.py", args, seconds)
+    _, report = _script_report("eager_step.py", args, seconds, results)
     results.raw["recompute"] = report
     [step] = report["steps"]
     ratios, decided = step["ratios"], step["decided"]
@@ -355,15 +413,54 @@ def run_recompute(seconds: float, results: Results) -> None:
     )
 
 
+# The order puts first what has never been measured (issue 41's captures and recompute), so
+# that a budget cut short costs the figures an earlier run already has.
 STAGES = [
-    (run_tests, 330.0),
-    (run_kernel_bench, 150.0),
-    (run_graph_step, 90.0),
-    (run_step_capture, 240.0),
-    (run_scaler_share, 120.0),
-    (run_kernel_sweep, 180.0),
-    (run_recompute, 150.0),
+    (run_tests, 240.0),
+    (run_step_capture, 200.0),
+    (run_recompute, 120.0),
+    (run_graph_step, 60.0),
+    (run_kernel_bench, 100.0),
+    (run_scaler_share, 80.0),
+    (run_kernel_sweep, 120.0),
 ]
+STAGE_FIGURES = {  # which figures each stage gives (an earlier run's stand in if it never ran)
+    run_tests: ("tests",),
+    run_step_capture: (
+        "step_capture",
+        "step_capture_compile",
+        "step_capture_64",
+        "step_capture_user_loop",
+        "step_capture_memory",
+    ),
+    run_recompute: ("recompute",),
+    run_graph_step: ("syncs", "captured", "captured_time"),
+    run_kernel_bench: (
+        "bandwidth",
+        "bandwidth_fp16",
+        "bandwidth_bf16",
+        "copy",
+        "small",
+        "medium",
+        "host",
+        "gpt2_fp32",
+        "gpt2_fp16",
+    ),
+    run_scaler_share: ("share",),
+    run_kernel_sweep: ("sweep",),
+}
+
+
+def earlier_figures(path: Path, keys: tuple[str, ...]) -> dict[str, str]:
+    """The cells ``keys`` had in the results JSON at ``path`` (an earlier run), each saying
+    when and on which device it was measured; empty where there is none."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    when = f" (earlier run: {record.get('date')}, {record.get('device')})"
+    figures = record.get("figures") or {}
+    return {key: figures[key] + when for key in keys if figures.get(key)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,7 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--results-json", type=Path, default=RESULTS_JSON, help="every figure, machine-readable"
     )
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="keep each stage's whole output here"
+    )
     args = parser.parse_args(argv)
+    LOG_DIR[:] = [args.log_dir] if args.log_dir else []
 
     problems = preflight()
     if problems:
@@ -395,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         try:
             if left < 10:
+                results.cells |= earlier_figures(args.results_json, STAGE_FIGURES[stage])
                 raise GpuCheckError("out of time before this stage")
             stage(min(seconds, left), results)
         except GpuCheckError as error:

@@ -190,3 +190,70 @@ def test_only_a_cuda_test_skipped_on_the_gpu_fails_the_check() -> None:
         '<testcase name="d"/></testsuite>'
     )
     assert gpu_check.gpu_skipped(suite) == 2
+
+
+def test_a_stage_cut_short_keeps_what_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A benchmark killed at its limit gives the rows it wrote so far (and the timeout is a
+    failure); a variant that failed is named; a stage the budget never reached shows the
+    earlier run's figures, saying so; --log-dir keeps each command's whole output."""
+
+    def cut_run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        done = _fake_run(command, seconds)
+        if "benchmarks/cuda_graph_bench.py" not in command:
+            return done
+        report = Path(command[command.index("--json") + 1])
+        rows = json.loads(report.read_text())[:2]  # 8x512 only: killed during 64x512
+        rows[1]["Graph O1 cuda_graph"] = {"error": "CudaGraphError: a host sync in capture"}
+        report.write_text(json.dumps(rows))
+        return subprocess.CompletedProcess(command, gpu_check.TIMED_OUT, "rows", "killed")
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    earlier = tmp_path / "gpu-check.json"
+    earlier.write_text(
+        json.dumps({"date": "2026-01-01", "device": "GPU-A", "figures": {"sweep": "0.9x"}})
+    )
+    monkeypatch.setattr(gpu_check, "preflight", lambda: [])
+    monkeypatch.setattr(gpu_check, "_run", cut_run)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU-B")
+    clock = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
+    monkeypatch.setattr(gpu_check.time, "monotonic", lambda: next(clock))
+    argv = ["--benchmarks-md", str(md), "--results-json", str(earlier), "--budget", "1250"]
+    assert gpu_check.main(argv) == 1
+    text = md.read_text()
+    assert "| <= 0.45x | 0.400x (12.00 ms vs 30.00 ms); float16: failed |" in text
+    assert "| <= 0.95x | not yet measured" in text  # 64x512 never ran
+    assert "cuda_graph_bench.py ran past its" in text and "a host sync in capture" in text
+    assert "| 0.9x (earlier run: 2026-01-01, GPU-A) |" in text
+    assert "run_kernel_sweep: out of time before this stage" in text
+    record = json.loads(earlier.read_text())
+    assert record["device"] == "GPU-B" and record["figures"]["sweep"].startswith("0.9x (earlier")
+
+
+def test_run_keeps_whole_logs_and_a_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_check, "LOG_DIR", [tmp_path / "logs"])
+    code = "import time; print('started', flush=True); time.sleep(30)"
+    done = gpu_check._run([sys.executable, "-c", code, "slow.py"], 3)
+    assert done.returncode == gpu_check.TIMED_OUT and "started" in done.stdout
+    log = (tmp_path / "logs" / "slow.log").read_text()
+    assert "started" in log and "killed at its 3 s limit" in log
+
+
+def test_a_failing_variant_leaves_the_others_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cuda_graph_bench
+
+    setup = cuda_graph_bench.gpt_setup(2, "cpu", tiny=True)
+    built = cuda_graph_bench.variants(setup, torch.bfloat16, compiled=False, capture=False)
+
+    def broken() -> tuple:
+        raise RuntimeError("capture failed")
+
+    built["broken"] = broken
+    monkeypatch.setattr(cuda_graph_bench, "variants", lambda *a, **k: built)
+    row = cuda_graph_bench.measure(setup, torch.bfloat16, compiled=False, repeats=2)
+    assert row["broken"] == {"error": "RuntimeError: capture failed"}
+    assert row["hand"]["vs_hand"] == 1.0 and row["Graph O1"]["ms"] > 0
