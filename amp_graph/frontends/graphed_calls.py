@@ -156,6 +156,7 @@ def capture_forward_backward(
             torch.autograd.grad(
                 outs, surface, [torch.empty_like(o) for o in outs], allow_unused=True
             )
+        del outs
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(forward, pool=pool):
         outputs = module(*statics)
@@ -166,6 +167,11 @@ def capture_forward_backward(
     grad_of = {id(t): g for t, g in zip(surface, grads, strict=True)}
     inputs_grads = [grad_of.get(id(t)) for t in (*statics, *params)]
     which = [o.requires_grad for o in outputs]
+    # Kept with their autograd graph, the outputs would keep the parameters' AccumulateGrad
+    # nodes made on the capture's stream: each later backward would accumulate there,
+    # unordered with the caller's stream (seen on an H200: wrong accumulated gradients).
+    outputs = [o.detach() for o in outputs]
+    del needing
 
     class Replayed(torch.autograd.Function):
         @staticmethod

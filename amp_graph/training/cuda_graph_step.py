@@ -238,13 +238,15 @@ def _in(node: fx.Node) -> str:
 
 
 class StepCapture(Protocol):
-    """What :class:`StepReplayer` needs from a device: run a step uncaptured (warm-up),
-    capture one (the step is not computed), replay a capture (returns its outputs)."""
+    """What :class:`StepReplayer` needs from a device: run a step uncaptured (warm-up, a
+    logging step), capture one (the step is not computed), replay a capture (returns its
+    outputs), release what the dropped graphs held."""
 
     def check_devices(self, named: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def warmup(self, fn: Callable[[], Any]) -> Any: ...
     def capture(self, fn: Callable[[], Any]) -> Any: ...
     def replay(self, captured: Any) -> Any: ...
+    def release(self) -> None: ...
 
 
 @dataclass
@@ -254,8 +256,15 @@ class _CudaCaptured:
 
 
 class CudaGraphCapture:
-    """Warm-up on a side stream, capture with ``torch.cuda.graph`` into one memory pool
-    shared by all of this step's graphs (they never run at once), replay."""
+    """Warm-up, uncaptured steps and capture on one side stream, into one memory pool shared
+    by all of this step's graphs (they never run at once); replay on the caller's stream.
+
+    One stream for all of it, because autograd runs a parameter's gradient accumulation on
+    the stream its AccumulateGrad node was created on, and that node outlives a step while
+    anything holds the step's autograd graph: a node made on the default stream and used in a
+    capture makes the capture fail (the legacy stream cannot wait on a capturing stream), one
+    made on another stream costs a cross-stream wait. The outputs a step hands back are
+    detached for the same reason (:class:`StepReplayer` detaches what a warm-up returns)."""
 
     def __init__(self) -> None:
         self._pool: Any = None
@@ -264,10 +273,13 @@ class CudaGraphCapture:
     def check_devices(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         refuse_off_cuda(named, OUT_OF_GRAPH)
 
-    def warmup(self, fn: Callable[[], Any]) -> Any:
+    def _stream(self) -> torch.cuda.Stream:
         if self._side is None:
             self._side = torch.cuda.Stream()
-        with on_side_stream(self._side):
+        return self._side
+
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        with on_side_stream(self._stream()):
             return fn()
 
     def capture(self, fn: Callable[[], Any]) -> _CudaCaptured:
@@ -275,7 +287,7 @@ class CudaGraphCapture:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream()):
                 outputs = fn()
         except RuntimeError as error:
             if "captur" not in str(error):
@@ -285,11 +297,24 @@ class CudaGraphCapture:
                 "host synchronization: .item(), printing a tensor, a branch on a tensor's "
                 f"value, a CPU tensor): {error}. Remove it from build, or {OUT_OF_GRAPH}."
             ) from error
-        return _CudaCaptured(graph, outputs)
+        return _CudaCaptured(graph, detached(outputs))
 
     def replay(self, captured: _CudaCaptured) -> Any:
         captured.graph.replay()
         return captured.outputs
+
+    def release(self) -> None:
+        """Every graph is dropped: the next capture takes a new pool (torch refuses to
+        capture into a pool whose graphs are gone while its memory is still in use)."""
+        self._pool = None
+
+
+def detached(outputs: Any) -> Any:
+    """``outputs`` with its tensors detached: nothing returned keeps a step's autograd
+    graph (and its AccumulateGrad nodes) alive."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, outputs)
 
 
 @dataclass
@@ -335,6 +360,11 @@ class StepReplayer:
         """Drop every captured graph (the next calls warm up and capture again)."""
         self._graphs.clear()
         self._warmed.clear()
+        self.device.release()
+
+    def uncaptured(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` run as a warm-up step runs (a monitor's logging steps), never captured."""
+        return lambda *leaves: detached(self.device.warmup(lambda: fn(*leaves)))
 
     def run(self, key: Any, step: Callable[..., Any], leaves: Sequence[Any]) -> Any:
         signature = (key, signature_of(leaves))
@@ -342,7 +372,7 @@ class StepReplayer:
         if entry is None:
             if self._warmed[signature] < self.options.warmup_steps:
                 self._warmed[signature] += 1
-                return self.device.warmup(lambda: step(*leaves))
+                return detached(self.device.warmup(lambda: step(*leaves)))
             entry = self._capture(signature, step, leaves)
         else:
             self._graphs.move_to_end(signature)

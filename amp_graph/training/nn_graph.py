@@ -353,8 +353,8 @@ class Graph:
         self._last = step
         monitor = self.config.monitor
         run = step if monitor is None else monitor.graph_for_step(step, owner=self, inputs=args)
-        if self._replayer is not None and run is step:  # a logging step runs uncaptured
-            run = self._replay_step(step)
+        if self._replayer is not None:  # a logging step runs uncaptured
+            run = self._replay_step(step) if run is step else self._replayer.uncaptured(run)
         if not self.training:
             with torch.no_grad():
                 return run(*leaves)
