@@ -12,7 +12,8 @@ limit, all within --budget seconds (570 by default):
    on a GPU none may skip;
 2. ``benchmarks/cuda_graph_bench.py``: ``Graph.config.enable_cuda_graph`` on the GPT-2-small
    shape (8 and 64 x 512 tokens, bf16 and fp16) against the hand-written autocast loop and
-   (bf16, 8x512) the ``torch.compile(mode="reduce-overhead")`` loop, and its step's peak memory;
+   (bf16, 8x512) the ``torch.compile(mode="reduce-overhead")`` loop, also with
+   ``config.enable_compile()`` (inductor's kernels captured whole), and its step's memory;
 3. ``benchmarks/eager_step.py --device cuda --gpt2``: what ``recompute_casts="auto"``
    measures on this GPU and decides on GPT-2 small's shape, and the compiled O1 step against
    torch.autocast with it, with every cast recomputed and with none;
@@ -84,6 +85,12 @@ FIGURES = [  # (key, what, target)
     (
         "step_capture_compile",
         'the same / `torch.compile(mode="reduce-overhead")` + fused AdamW loop (bf16)',
+        "<= 0.90x",
+    ),
+    (
+        "step_capture_inductor",
+        "Graph O1 with `enable_compile()` and `enable_cuda_graph` (inductor's kernels, the whole "
+        'step captured), 8x512 bf16: / `torch.compile(mode="reduce-overhead")` loop; / hand loop',
         "<= 0.90x",
     ),
     ("step_capture_64", "the same at 64x512 tokens / hand loop: bf16; fp16", "<= 0.95x"),
@@ -326,7 +333,7 @@ def run_graph_step(seconds: float, results: Results) -> None:
 
 def run_step_capture(seconds: float, results: Results) -> None:
     args = ["--batch", "8", "64", "--dtype", "bf16", "fp16", "--compile-dtype", "bf16"]
-    args += ["--compile-batch", "8", "--repeats", "10"]
+    args += ["--compile-batch", "8", "--graph-compile", "--repeats", "10"]
     _, rows = _script_report("cuda_graph_bench.py", args, seconds, results, any_exit=True)
     results.raw["step_capture"] = rows
     captured, hand, compiled = "Graph O1 cuda_graph", "hand", "torch.compile reduce-overhead"
@@ -359,6 +366,12 @@ def run_step_capture(seconds: float, results: Results) -> None:
     if row is not None and "captured_vs_compile" in row and timed(row, compiled):
         results.cells["step_capture_compile"] = (
             f"{row['captured_vs_compile']:.3f}x ({row[compiled]['ms']:.2f} ms)"
+        )
+    inductor = timed(row, "Graph O1 enable_compile cuda_graph")
+    if inductor is not None and "compiled_captured_vs_compile" in row:
+        results.cells["step_capture_inductor"] = (
+            f"{row['compiled_captured_vs_compile']:.3f}x; {inductor['vs_hand']:.3f}x "
+            f"({inductor['ms']:.2f} ms)"
         )
     loops = ("compile O1 cuda_graph", "compile O1", "amp_graph backend reduce-overhead")
     if row is not None and any(name in row for name in loops):
@@ -429,6 +442,7 @@ STAGE_FIGURES = {  # which figures each stage gives (an earlier run's stand in i
     run_step_capture: (
         "step_capture",
         "step_capture_compile",
+        "step_capture_inductor",
         "step_capture_64",
         "step_capture_user_loop",
         "step_capture_memory",

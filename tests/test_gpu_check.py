@@ -68,6 +68,12 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
                         "peak_step_mb": 900.0,
                     }
                     row["captured_vs_compile"] = 0.8
+                    row["compiled_captured_vs_compile"] = 0.7
+                    row["Graph O1 enable_compile cuda_graph"] = {
+                        "ms": 10.5,
+                        "vs_hand": 0.35,
+                        "peak_step_mb": 1000.0,
+                    }
                     for name, x in (
                         ("compile O1 cuda_graph", 0.6),
                         ("compile O1", 1.05),
@@ -118,6 +124,7 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "73 kept; 1.040 / 1.200 / 1.050 |" in text
     assert "| 0.400x (12.00 ms vs 30.00 ms); 0.420x (12.60 ms vs 30.00 ms) |" in text
     assert "| <= 0.90x | 0.800x (15.00 ms) |" in text
+    assert "| <= 0.90x | 0.700x; 0.350x (10.50 ms) |" in text
     assert "| <= 0.95x | 0.900x (180.00 ms vs 200.00 ms); 0.900x" in text
     assert "| <= 1.10x | 1.05x (1050 / 1000 MB) |" in text
     assert "| - | 0.600x; 1.050x; 0.550x |" in text

@@ -156,7 +156,10 @@ def capture_forward_backward(
             torch.autograd.grad(
                 outs, surface, [torch.empty_like(o) for o in outs], allow_unused=True
             )
-        del outs
+    # ``outs`` stays alive through the capture: its graph holds the parameters' AccumulateGrad
+    # nodes made on the warm-up's stream, which the capture then reuses (on an H200 with
+    # torch 2.11, dropping them first made the backward capture fail: "operation would make
+    # the legacy stream depend on a capturing blocking stream")
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(forward, pool=pool):
         outputs = module(*statics)
@@ -171,7 +174,7 @@ def capture_forward_backward(
     # nodes made on the capture's stream: each later backward would accumulate there,
     # unordered with the caller's stream (seen on an H200: wrong accumulated gradients).
     outputs = [o.detach() for o in outputs]
-    del needing
+    del needing, outs
 
     class Replayed(torch.autograd.Function):
         @staticmethod
