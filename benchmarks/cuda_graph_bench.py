@@ -36,7 +36,11 @@ Memory: the bytes one step reserves beyond what the model, gradients and optimiz
 hold (:func:`step_peak_bytes`): reserved bytes on both sides, since a captured graph holds
 its pool's segments whole. (The first GPU run compared the uncaptured step's peak allocated
 bytes with the pool's segments: 1.29x, part of it the allocator's rounding, counted on one
-side only.)
+side only.) Each row also gives every variant's first five calls' peak allocated bytes
+(``first_calls_peak_alloc_mb``): for a captured Graph, calls 1-3 warm up and call 4
+captures, so that the capture's own peak can be set beside the eager step's and beside its
+pool's segments (on the H200 the pool held 1.69x the eager step's reserved peak, cause not
+yet established).
 """
 
 from __future__ import annotations
@@ -177,6 +181,20 @@ def step_peak_bytes(step: Callable, graph: Any, inputs: tuple) -> int | None:
     return torch.cuda.max_memory_reserved() - held
 
 
+def allocated_peak(step: Callable, inputs: tuple) -> float | None:
+    """Runs one step; the MiB it allocated at its peak beyond what was allocated before
+    (None on the CPU). A capture's allocations count (they come from its pool)."""
+    if inputs[0].device.type != "cuda":
+        step(*inputs)
+        return None
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(*inputs)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - held) / 2**20
+
+
 def measure(
     setup: Setup,
     dtype: torch.dtype,
@@ -189,14 +207,16 @@ def measure(
     row: dict[str, Any] = {"setup": setup.name, "dtype": str(dtype).removeprefix("torch.")}
     steps: dict[str, Built] = {}
     peaks: dict[str, int | None] = {}
+    call_peaks: dict[str, list[float | None]] = {}
     built = variants(setup, dtype, compiled, device == "cuda", graph_compile and compiled)
     for name, build in built.items():
         if only and name != "hand" and name not in only:
             continue
         try:
             step, graph = build()
-            for _ in range(5):  # warm-up steps, the capture, compilation
-                step(*setup.inputs)
+            # warm-up steps, the capture, compilation: each call's peak allocated bytes,
+            # the capture's included (what a captured graph's pool has to hold at least)
+            call_peaks[name] = [allocated_peak(step, setup.inputs) for _ in range(5)]
             peaks[name] = step_peak_bytes(step, graph, setup.inputs)
             steps[name] = step, graph
         except Exception as error:  # reported in the row; the other variants still run
@@ -213,6 +233,7 @@ def measure(
             "ms": statistics.median(times[name]) * 1e3,
             "vs_hand": ratio(times, name, "hand"),
             "peak_step_mb": None if peaks[name] is None else peaks[name] / 2**20,
+            "first_calls_peak_alloc_mb": call_peaks[name],
         }
     for mine, key in (
         ("Graph O1 cuda_graph", "captured_vs_compile"),
