@@ -103,6 +103,18 @@ def test_a_monitors_logging_steps_run_uncaptured() -> None:
     assert monitor.history.steps == [0, 2]
 
 
+def test_graphs_are_bounded_least_recently_used_first(caplog: pytest.LogCaptureFixture) -> None:
+    model = Net()
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    compiled._graphed = GraphedCalls("Net", max_graphs=2, capture=rerun_capture)
+    with caplog.at_level("INFO", logger="amp_graph.frontends.graphed_calls"):
+        for rows in (4, 6, 4, 8, 6, 4):  # 8 drops 6 (4 was used after it); 6 drops 4; 4 drops 8
+            compiled(torch.randn(rows, 16))["logits"].sum().backward()
+    assert compiled._graphed.captures == 5 and compiled._graphed.graphs == 2
+    dropped = [r for r in caplog.records if "dropped the least recently used" in r.message]
+    assert len(dropped) == 3 and "(max_graphs=2)" in dropped[0].message
+
+
 def test_cuda_graph_takes_a_bool() -> None:
     with pytest.raises(TypeError, match="cuda_graph is True or False"):
         amp_graph.compile(Net(), "O1", torch.bfloat16, cuda_graph="yes")

@@ -31,7 +31,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.fx as fx
@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger(__name__)
 
 Signature = tuple
+V = TypeVar("V")
 
 
 class CudaGraphError(RuntimeError):
@@ -108,6 +109,43 @@ def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     with torch.cuda.stream(stream):
         yield
     current.wait_stream(stream)
+
+
+class LeastRecentlyUsed(Generic[V]):
+    """Captured graphs by signature, at most ``limit``: putting one more drops the least
+    recently used (a log line each on ``logger``, naming ``owner``), so that the graphs'
+    memory stays bounded. :meth:`get` counts as a use."""
+
+    def __init__(self, owner: str, limit: int, logger: logging.Logger = log) -> None:
+        self.owner, self.limit, self.log = owner, limit, logger
+        self._items: OrderedDict[Any, V] = OrderedDict()
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: Any) -> V:
+        self._items.move_to_end(key)
+        return self._items[key]
+
+    def put(self, key: Any, value: V) -> list[Any]:
+        """Keeps ``value`` as the most recently used; returns the keys dropped for it."""
+        self._items[key] = value
+        dropped = []
+        while len(self._items) > self.limit:
+            old, _ = self._items.popitem(last=False)
+            dropped.append(old)
+            self.log.info(
+                "%s: dropped the least recently used CUDA graph (max_graphs=%d)",
+                self.owner,
+                self.limit,
+            )
+        return dropped
+
+    def clear(self) -> None:
+        self._items.clear()
 
 
 class _Bound(nn.Module):
@@ -218,7 +256,8 @@ class GraphedCalls:
         self.name, self.max_graphs, self.warmup = name, max_graphs, warmup
         self._capture = capture
         self._pool: Any = None
-        self._graphs: OrderedDict[Signature, Callable[..., Any] | None] = OrderedDict()
+        self._graphs: LeastRecentlyUsed[Callable[..., Any] | None]
+        self._graphs = LeastRecentlyUsed(name, max_graphs)
         self.captures = 0
         self.replays = 0
 
@@ -236,8 +275,7 @@ class GraphedCalls:
             return None
         key = (id(gm), signature_of(leaves))
         if key in self._graphs:
-            self._graphs.move_to_end(key)
-            replay = self._graphs[key]
+            replay = self._graphs.get(key)
         else:
             replay = self._new(key, gm, leaves, modules)
         if replay is None:
@@ -252,7 +290,7 @@ class GraphedCalls:
         named = [*modules(), *((f"input {i}", x) for i, x in enumerate(leaves) if _is_t(x))]
         if not _tensor_outputs_only(gm):
             log.info("%s: the graph returns values it computes on the host: uncaptured", self.name)
-            self._graphs[key] = None
+            self._graphs.put(key, None)
             return None
         bound = _Bound(gm, leaves)
         tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
@@ -260,11 +298,12 @@ class GraphedCalls:
             self._pool = torch.cuda.graph_pool_handle()
         with _untouched(gm):  # the warm-up's forwards write buffers and draw random numbers
             replay = self._capture(bound, tensors, self._pool, self.warmup, named)
-        self._graphs[key] = replay
         if replay is None:
+            self._graphs.put(key, None)
             log.info("%s: no output needs a gradient: runs uncaptured", self.name)
             return None
         self.captures += 1
+        self._graphs.put(key, replay)
         log.info(
             "%s: captured forward and backward as CUDA graphs for input sizes %s (%d held, "
             "at most %d)",
@@ -273,9 +312,6 @@ class GraphedCalls:
             len(self._graphs),
             self.max_graphs,
         )
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-            log.info("%s: dropped the least recently used CUDA graph", self.name)
         return replay
 
 
@@ -324,6 +360,7 @@ class _untouched:
 __all__ = [
     "CudaGraphError",
     "GraphedCalls",
+    "LeastRecentlyUsed",
     "capture_forward_backward",
     "is_sharded",
     "on_side_stream",

@@ -24,7 +24,7 @@ the host may change between replays. What this module holds, and why:
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.frontends.graphed_calls import (
     CudaGraphError,
+    LeastRecentlyUsed,
     Signature,
     is_sharded,
     on_side_stream,
@@ -346,7 +347,7 @@ class StepReplayer:
         self.options = options
         self.device = capture
         self.pins = list(pins)
-        self._graphs: OrderedDict[Signature, _Entry] = OrderedDict()
+        self._graphs: LeastRecentlyUsed[_Entry] = LeastRecentlyUsed(name, options.max_graphs, log)
         self._warmed: Counter[Signature] = Counter()
         self.captures = 0  # graphs captured so far (evicted ones included)
         self.replays = 0
@@ -368,14 +369,13 @@ class StepReplayer:
 
     def run(self, key: Any, step: Callable[..., Any], leaves: Sequence[Any]) -> Any:
         signature = (key, signature_of(leaves))
-        entry = self._graphs.get(signature)
+        entry = self._graphs.get(signature) if signature in self._graphs else None
         if entry is None:
             if self._warmed[signature] < self.options.warmup_steps:
                 self._warmed[signature] += 1
                 return detached(self.device.warmup(lambda: step(*leaves)))
             entry = self._capture(signature, step, leaves)
         else:
-            self._graphs.move_to_end(signature)
             for static, leaf in zip(entry.statics, leaves, strict=True):
                 if isinstance(static, torch.Tensor):
                     static.copy_(leaf)
@@ -391,7 +391,8 @@ class StepReplayer:
         captured = self.device.capture(lambda: step(*statics))
         pinned = [(owner, attr, getattr(owner, attr, None)) for owner, attr in self.pins]
         entry = _Entry(statics, captured, pinned)
-        self._graphs[signature] = entry
+        for old in self._graphs.put(signature, entry):
+            del self._warmed[old]  # a dropped signature warms up again before its capture
         self.captures += 1
         shapes = [tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)]
         log.info(
@@ -402,14 +403,6 @@ class StepReplayer:
             len(self._graphs),
             self.options.max_graphs,
         )
-        while len(self._graphs) > self.options.max_graphs:
-            old, _ = self._graphs.popitem(last=False)
-            del self._warmed[old]
-            log.info(
-                "%s: dropped the least recently used CUDA graph (max_graphs=%d)",
-                self.name,
-                self.options.max_graphs,
-            )
         return entry
 
 
