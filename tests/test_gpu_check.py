@@ -160,6 +160,14 @@ def test_a_failing_stage_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "run_graph_step: graph_step_cuda.py failed (exit 1)" in md.read_text()
 
 
+def test_each_figure_belongs_to_one_stage() -> None:
+    """What a stage the budget never reaches falls back to (the earlier run's figures) covers
+    every figure of the table, each under one stage."""
+    owned = [key for keys in gpu_check.STAGE_FIGURES.values() for key in keys]
+    assert sorted(owned) == sorted(key for key, _, _ in gpu_check.FIGURES)
+    assert list(gpu_check.STAGE_FIGURES) == [stage for stage, _ in gpu_check.STAGES]
+
+
 def test_benchmarks_md_has_the_gpu_table() -> None:
     text = (ROOT / "BENCHMARKS.md").read_text()
     section = text.split(gpu_check.BEGIN)[1].split(gpu_check.END)[0]

@@ -253,7 +253,7 @@ class GraphedCalls:
         warmup: int = 3,
         capture: Callable[..., Callable[..., Any] | None] = capture_forward_backward,
     ) -> None:
-        self.name, self.max_graphs, self.warmup = name, max_graphs, warmup
+        self.name, self.warmup = name, warmup
         self._capture = capture
         self._pool: Any = None
         self._graphs: LeastRecentlyUsed[Callable[..., Any] | None]
@@ -310,7 +310,7 @@ class GraphedCalls:
             self.name,
             [tuple(t.shape) for t in tensors],
             len(self._graphs),
-            self.max_graphs,
+            self._graphs.limit,
         )
         return replay
 
