@@ -339,27 +339,35 @@ def test_a_state_dict_round_trip_mid_run_captures_again_and_matches() -> None:
     assert _same(got, ref)
 
 
-def test_a_monitors_logging_steps_run_uncaptured() -> None:
-    def run(cls: type[Step], **kw: Any) -> tuple[Step, list]:
-        model = mlp()
-        graph = cls(model, fused_sgd(model), **kw)
-        graph.config.enable_monitor(every=3)
-        gen = torch.Generator().manual_seed(3)
-        losses = [graph(*batch(gen, 8)) for _ in range(9)]
-        return graph, [*losses, *model.parameters()]
+def _monitored(cls: type[Step], steps: int = 12, **kw: Any) -> tuple[Step, list, list]:
+    model = mlp()
+    graph = cls(model, fused_sgd(model), **kw)
+    graph.config.enable_monitor(every=3)
+    gen = torch.Generator().manual_seed(3)
+    losses = [graph(*batch(gen, 8, inf=i == 9)) for i in range(steps)]
+    return graph, [*losses, *model.parameters()], graph.config.monitor.history.rows
 
-    graph, got = run(RerunStep, warmup_steps=1)
-    _, ref = run(Step, captured=False)
+
+def test_a_monitors_logging_steps_are_a_captured_graph_of_their_own() -> None:
+    graph, got, rows = _monitored(RerunStep, warmup_steps=1)
+    _, ref, ref_rows = _monitored(Step, captured=False)
     assert _same(got, ref)
+    assert rows == ref_rows and len(rows) > 0  # every statistic of every logging step
+    assert any(r["nonfinite"] for r in rows if r["step"] == 9)  # the overflowing step's
     events = [e for e in graph._replayer.device.events if e != "check"]
-    # steps 0, 3, 6 log, uncaptured (on the warm-up's stream); the others warm up once,
-    # capture, replay
-    logs, warm, replays = ["warmup"], ["warmup", "capture", "replay"], ["replay"] * 2
-    assert events == logs + warm + logs + replays + logs + replays
-    assert graph.config.monitor.history.steps == [0, 3, 6]
+    # logging steps 0, 3, 6, 9 (9 overflows) run the monitor's graph, the others the step
+    # graph; each warms up once, is captured at its second call, then replayed
+    log0, step12 = ["warmup"], ["warmup", "capture", "replay"]
+    log3, replays = ["capture", "replay"], ["replay"] * 2
+    assert events == log0 + step12 + log3 + replays + ["replay"] + replays + ["replay"] + replays
+    assert graph._replayer.captures == 2
+    assert graph.config.monitor.history.steps == [0, 3, 6, 9]
+    # the captured logging graph writes into one buffer, copied out to each step's own
+    (made,) = graph.config.monitor._instrumented.values()
+    assert made.sink.fixed is not None and made.sink.buffer is not made.sink.fixed
     # nothing returned holds a step's autograd graph (its AccumulateGrad nodes would carry
     # the stream they were made on into the capture)
-    assert all(loss.grad_fn is None for loss in got[:9])
+    assert all(loss.grad_fn is None for loss in got[:12])
 
 
 def test_loading_a_state_dict_releases_the_graphs_memory_pool() -> None:
@@ -467,7 +475,15 @@ def _featured_run(feature: str, captured: bool) -> list:
 def test_dropout_accumulation_and_monitor_steps_replay_bit_for_bit(feature: str) -> None:
     got, ref = _featured_run(feature, True), _featured_run(feature, False)
     assert _same(got[1:], ref[1:])
-    assert got[0]._replayer.captures == 1 and got[0]._replayer.replays > 0
+    graph = got[0]
+    # the monitor's logging steps (0, 4, 8: two warm-ups, then captured) are a graph of
+    # their own, and their statistics equal the uncaptured steps'
+    assert graph._replayer.captures == (2 if feature == "monitor" else 1)
+    assert graph._replayer.replays > 0
+    if feature == "monitor":
+        rows = graph.config.monitor.history.rows
+        assert rows == ref[0].config.monitor.history.rows
+        assert {r["step"] for r in rows} == {0, 4, 8}
 
 
 @cuda
@@ -480,18 +496,23 @@ def test_a_state_dict_round_trip_on_the_gpu() -> None:
 
 @cuda
 @no_stream_mismatch
-def test_replays_make_no_host_synchronization() -> None:
+@pytest.mark.parametrize("monitored", [False, True])
+def test_replays_make_no_host_synchronization(monitored: bool) -> None:
     model = mlp("cuda")
     graph = CudaStep(model, _adamw(model), dtype=torch.float16, warmup_steps=2)
+    if monitored:  # logging steps 0, 2, 4, ... warm up twice, are captured at 4; others at 5
+        graph.config.enable_monitor(every=2)
     gen = torch.Generator().manual_seed(1)
-    data = [batch(gen, 8, "cuda") for _ in range(8)]
-    for x, y in data[:3]:  # warm-up and capture
+    data = [batch(gen, 8, "cuda") for _ in range(10)]
+    for x, y in data[: 6 if monitored else 3]:  # warm-ups and captures
         graph(x, y)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for x, y in data[3:]:
+        for x, y in data[6 if monitored else 3 :]:
             graph(x, y)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert graph._replayer.replays == 6
+    assert graph._replayer.replays == (6 if monitored else 8)
+    if monitored:
+        assert graph.config.monitor.history.steps == [0, 2, 4, 6, 8]

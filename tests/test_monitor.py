@@ -23,6 +23,7 @@ from scaler_helpers import SyncCounter
 
 import amp_graph
 from amp_graph.demo.models import GPT, ConvNet
+from amp_graph.ops import fp8_ops  # noqa: F401 (registers torch.ops.amp_graph.fp8_*)
 from amp_graph.ops.cpu_extension import cpu_extension_status, load_cpu_extension
 from amp_graph.ops.recompute_ops import recomputed_quantize
 from amp_graph.ops.tensor_stats import STATS, WHATIF_FORMATS, accumulate, measure

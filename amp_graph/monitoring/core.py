@@ -13,6 +13,7 @@ transfer of every pending buffer.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import warnings
@@ -179,6 +180,16 @@ class Monitor:
         buffer = instrumented.sink.start(instrumented.device)
         self._pending.append(_Pending(step, instrumented, buffer, self._loss_scale(gm)))
         return instrumented.graph_module
+
+    def replayable(self, run: fx.GraphModule) -> contextlib.AbstractContextManager[None]:
+        """Around a step a CUDA graph replayer runs (``config.enable_cuda_graph``): if ``run``
+        is this step's logging graph, its probes write into one buffer kept for that graph,
+        the one its capture records, and this step's buffer gets a copy after the step
+        (:meth:`StatsSink.through_fixed_buffer`); otherwise nothing."""
+        current = self._pending[-1] if self._pending else None
+        if current is None or current.instrumented.graph_module is not run:
+            return contextlib.nullcontext()
+        return current.instrumented.sink.through_fixed_buffer()
 
     def after_step(self, owner: Any, out: Any) -> None:
         """A Graph's step has run (``out`` is what it returned): for the repro bundle."""

@@ -26,8 +26,9 @@ step (or several calls) add up.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed.tensor
@@ -98,13 +99,15 @@ class StatsSink:
     ``buffer`` is ``[probes, len(STATS)]`` float64 on the model's device, or None (the
     probes then do nothing). ``columns``: the :data:`STATS` indices to compute (the others
     stay 0). The monitor installs a new ``buffer`` per logging step; a gradient hook keeps
-    writing into the buffer of the step that registered it.
+    writing into the buffer of the step that registered it. A step replayed from a CUDA
+    graph writes where its capture wrote (:meth:`through_fixed_buffer`).
     """
 
     def __init__(self, rows: int, columns: frozenset[int]) -> None:
         self.rows = rows
         self.columns = columns
         self.buffer: torch.Tensor | None = None
+        self.fixed: torch.Tensor | None = None  # where captured logging steps write
         self._leaf_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def start(self, device: torch.device) -> torch.Tensor:
@@ -112,6 +115,27 @@ class StatsSink:
         self.clear_leaf_hooks()
         self.buffer = torch.zeros(self.rows, len(STATS), dtype=torch.float64, device=device)
         return self.buffer
+
+    @contextlib.contextmanager
+    def through_fixed_buffer(self) -> Iterator[None]:
+        """While the step runs, its probes write into :attr:`fixed`, one buffer kept for every
+        logging step of this graph (zeroed first), at the address a CUDA graph capture
+        records; the step's own buffer (:meth:`start`) gets a copy once the step has run.
+        Both are device ops: no host synchronization."""
+        step_buffer = self.buffer
+        if step_buffer is None:
+            raise RuntimeError("through_fixed_buffer: start() the logging step first")
+        fixed = self.fixed
+        if fixed is None or fixed.device != step_buffer.device or fixed.shape != step_buffer.shape:
+            fixed = self.fixed = torch.zeros_like(step_buffer)
+        else:
+            fixed.zero_()
+        self.buffer = fixed
+        try:
+            yield
+        finally:
+            self.buffer = step_buffer
+        step_buffer.copy_(fixed)
 
     def clear_leaf_hooks(self) -> None:
         """Remove the hooks left on leaf tensors whose backward never ran (an eval call)."""
@@ -150,7 +174,15 @@ def measure(
         if over in wanted:
             values[over] = (finite & (scaled > torch.finfo(dtype).max)).sum()
     values[_COLUMN["numel"]] = float(x.numel())
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=x.device) for v in values])
+    # numbers become tensors by a fill on the device, not a host-to-device copy (which waits
+    # for the host and which a CUDA graph capture refuses)
+    return torch.stack([_on_device(v, x.device) for v in values])
+
+
+def _on_device(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64)
+    return torch.full((), value, dtype=torch.float64, device=device)
 
 
 def _accumulate(buffer: torch.Tensor, row: int, values: torch.Tensor) -> None:

@@ -239,8 +239,8 @@ def _in(node: fx.Node) -> str:
 
 
 class StepCapture(Protocol):
-    """What :class:`StepReplayer` needs from a device: run a step uncaptured (warm-up, a
-    logging step), capture one (the step is not computed), replay a capture (returns its
+    """What :class:`StepReplayer` needs from a device: run a step uncaptured (a warm-up),
+    capture one (the step is not computed), replay a capture (returns its
     outputs), release what the dropped graphs held."""
 
     def check_devices(self, named: Iterable[tuple[str, torch.Tensor]]) -> None: ...
@@ -257,7 +257,7 @@ class _CudaCaptured:
 
 
 class CudaGraphCapture:
-    """Warm-up, uncaptured steps and capture on one side stream, into one memory pool shared
+    """Warm-up and capture on one side stream, into one memory pool shared
     by all of this step's graphs (they never run at once); replay on the caller's stream.
 
     One stream for all of it, because autograd runs a parameter's gradient accumulation on
@@ -362,10 +362,6 @@ class StepReplayer:
         self._graphs.clear()
         self._warmed.clear()
         self.device.release()
-
-    def uncaptured(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` run as a warm-up step runs (a monitor's logging steps), never captured."""
-        return lambda *leaves: detached(self.device.warmup(lambda: fn(*leaves)))
 
     def run(self, key: Any, step: Callable[..., Any], leaves: Sequence[Any]) -> Any:
         signature = (key, signature_of(leaves))

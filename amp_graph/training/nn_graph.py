@@ -161,7 +161,9 @@ class GraphConfig:
         pool; each capture logs a line. What a call returns is a copy (kept safely across
         replays). Gradients are zeroed in place rather than set to None (the graph writes
         them at fixed addresses); LR schedulers step on the host after each call, changing a
-        tensor learning rate in place. A monitor's logging steps run uncaptured.
+        tensor learning rate in place. A monitor's logging steps are a graph of their own
+        (captured after ``warmup_steps`` logging steps), writing their statistics into one
+        buffer that each step copies out on the device.
 
         Refused at the first call, with the cause and the way out: a CPU model or CPU
         tensors in the step, an optimizer without ``fused=True``/``capturable=True``, a float
@@ -353,8 +355,8 @@ class Graph:
         self._last = step
         monitor = self.config.monitor
         run = step if monitor is None else monitor.graph_for_step(step, owner=self, inputs=args)
-        if self._replayer is not None:  # a logging step runs uncaptured
-            run = self._replay_step(step) if run is step else self._replayer.uncaptured(run)
+        if self._replayer is not None:  # a logging step is a captured graph of its own
+            run = self._replay_step(run, monitor)
         if not self.training:
             with torch.no_grad():
                 return run(*leaves)
@@ -401,14 +403,22 @@ class Graph:
             self._steps[id(captured)] = step
         return self._steps[id(captured)], leaves
 
-    def _replay_step(self, step: fx.GraphModule) -> Any:
-        """``step`` run by the CUDA graph replayer (warm-up, capture or replay)."""
+    def _replay_step(self, step: fx.GraphModule, monitor: Monitor | None) -> Any:
+        """``step`` (the step graph, or a monitor's logging graph of it) run by the CUDA
+        graph replayer (warm-up, capture or replay)."""
         assert self._replayer is not None
         cuda_graphs.refuse_changed_learning_rates(
             self._replayed_lrs, cuda_graphs.learning_rates(self._optimizers)
         )
         replayer = self._replayer
-        return lambda *leaves: replayer.run(id(step), step, leaves)
+        if monitor is None:
+            return lambda *leaves: replayer.run(id(step), step, leaves)
+
+        def run(*leaves: Any) -> Any:
+            with monitor.replayable(step):
+                return replayer.run(id(step), step, leaves)
+
+        return run
 
     def _start_replayer(self, build: fx.GraphModule, scaler: GradScaler | None) -> None:
         """config.enable_cuda_graph: refuse what a captured step cannot do, then replay."""
