@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 import amp_graph
 from amp_graph.training import cuda_graph_step as cuda_graphs
+from amp_graph.training.batch_padding import fitting_rows
 from amp_graph.training.cuda_graph_step import CudaGraphError
 
 HAS_CUDA = torch.cuda.is_available()
@@ -119,14 +120,23 @@ def fused_sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize(
-    "options", [{"warmup_steps": 0}, {"max_graphs": 0}, {"max_graphs": 1.5}, {"warmup_steps": True}]
+    "options",
+    [
+        {"warmup_steps": 0},
+        {"max_graphs": 0},
+        {"max_graphs": 1.5},
+        {"warmup_steps": True},
+        {"pad_batches": "0"},
+        {"pad_batches": ()},
+        {"pad_batches": (0.0, None)},
+    ],
 )
 def test_options_are_checked_when_set(options: dict) -> None:
     config = amp_graph.Graph().config
     with pytest.raises(ValueError, match=next(iter(options))):
         config.enable_cuda_graph(True, **options)
-    config.enable_cuda_graph(True, warmup_steps=2, max_graphs=3)
-    assert "cuda_graph=CudaGraphOptions(warmup_steps=2, max_graphs=3)" in repr(config)
+    config.enable_cuda_graph(True, warmup_steps=2, max_graphs=3, pad_batches=0)
+    assert "CudaGraphOptions(warmup_steps=2, max_graphs=3, pad_batches=(0,))" in repr(config)
     config.enable_cuda_graph(False)
     assert config.cuda_graph is None and "cuda_graph" not in repr(config)
 
@@ -316,6 +326,77 @@ def test_graphs_are_bounded_and_each_capture_logs_a_line(caplog: pytest.LogCaptu
     assert _same(list(model.parameters()), list(ref_model.parameters()))
 
 
+# ---- padding a smaller batch up to a captured one ---------------------------------------------
+
+
+class LogitsStep(RerunStep):
+    """Returns the logits too: what the step returns is cut back to the real rows."""
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(x)
+        loss = F.cross_entropy(logits, y)  # ignore_index=-100: padded targets count for nothing
+        loss.backward()
+        return loss, logits
+
+
+def test_a_smaller_batch_is_padded_to_a_captured_graph_when_asked() -> None:
+    rows = [8] * 4 + [5] + [8] + [3] + [12]
+    _, ref_model, _, ref_out = _run(Step, "cpu", rows, set(), captured=False)
+    graph, model, _, out = _run(
+        LogitsStep, "cpu", rows, set(), warmup_steps=1, pad_batches=(0, -100)
+    )
+    events = [e for e in graph._replayer.device.events if e != "check"]
+    # 5 and 3 rows replay the 8-row graph, padded; 12 rows (more) warm up as a batch of its own
+    assert events == ["warmup", "capture"] + ["replay"] * 6 + ["warmup"]
+    assert graph._replayer.captures == 1
+    assert [tuple(logits.shape) for _, logits in out] == [(n, 4) for n in rows]
+    # the padded rows counted for nothing: the same losses and weights as unpadded steps
+    # (close, not bit-equal: products over 8 rows instead of 5 may round in another order)
+    torch.testing.assert_close([loss for loss, _ in out], ref_out, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(list(model.parameters()), list(ref_model.parameters()))
+
+
+def test_without_pad_batches_a_smaller_batch_runs_eagerly() -> None:
+    graph, *_ = _run(RerunStep, "cpu", [8] * 3 + [5], set(), warmup_steps=1)
+    assert [e for e in graph._replayer.device.events if e != "check"][-1] == "warmup"
+
+
+@pytest.mark.parametrize(
+    ("pad", "match"),
+    [((0.0, -100, 1.0), "3 fill values, but build takes 2 tensor"), ((0.0, 0.5), "torch.int64")],
+)
+def test_fill_values_that_do_not_fit_the_inputs_are_refused(pad: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _run(RerunStep, "cpu", [8, 8, 5], set(), warmup_steps=1, pad_batches=pad)
+
+
+def test_padding_is_refused_with_batch_norm_and_with_accumulation() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+    graph = RerunStep(model, fused_sgd(model), pad_batches=(0.0, -100))
+    _refused(graph, model, r"pad_batches with BatchNorm1d \(1\) in training mode")
+    model = mlp()
+    graph = RerunStep(model, fused_sgd(model), pad_batches=(0.0, -100))
+    graph.config.set_gradient_accumulation_steps(2)
+    _refused(graph, model, "pad_batches with gradient accumulation")
+
+
+def test_which_captured_batches_a_batch_fits() -> None:
+    x, y = torch.zeros(5, 16), torch.zeros(5, dtype=torch.long)
+    assert (
+        fitting_rows([x, y, "mean"], [torch.zeros(8, 16), torch.zeros(8, dtype=torch.long), "mean"])
+        == 8
+    )
+    misfits = [
+        [torch.zeros(8, 16), torch.zeros(8, dtype=torch.long), "sum"],  # another value
+        [torch.zeros(8, 16), torch.zeros(8), "mean"],  # another dtype
+        [torch.zeros(8, 15), torch.zeros(8, dtype=torch.long), "mean"],  # another row size
+        [torch.zeros(4, 16), torch.zeros(4, dtype=torch.long), "mean"],  # fewer rows
+        [torch.zeros(8, 16), torch.zeros(9, dtype=torch.long), "mean"],  # rows disagree
+        [torch.zeros(8, 16), torch.zeros(8, dtype=torch.long)],  # fewer inputs
+    ]
+    assert [fitting_rows([x, y, "mean"], statics) for statics in misfits] == [None] * len(misfits)
+
+
 def _float16_runs(graph_cls: type[Step], device: str, **kw: Any) -> list:
     """A float16 run with the scaler, overflowing batches, a state_dict saved at step 5 and
     loaded at step 8 (the run goes on from step 5's state)."""
@@ -484,6 +565,22 @@ def test_dropout_accumulation_and_monitor_steps_replay_bit_for_bit(feature: str)
         rows = graph.config.monitor.history.rows
         assert rows == ref[0].config.monitor.history.rows
         assert {r["step"] for r in rows} == {0, 4, 8}
+
+
+@cuda
+@no_stream_mismatch
+def test_a_padded_last_batch_replays_the_captured_graph_on_the_gpu() -> None:
+    def run(**kw: Any) -> tuple[Step, list]:
+        model = mlp("cuda")
+        graph = CudaStep(model, _adamw(model), dtype=torch.float16, **kw)
+        gen = torch.Generator().manual_seed(6)
+        losses = [graph(*batch(gen, n, "cuda")) for n in [8] * 5 + [5, 8, 3]]
+        return graph, [*losses, *model.parameters()]
+
+    graph, got = run(warmup_steps=2, pad_batches=(0.0, -100))
+    _, ref = run(captured=False)
+    assert graph._replayer.captures == 1 and graph._replayer.replays == 6
+    torch.testing.assert_close(got, ref)
 
 
 @cuda

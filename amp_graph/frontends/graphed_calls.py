@@ -126,6 +126,10 @@ class LeastRecentlyUsed(Generic[V]):
     def __len__(self) -> int:
         return len(self._items)
 
+    def values(self) -> list[V]:
+        """What is held, least recently used first (not counted as a use)."""
+        return list(self._items.values())
+
     def get(self, key: Any) -> V:
         self._items.move_to_end(key)
         return self._items[key]

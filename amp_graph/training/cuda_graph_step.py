@@ -23,9 +23,11 @@ the host may change between replays. What this module holds, and why:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,6 +47,12 @@ from amp_graph.frontends.graphed_calls import (
     static_copy,
 )
 from amp_graph.passes.meta import AMP
+from amp_graph.training.batch_padding import (
+    PaddedBatch,
+    checked_pad_values,
+    padded_batch,
+    refuse_padding,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +87,14 @@ class CudaGraphOptions:
 
     warmup_steps: int = 3
     max_graphs: int = 8
+    pad_batches: tuple[bool | int | float, ...] | None = None  # batch_padding
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "max_graphs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"enable_cuda_graph: {name} is a positive int; got {value!r}")
+        object.__setattr__(self, "pad_batches", checked_pad_values(self.pad_batches))
 
 
 # ---- refusals ----------------------------------------------------------------------------
@@ -97,9 +107,14 @@ def refuse_uncapturable_step(
     process_group: Any,
     modules: dict[str, torch.nn.Module],
     build: fx.GraphModule,
+    padding: bool = False,
+    accumulation_steps: int = 1,
 ) -> None:
     """Every refusal a Graph's step meets before its first step, except the devices (which
-    the :class:`StepCapture` checks): ``compile_options`` is None without enable_compile."""
+    the :class:`StepCapture` checks): ``compile_options`` is None without enable_compile;
+    ``padding``: whether ``pad_batches`` is set."""
+    if padding:
+        refuse_padding(modules.values(), accumulation_steps)
     scheduled = {id(s.optimizer) for s in schedulers if hasattr(s, "optimizer")}
     refuse_uncapturable_optimizers(optimizers, scheduled)
     if compile_options is not None:
@@ -356,6 +371,26 @@ class StepReplayer:
     def graphs(self) -> int:
         """Captured graphs held now (at most ``max_graphs``)."""
         return len(self._graphs)
+
+    def padded(self, args: tuple) -> PaddedBatch | None:
+        """``args`` padded up to the batch of a held graph that fits them (``pad_batches``;
+        :mod:`amp_graph.training.batch_padding`), or None where padding is off or none fits."""
+        if self.options.pad_batches is None:
+            return None
+        captured = [entry.statics for entry in self._graphs.values()]
+        return padded_batch(args, self.options.pad_batches, captured)
+
+    def runner(
+        self, step: Callable[..., Any], around: AbstractContextManager[None] | None = None
+    ) -> Callable[..., Any]:
+        """``step`` called through :meth:`run` (keyed by the step itself), inside ``around``
+        where given (a monitor's logging step: :meth:`Monitor.replayable`)."""
+
+        def run(*leaves: Any) -> Any:
+            with around if around is not None else contextlib.nullcontext():
+                return self.run(id(step), step, leaves)
+
+        return run
 
     def clear(self) -> None:
         """Drop every captured graph (the next calls warm up and capture again)."""

@@ -149,7 +149,12 @@ class GraphConfig:
         self.compile, self.compile_options = bool(enabled), dict(options)
 
     def enable_cuda_graph(
-        self, mode: bool = True, *, warmup_steps: int = 3, max_graphs: int = 8
+        self,
+        mode: bool = True,
+        *,
+        warmup_steps: int = 3,
+        max_graphs: int = 8,
+        pad_batches: Any = None,
     ) -> None:
         """Run the whole step (forward, backward, unscale and check, clipping, optimizer
         steps, O2 masters, scale update) as one CUDA graph, replayed each call.
@@ -165,13 +170,18 @@ class GraphConfig:
         (captured after ``warmup_steps`` logging steps), writing their statistics into one
         buffer that each step copies out on the device.
 
+        ``pad_batches=(0.0, -100)`` (a fill per tensor input): a smaller batch, the last of
+        an epoch, is padded up to a captured graph's and replayed (``training.batch_padding``).
+
         Refused at the first call, with the cause and the way out: a CPU model or CPU
         tensors in the step, an optimizer without ``fused=True``/``capturable=True``, a float
         learning rate that a scheduler drives, a ``build`` reading device values on the host
         (``.item()``, boolean masks), torch.compile modes with CUDA graphs of their own, and
         distributed steps (not captured yet). Set it before the first call.
         """
-        self.cuda_graph = cuda_graphs.CudaGraphOptions(warmup_steps, max_graphs) if mode else None
+        self.cuda_graph = (
+            cuda_graphs.CudaGraphOptions(warmup_steps, max_graphs, pad_batches) if mode else None
+        )
 
     def enable_monitor(self, every: int = 100, **options: Any) -> Monitor:
         """Measure the build's chosen nodes every ``every`` steps (one call of the graph is a
@@ -351,6 +361,8 @@ class Graph:
         return self._last
 
     def __call__(self, *args: Any) -> Any:
+        padded = self._replayer.padded(args) if self._replayer and self.training else None
+        args = args if padded is None else padded.args
         step, leaves = self._step_for(args)
         self._last = step
         monitor = self.config.monitor
@@ -367,7 +379,7 @@ class Graph:
         self._step += 1
         if monitor is not None:
             monitor.after_step(self, out)
-        return out
+        return out if padded is None else padded.cut(out)
 
     def _step_for(self, args: tuple) -> tuple[fx.GraphModule, list]:
         """The step graph for these inputs (captured on first sight) and its flat inputs."""
@@ -410,15 +422,7 @@ class Graph:
         cuda_graphs.refuse_changed_learning_rates(
             self._replayed_lrs, cuda_graphs.learning_rates(self._optimizers)
         )
-        replayer = self._replayer
-        if monitor is None:
-            return lambda *leaves: replayer.run(id(step), step, leaves)
-
-        def run(*leaves: Any) -> Any:
-            with monitor.replayable(step):
-                return replayer.run(id(step), step, leaves)
-
-        return run
+        return self._replayer.runner(step, None if monitor is None else monitor.replayable(step))
 
     def _start_replayer(self, build: fx.GraphModule, scaler: GradScaler | None) -> None:
         """config.enable_cuda_graph: refuse what a captured step cannot do, then replay."""
@@ -432,6 +436,8 @@ class Graph:
             self.config.process_group,
             self._modules,
             build,
+            options.pad_batches is not None,
+            self.config.accumulation_steps,
         )
         if self._replayer is None:
             # a replay runs no Python: it must leave the step's flags where its capture did
