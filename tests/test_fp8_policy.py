@@ -65,6 +65,9 @@ def test_report_and_explain_say_why_a_node_is_or_is_not_fp8():
     report = amp_graph.report(compiled)
     fp8 = [r for r in report.rows if r.op == "fp8 linear"]
     assert len(fp8) == 1 and fp8[0].decided_by == "fp8"
+    # two products (the quantizations are none), each counted in the dtype it computes in
+    assert report.products == 2 and report.low_products == {"bf16": 1, "e4m3": 1}
+    assert "convolutions: 2 of 2 low: 1 in bf16, 1 in e4m3" in report.totals()
     text = str(amp_graph.explain(compiled, fp8[0].name))
     assert "float8 scaled matmul" in text and "K=32, N=64" in text
     assert "keep this layer in bf16" in text and "'linear': 'fp32'" in text

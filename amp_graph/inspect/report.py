@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from amp_graph.capture.fsdp_units import FSDP_MIXED_PRECISION
 from amp_graph.frontends.compiler import CompileRecord, compile_record, unwrap
-from amp_graph.monitoring.selection import is_default
+from amp_graph.monitoring.selection import is_default, is_quantization
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.passes.recompute_casts import copy_dtype
 from amp_graph.policy import Rule, nearest
@@ -90,10 +90,12 @@ class Report:
     # FSDP2 units (no param_dtype yet) whose every parameter read is a cast to the low
     # dtype: param_dtype there halves their all-gathers and changes no value
     fsdp_read_low: list[str] = field(default_factory=list)
-    # matrix products and convolutions: how many, and those computing in float32 (or
-    # float64), each with the reason its rule gives: node name -> detail
+    # matrix products and convolutions: how many, those computing in float32 (or
+    # float64), each with the reason its rule gives: node name -> detail, and how many
+    # compute in each low dtype (an fp8 product in its operands' float8 format)
     products: int = 0
     wide_products: dict[str, str] = field(default_factory=dict)
+    low_products: dict[str, int] = field(default_factory=dict)
     graph_module: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     def row(self, name: str) -> NodeRow:
@@ -115,7 +117,7 @@ class Report:
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
             + _declined_text(self.casts_recompute_declined, self.recompute_cost)
-            + _products_text(self.products, self.wide_products, self.dtype)
+            + _products_text(self.products, self.wide_products, self.low_products)
             + _fsdp_text(self.fsdp_mixed_precision)
             + _read_low_text(self.fsdp_read_low, self.dtype)
         )
@@ -168,11 +170,15 @@ class Report:
         return draw(self._compiled(), **options)
 
 
-def _products_text(products: int, wide: dict[str, str], dtype: str) -> str:
+def _products_text(products: int, wide: dict[str, str], low: dict[str, int]) -> str:
     """One line, and one more per float32 product (the first few): where the GEMMs run."""
     if not products:
         return ""
-    text = f"\nmatrix products and convolutions: {products - len(wide)} of {products} in {dtype}"
+    if len(low) == 1:
+        where = f"in {next(iter(low))}"
+    else:  # e.g. fp8 with its first and last layers in bf16
+        where = "low: " + ", ".join(f"{n} in {dtype}" for dtype, n in sorted(low.items()))
+    text = f"\nmatrix products and convolutions: {products - len(wide)} of {products} {where}"
     shown = list(wide.items())[:_WIDE_SHOWN]
     text += "".join(f"\n  {name} in float32: {why}" for name, why in shown)
     if len(wide) > len(shown):
@@ -183,19 +189,34 @@ def _products_text(products: int, wide: dict[str, str], dtype: str) -> str:
 _WIDE_SHOWN = 5
 
 
-def wide_products(gm: fx.GraphModule) -> tuple[int, dict[str, str]]:
+def wide_products(gm: fx.GraphModule) -> tuple[int, dict[str, str], dict[str, int]]:
     """The matrix products and convolutions of a compiled graph (as the monitor selects them
-    by default), and those computing in float32 or float64, with their rule's reason."""
-    count, wide = 0, {}
+    by default, less its fp8 quantizations), those computing in float32 or float64 with their
+    rule's reason, and how many compute in each other dtype (:func:`product_dtype`)."""
+    count, wide, low = 0, {}, Counter()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not is_default(node):
+        if node.op != "call_function" or not is_default(node) or is_quantization(node):
             continue
         count += 1
-        amp: AmpInfo = node.meta[AMP]
-        computes = amp.compute_dtype or amp.out_dtype
+        computes = product_dtype(node)
         if computes in (torch.float32, torch.float64):
+            amp: AmpInfo = node.meta[AMP]
             wide[node.name] = amp.detail or str(amp.rule)
-    return count, wide
+        else:
+            low[short(computes)] += 1
+    return count, wide, dict(low)
+
+
+def product_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype a matrix product or convolution computes in: its float8 operands' format
+    (an fp8 linear, ``_scaled_mm``), else the dtype its rule gave it."""
+    for arg in node.args:
+        info = arg.meta.get(AMP) if isinstance(arg, fx.Node) else None
+        dtype = info.out_dtype if info is not None else None
+        if dtype is not None and dtype.is_floating_point and dtype.itemsize == 1:
+            return dtype
+    amp: AmpInfo = node.meta[AMP]
+    return amp.compute_dtype or amp.out_dtype
 
 
 def _fsdp_text(units: dict[str, str]) -> str:
@@ -292,7 +313,7 @@ def report(compiled: Any) -> Report:
     ops = Counter(
         r.out for r in rows if r.role in (str(Role.OP), str(Role.USER_CAST), str(Role.INPLACE))
     )
-    products, wide = wide_products(compiled)
+    products, wide, low = wide_products(compiled)
     return Report(
         policy=record.policy.name,
         dtype=short(record.dtype),
@@ -313,6 +334,7 @@ def report(compiled: Any) -> Report:
         fsdp_read_low=fsdp_units_read_low(compiled, record.dtype),
         products=products,
         wide_products=wide,
+        low_products=low,
         graph_module=compiled,
     )
 

@@ -58,6 +58,11 @@ def is_default(node: fx.Node) -> bool:
     return _schema_name(node) in DEFAULT_OPS or node.target is recomputed_quantize
 
 
+def is_quantization(node: fx.Node) -> bool:
+    """An fp8 quantization (measured by default, but no matrix product)."""
+    return _schema_name(node) == "amp_graph::fp8_quantize" or node.target is recomputed_quantize
+
+
 class NodeSelection:
     """``nodes=None``: :func:`is_default`. Otherwise a mapping from :data:`SELECTOR_FIELDS`
     to iterables of selectors, as the Policy fields of the same names take them::
