@@ -40,7 +40,8 @@ side only.) Each row also gives every variant's first five calls' peak allocated
 (``first_calls_peak_alloc_mb``): for a captured Graph, calls 1-3 warm up and call 4
 captures, so that the capture's own peak can be set beside the eager step's and beside its
 pool's segments (on the H200 the pool held 1.69x the eager step's reserved peak, cause not
-yet established).
+yet established), and a captured Graph's ``pool``: its segments' bytes by block state after
+the capture (:func:`pool_breakdown`: kept tensors or free space the capture did not reuse).
 """
 
 from __future__ import annotations
@@ -181,6 +182,31 @@ def step_peak_bytes(step: Callable, graph: Any, inputs: tuple) -> int | None:
     return torch.cuda.max_memory_reserved() - held
 
 
+def pool_breakdown(graph: Any) -> dict[str, Any] | None:
+    """What a captured Graph's memory pool holds after its capture: its segments' MiB by
+    block state (``active_allocated``: tensors alive in the pool, the graph's outputs and
+    anything the capture kept; ``inactive``: free space the capture never reused) and the
+    sizes of the largest blocks of each state, to tell kept tensors from fragmentation."""
+    replayer = getattr(graph, "_replayer", None)
+    pool = replayer.device._pool if replayer is not None and replayer.captures else None
+    if pool is None:
+        return None
+    segments = [s for s in torch.cuda.memory_snapshot() if s.get("segment_pool_id") == pool]
+    by_state: dict[str, float] = {}
+    largest: dict[str, list[float]] = {}
+    for segment in segments:
+        for block in segment["blocks"]:
+            mib = block["size"] / 2**20
+            by_state[block["state"]] = by_state.get(block["state"], 0.0) + mib
+            largest.setdefault(block["state"], []).append(mib)
+    return {
+        "segments": len(segments),
+        "segment_mib": sorted((s["total_size"] / 2**20 for s in segments), reverse=True)[:12],
+        "mib_by_state": by_state,
+        "largest_blocks_mib": {k: sorted(v, reverse=True)[:12] for k, v in largest.items()},
+    }
+
+
 def allocated_peak(step: Callable, inputs: tuple) -> float | None:
     """Runs one step; the MiB it allocated at its peak beyond what was allocated before
     (None on the CPU). A capture's allocations count (they come from its pool)."""
@@ -208,6 +234,7 @@ def measure(
     steps: dict[str, Built] = {}
     peaks: dict[str, int | None] = {}
     call_peaks: dict[str, list[float | None]] = {}
+    pools: dict[str, Any] = {}
     built = variants(setup, dtype, compiled, device == "cuda", graph_compile and compiled)
     for name, build in built.items():
         if only and name != "hand" and name not in only:
@@ -218,6 +245,8 @@ def measure(
             # the capture's included (what a captured graph's pool has to hold at least)
             call_peaks[name] = [allocated_peak(step, setup.inputs) for _ in range(5)]
             peaks[name] = step_peak_bytes(step, graph, setup.inputs)
+            if device == "cuda":
+                pools[name] = pool_breakdown(graph)
             steps[name] = step, graph
         except Exception as error:  # reported in the row; the other variants still run
             traceback.print_exc()
@@ -234,6 +263,7 @@ def measure(
             "vs_hand": ratio(times, name, "hand"),
             "peak_step_mb": None if peaks[name] is None else peaks[name] / 2**20,
             "first_calls_peak_alloc_mb": call_peaks[name],
+            "pool": pools.get(name),
         }
     for mine, key in (
         ("Graph O1 cuda_graph", "captured_vs_compile"),

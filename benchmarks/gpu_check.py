@@ -381,8 +381,15 @@ def run_step_capture(seconds: float, results: Results) -> None:
     mine, base = timed(row, captured), timed(row, "Graph O1")
     if mine is not None and base is not None and mine["peak_step_mb"] and base["peak_step_mb"]:
         peak, base_mb = mine["peak_step_mb"], base["peak_step_mb"]
+        states = (mine.get("pool") or {}).get("mib_by_state", {})
+        split = (
+            f"; pool {states.get('active_allocated', 0):.0f} MB live, "
+            f"{states.get('inactive', 0):.0f} MB free"
+            if states
+            else ""
+        )
         results.cells["step_capture_memory"] = (
-            f"{peak / base_mb:.2f}x ({peak:.0f} / {base_mb:.0f} MB)"
+            f"{peak / base_mb:.2f}x ({peak:.0f} / {base_mb:.0f} MB{split})"
         )
     if broken:
         raise GpuCheckError("cuda_graph_bench.py: " + "; ".join(broken))

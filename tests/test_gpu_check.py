@@ -62,6 +62,8 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
                     for i, (name, v) in enumerate(ms.items())
                 }
                 if batch == 8 and dtype == "bfloat16":
+                    states = {"active_allocated": 100.0, "inactive": 950.0}
+                    row["Graph O1 cuda_graph"]["pool"] = {"mib_by_state": states}
                     row["torch.compile reduce-overhead"] = {
                         "ms": 15.0,
                         "vs_hand": 0.5,
@@ -126,7 +128,7 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| <= 0.90x | 0.800x (15.00 ms) |" in text
     assert "| <= 0.90x | 0.700x; 0.350x (10.50 ms) |" in text
     assert "| <= 0.95x | 0.900x (180.00 ms vs 200.00 ms); 0.900x" in text
-    assert "| <= 1.10x | 1.05x (1050 / 1000 MB) |" in text
+    assert "| <= 1.10x | 1.05x (1050 / 1000 MB; pool 100 MB live, 950 MB free) |" in text
     assert "| - | 0.600x; 1.050x; 0.550x |" in text
     assert gpu_check.NOT_MEASURED not in text
     # Every figure, machine-readable, with where it was measured.
