@@ -48,6 +48,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from amp_graph.ops import fp8_ops  # noqa: F401 (registers the torch.ops.amp_graph.fp8_* the pass writes)
 from amp_graph.policy import Rule
 from amp_graph.policy.fp8_filters import LinearFacts, decide
 from amp_graph.policy.fp8_recipe import E4M3, Fp8Config

@@ -50,8 +50,10 @@ QUICK = {"budget": 25.0, "width": 16, "batch": 64, "min_steps": 10, "max_steps":
 FULL = {"steps": 300, "width": 32, "batch": 128}
 
 
-def progress(items: Iterator, total: int, label: str, stream: TextIO = sys.stderr) -> Iterator:
+def progress(items: Iterator, total: int, label: str, stream: TextIO | None = None) -> Iterator:
     """A dependency-free progress bar on stderr (redrawn in a terminal, one line in a log)."""
+    # sys.stderr as it is now, not as it was at import (a notebook or a test may swap it)
+    stream = sys.stderr if stream is None else stream
     width = 30
     live = stream.isatty()
     for i, item in enumerate(items, 1):
@@ -103,10 +105,11 @@ def timed_steps(
     budget: float,
     low: int,
     high: int,
-    stream_out: TextIO = sys.stderr,
+    stream_out: TextIO | None = None,
 ) -> int:
     """Take steps until ``budget`` seconds have passed (at least ``low``, at most ``high``),
-    with a progress bar over the budget; returns how many were taken."""
+    with a progress bar over the budget (on stderr); returns how many were taken."""
+    stream_out = sys.stderr if stream_out is None else stream_out
     width, live = 30, stream_out.isatty()
     start, taken = time.perf_counter(), 0
     while taken < high and (taken < low or time.perf_counter() - start < budget):

@@ -15,7 +15,10 @@ the host may change between replays. What this module holds, and why:
   non-tensor inputs) ``warmup_steps`` eager steps on a side stream, then one capture into
   static inputs, then replays; the captured graphs share one memory pool and live in a
   bounded least-recently-used cache, with a log line per capture and per eviction; what a
-  replay returns is cloned, so that it survives the next replay;
+  replay returns is cloned, so that it survives the next replay; a monitor's logging step is
+  a step graph of its own (its statistics go through one fixed buffer: see
+  :meth:`amp_graph.monitoring.Monitor.replayable`); a smaller batch may be padded up to a
+  captured one (:mod:`amp_graph.training.batch_padding`);
 * :class:`CudaGraphCapture`: the CUDA half (side stream, pool, ``torch.cuda.graph``), the
   only part that needs a GPU. Tests on the CPU give the replayer a stand-in that reruns the
   step, which checks the replayer's bookkeeping but not a capture (``pytest -m cuda`` does).
