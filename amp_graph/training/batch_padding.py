@@ -106,10 +106,12 @@ def fitting_rows(leaves: Sequence[Any], statics: Sequence[Any]) -> int | None:
             and (leaf.dtype, leaf.device, leaf.requires_grad)
             == (static.dtype, static.device, static.requires_grad)
         )
-        if not alike or batch not in (None, (leaf.shape[0], static.shape[0])):
+        # a batch as large as the graph's (the common call) fails at its first tensor
+        smaller = alike and leaf.shape[0] < static.shape[0]
+        if not smaller or batch not in (None, (leaf.shape[0], static.shape[0])):
             return None
         batch = (leaf.shape[0], static.shape[0])
-    return batch[1] if batch is not None and batch[1] > batch[0] else None
+    return batch[1] if batch is not None else None
 
 
 def padded_batch(

@@ -52,6 +52,7 @@ from amp_graph.frontends.graphed_calls import (
 from amp_graph.passes.meta import AMP
 from amp_graph.training.batch_padding import (
     PaddedBatch,
+    PadValue,
     checked_pad_values,
     padded_batch,
     refuse_padding,
@@ -90,7 +91,7 @@ class CudaGraphOptions:
 
     warmup_steps: int = 3
     max_graphs: int = 8
-    pad_batches: tuple[bool | int | float, ...] | None = None  # batch_padding
+    pad_batches: tuple[PadValue, ...] | None = None  # batch_padding
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "max_graphs"):
@@ -384,13 +385,15 @@ class StepReplayer:
         return padded_batch(args, self.options.pad_batches, captured)
 
     def runner(
-        self, step: Callable[..., Any], around: AbstractContextManager[None] | None = None
+        self,
+        step: Callable[..., Any],
+        around: AbstractContextManager[None] = contextlib.nullcontext(),  # noqa: B008 (reusable)
     ) -> Callable[..., Any]:
         """``step`` called through :meth:`run` (keyed by the step itself), inside ``around``
-        where given (a monitor's logging step: :meth:`Monitor.replayable`)."""
+        (a monitor's logging step: :meth:`Monitor.replayable`)."""
 
         def run(*leaves: Any) -> Any:
-            with around if around is not None else contextlib.nullcontext():
+            with around:
                 return self.run(id(step), step, leaves)
 
         return run

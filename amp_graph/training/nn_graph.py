@@ -422,7 +422,9 @@ class Graph:
         cuda_graphs.refuse_changed_learning_rates(
             self._replayed_lrs, cuda_graphs.learning_rates(self._optimizers)
         )
-        return self._replayer.runner(step, None if monitor is None else monitor.replayable(step))
+        if monitor is None:
+            return self._replayer.runner(step)
+        return self._replayer.runner(step, monitor.replayable(step))
 
     def _start_replayer(self, build: fx.GraphModule, scaler: GradScaler | None) -> None:
         """config.enable_cuda_graph: refuse what a captured step cannot do, then replay."""
