@@ -6,6 +6,7 @@ which puts this folder on ``sys.path``; the tests add it themselves).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,15 +26,23 @@ def interleaved_seconds(
     *,
     warmup: int = 0,
     device: str = "cpu",
+    seed: int = 0,
 ) -> dict[str, list[float]]:
-    """Each step's wall times over ``repeats`` rounds, run in turn (ABCD ABCD ...) so that
-    machine drift hits every variant alike; ``warmup`` untimed calls of each first."""
+    """Each step's wall times over ``repeats`` rounds. Every round runs each step once, so
+    that machine drift hits every variant alike, in an order shuffled per round (seeded by
+    ``seed``, so a rerun repeats it): a fixed order (ABCD ABCD ...) gives whichever step
+    follows another the caches that step left, a bias measured at about 1% on a CPU
+    (BENCHMARKS.md, "How the benchmarks measure"). ``warmup`` untimed calls of each first."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    rounds = random.Random(seed)
     for _ in range(repeats):
-        for name, step in steps.items():
+        rounds.shuffle(order)
+        for name in order:
+            step = steps[name]
             sync(device)
             start = time.perf_counter()
             step()

@@ -11,10 +11,10 @@ fused AdamW, four ways:
 
 and with ``--compile`` two more: ``torch.compile`` + ``torch.autocast`` by hand, and the O2
 Graph with ``config.enable_compile()`` (inductor). The runs take their steps in turn (step
-1 of every run, then step 2, ...), so that their times are measured side by side. Then it
-prints test accuracy, median step time and its ratio to fp32 and to torch.autocast, the
-bytes of parameters, gradients and master weights, the skipped steps, and the cast report
-of O1.
+1 of every run in a shuffled order, then step 2, ...), so that their times are measured side
+by side. Then it prints test accuracy, median step time and its ratio to fp32 and to
+torch.autocast, the bytes of parameters, gradients and master weights, the skipped steps,
+and the cast report of O1.
 
 By default the demo is quick on any CPU (about half a minute of training): after a few
 warm-up steps (which capture the Graphs) it takes as many steps as fit its time budget,
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import random
 import statistics
 import sys
 import time
@@ -287,12 +288,16 @@ def main(argv: list[str] | None = None) -> int:
         graph = DigitsStep(model, optimizer(model), "O2", dtype, compile=True)
         runs["amp_graph.Graph O2 compiled"] = (model, graph, graph)
 
-    # every run takes the same batches, in turn: step i of each run before step i + 1
+    # every run takes the same batches, in turn: step i of each run before step i + 1, in an
+    # order shuffled per step (a run that always follows the same other run inherits its caches)
     times: dict[str, list[float]] = {label: [] for label in runs}
     scales: dict[str, list[float]] = {label: [] for label in runs}
+    order, shuffler = list(runs), random.Random(0)
 
     def take(x: torch.Tensor, y: torch.Tensor) -> None:
-        for label, (_, step, graph) in runs.items():
+        shuffler.shuffle(order)
+        for label in order:
+            _, step, graph = runs[label]
             start = time.perf_counter()
             step(x, y)
             times[label].append(time.perf_counter() - start)
