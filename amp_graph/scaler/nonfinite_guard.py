@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,23 +129,32 @@ class NonFiniteGuard:
             self._found_inf = found
         return self._found_inf
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *args: Any,
+        step_fn: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """``optimizer.step()`` unless this iteration found inf/nan; returns its result, or
         None when skipped. No synchronization with an optimizer that takes ``found_inf``,
-        once its state exists; one host read otherwise."""
+        once its state exists; one host read otherwise. ``step_fn``: what to call instead of
+        ``optimizer.step`` (same contract, ``found_inf`` attribute included), e.g. a
+        :class:`~amp_graph.training.fused_step.FusedStep`."""
         found = self.found_inf()
         self._last_found = found  # not compared here: one op fewer per step
+        run = optimizer.step if step_fn is None else step_fn
         takes_found_inf = getattr(optimizer, "_step_supports_amp_scaling", False)
         if takes_found_inf and not _allocates_uninitialized_state(optimizer):
             optimizer.found_inf = found  # type: ignore[attr-defined]
             try:
-                return optimizer.step(*args, **kwargs)
+                return run(*args, **kwargs)
             finally:
                 del optimizer.found_inf  # type: ignore[attr-defined]
         if not takes_found_inf:
             self._note_host_read(optimizer)
         if found.item() == 0:  # the one host read of this path
-            return optimizer.step(*args, **kwargs)
+            return run(*args, **kwargs)
         optimizer._opt_called = True  # type: ignore[attr-defined]  # a skip is a step (schedulers)
         return None
 

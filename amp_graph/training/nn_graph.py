@@ -66,6 +66,7 @@ from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.policy import Policy, nearest
 from amp_graph.scaler import GradScaler, NonFiniteGuard
 from amp_graph.training import cuda_graph_step as cuda_graphs
+from amp_graph.training.fused_step import FusedStep
 from amp_graph.training.master_weights import MasterWeights
 from amp_graph.training.step_graph import StepPlan, build_step_graph
 
@@ -595,6 +596,9 @@ class Graph:
         for i, optimizer in enumerate(self._optimizers):
             setattr(step_root, f"optimizer_{i}", optimizer)
             plan.optimizers.append(f"optimizer_{i}")
+            if plan.guard is not None:
+                setattr(step_root, f"fused_step_{i}", FusedStep(optimizer))
+                plan.fused_steps.append(f"fused_step_{i}")
         for i, scheduler in enumerate(self._schedulers):
             setattr(step_root, f"lr_scheduler_{i}", scheduler)
             if self.config.cuda_graph is None:  # else stepped by __call__, after the replay

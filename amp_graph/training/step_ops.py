@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.scaler import GradScaler
 from amp_graph.scaler.nonfinite_guard import NonFiniteGuard
+from amp_graph.training.fused_step import FusedStep
 from amp_graph.training.master_weights import MasterWeights
 
 
@@ -111,9 +112,12 @@ def clip_and_check_finite(
     return guard.clip_and_check(optimizer, max_norm)
 
 
-def step_if_finite(guard: NonFiniteGuard, optimizer: torch.optim.Optimizer) -> Any:
-    """Step unless a gradient was inf/nan; on the device with a fused optimizer."""
-    return guard.step(optimizer)
+def step_if_finite(
+    guard: NonFiniteGuard, optimizer: torch.optim.Optimizer, fused_step: FusedStep | None = None
+) -> Any:
+    """Step unless a gradient was inf/nan; on the device with a fused optimizer, through
+    ``fused_step`` (torch's kernel call without torch.optim's per-call Python) when given."""
+    return guard.step(optimizer, step_fn=fused_step)
 
 
 def end_step(guard: NonFiniteGuard) -> None:
