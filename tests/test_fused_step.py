@@ -18,6 +18,7 @@ import torch.optim.optimizer as torch_optimizer
 from graph_helpers import TrainGraph
 
 from amp_graph.demo import models
+from amp_graph.scaler import GradScaler
 from amp_graph.training.fused_step import FusedStep
 
 BF16 = torch.bfloat16
@@ -232,33 +233,39 @@ def test_an_unsupported_optimizer_is_stepped_by_torch():
 # ---- in a Graph ------------------------------------------------------------------------------
 
 
-def _graph(model, fused_steps: bool):
-    g = TrainGraph(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), dtype=BF16)
+def _graph(model, fused_steps: bool, dtype: torch.dtype):
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=2) if dtype == torch.float16 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    g = TrainGraph(model, opt, dtype=dtype, scaler=scaler)
     if not fused_steps:
         build_step = g._step_graph
 
         def torch_steps(captured):
             step = build_step(captured)
-            step.fused_step_0 = None  # step_if_finite then calls optimizer.step()
+            step.fused_step_0 = None  # the step node then calls optimizer.step()
             return step
 
         g._step_graph = torch_steps
     return g
 
 
-def test_a_graph_steps_through_it_bit_for_bit_with_torch_step_and_skips_inf():
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16_guard", "fp16_scaler"])
+def test_a_graph_steps_through_it_bit_for_bit_with_torch_step_and_skips_inf(dtype):
     base = models.MLP()
     torch.manual_seed(1)
-    batches = [(torch.randn(16, 64), torch.randint(0, 10, (16,))) for _ in range(5)]
+    batches = [(torch.randn(16, 64), torch.randint(0, 10, (16,))) for _ in range(6)]
     batches[3][0][0, 0] = float("inf")  # non-finite gradients: the step is skipped
-    graphs = [_graph(copy.deepcopy(base), fused) for fused in (True, False)]
+    graphs = [_graph(copy.deepcopy(base), fused, dtype) for fused in (True, False)]
     for x, y in batches:
         losses = [g(x, y) for g in graphs]
         torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0, equal_nan=True)
         for a, b in zip(graphs[0].model.parameters(), graphs[1].model.parameters(), strict=True):
             assert torch.equal(a, b)
     assert graphs[0].skipped_steps == graphs[1].skipped_steps == 1
+    if dtype == torch.float16:  # backed off once, grown twice: the same scale either way
+        scales = [g.grad_scaler.get_scale() for g in graphs]
+        assert scales[0] == scales[1] == 2.0**10 / 2 * 2 * 2
     step = graphs[0].step_graph
     # every step after the first, the skipped one included (the kernel skips on found_inf)
-    assert "fused_step_0" in step.code and step.fused_step_0.direct_steps == 4
+    assert "fused_step_0" in step.code and step.fused_step_0.direct_steps == 5
     assert graphs[1].step_graph.fused_step_0 is None

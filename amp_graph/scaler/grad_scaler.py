@@ -19,7 +19,7 @@ import inspect
 import warnings
 import weakref
 from collections import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -237,9 +237,18 @@ class GradScaler:
 
     # ---- step ----------------------------------------------------------------------------
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *args: Any,
+        step_fn: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Unscale (unless :meth:`unscale_` ran) and run ``optimizer.step(*args, **kwargs)``
         unless a gradient was inf/nan (on this rank, or on a rank it agrees with).
+        ``step_fn``: what to call instead of ``optimizer.step`` (same contract, the
+        ``grad_scale``/``found_inf`` attributes included), e.g. a
+        :class:`~amp_graph.training.fused_step.FusedStep`.
 
         Returns what ``optimizer.step`` returned, or ``None`` when skipped (torch's contract).
         :attr:`last_step_taken` records the outcome as a device tensor.
@@ -250,9 +259,10 @@ class GradScaler:
         device. Any other optimizer: exactly one (reading ``found_inf`` to decide whether to
         call ``optimizer.step``).
         """
+        run = optimizer.step if step_fn is None else step_fn
         if not self._enabled:
             self._last_step_taken = torch.ones((), dtype=torch.bool)
-            return optimizer.step(*args, **kwargs)
+            return run(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError(errors.CLOSURE)
         self._scale_state.tensors("step")
@@ -261,7 +271,7 @@ class GradScaler:
             raise RuntimeError(errors.STEP_TWICE)
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._step_fused(optimizer, state, *args, **kwargs)
+            return self._step_fused(optimizer, state, run, *args, **kwargs)
 
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
@@ -274,14 +284,19 @@ class GradScaler:
         self._last_step_taken = found_inf == 0
         retval = None
         if found_inf.item() == 0:  # the one host synchronization of this path
-            retval = optimizer.step(*args, **kwargs)
+            retval = run(*args, **kwargs)
         else:
             _mark_step_attempted(optimizer)
         state.stage = _Stage.STEPPED
         return retval
 
     def _step_fused(
-        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, *args: Any, **kwargs: Any
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: _OptimizerState,
+        run: Callable[..., Any],
+        *args: Any,
+        **kwargs: Any,
     ) -> Any:
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             raise NotImplementedError(
@@ -305,7 +320,7 @@ class GradScaler:
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = state.check.found_inf  # type: ignore[attr-defined]
         try:
-            retval = optimizer.step(*args, **kwargs)
+            retval = run(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]

@@ -596,9 +596,8 @@ class Graph:
         for i, optimizer in enumerate(self._optimizers):
             setattr(step_root, f"optimizer_{i}", optimizer)
             plan.optimizers.append(f"optimizer_{i}")
-            if plan.guard is not None:
-                setattr(step_root, f"fused_step_{i}", FusedStep(optimizer))
-                plan.fused_steps.append(f"fused_step_{i}")
+            setattr(step_root, f"fused_step_{i}", FusedStep(optimizer))
+            plan.fused_steps.append(f"fused_step_{i}")
         for i, scheduler in enumerate(self._schedulers):
             setattr(step_root, f"lr_scheduler_{i}", scheduler)
             if self.config.cuda_graph is None:  # else stepped by __call__, after the replay

@@ -49,7 +49,7 @@ class StepPlan:
     loss_positions: list[int]
     micro_batches: int = 1
     optimizers: list[str] = field(default_factory=list)  # attribute names on the root
-    fused_steps: list[str] = field(default_factory=list)  # a FusedStep per optimizer (guard)
+    fused_steps: list[str] = field(default_factory=list)  # a FusedStep per optimizer
     schedulers: list[str] = field(default_factory=list)
     scaler: str | None = None
     guard: str | None = None
@@ -211,7 +211,7 @@ def _optimizer_stage(call: Any, attr: Any, optimizers: list[fx.Node], plan: Step
         call(fn, (checker, opt, *clip), f"{label}_{i}", detail)
     step_fn = step_ops.optimizer_step if scaling else step_ops.step_if_finite
     for i, opt in enumerate(optimizers):
-        fused = (attr(plan.fused_steps[i]),) if plan.fused_steps and not scaling else ()
+        fused = (attr(plan.fused_steps[i]),) if plan.fused_steps else ()
         call(step_fn, (checker, opt, *fused), f"step_{i}", "step unless inf/nan was found")
     if plan.master:
         call(step_ops.master_to_model, (attr(plan.master),), "master_to_model", "O2 copy back")

@@ -90,9 +90,12 @@ def unscale_and_clip(
     return scaler.unscale_and_clip_grad_norm_(optimizer, max_norm)
 
 
-def optimizer_step(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> Any:
-    """Step unless a gradient was inf/nan (then the weights are left untouched)."""
-    return scaler.step(optimizer)
+def optimizer_step(
+    scaler: GradScaler, optimizer: torch.optim.Optimizer, fused_step: FusedStep | None = None
+) -> Any:
+    """Step unless a gradient was inf/nan (then the weights are left untouched), through
+    ``fused_step`` (torch's kernel call without torch.optim's per-call Python) when given."""
+    return scaler.step(optimizer, step_fn=fused_step)
 
 
 def master_to_model(master: MasterWeights) -> None:
