@@ -89,32 +89,36 @@ class FusedStep:
             return None
         calls = []
         for group in optimizer.param_groups:
+            lr = group["lr"]
             if not group["fused"] or group["differentiable"]:
+                return None
+            if isinstance(lr, torch.Tensor) and not lr.is_cpu:
                 return None
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue  # torch's step does nothing for this group
             if not _same_cpu_dtype_dense(params):
                 return None
-            call = self._plan(group, params, found_inf, grad_scale)
+            # the arguments both kernels take alike
+            common = {
+                "lr": lr,
+                "weight_decay": group["weight_decay"],
+                "maximize": group["maximize"],
+                "grad_scale": grad_scale,
+                "found_inf": found_inf,
+            }
+            call = self._plan(group, params, common)
             if call is None:
                 return None
             calls.append(call)
         return calls
 
     def _adam_calls(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        found_inf: torch.Tensor | None,
-        grad_scale: torch.Tensor | None,
+        self, group: dict[str, Any], params: list[torch.Tensor], common: dict[str, Any]
     ) -> _KernelCall | None:
         """torch.optim.adam._fused_adam's call for one group (one device, one dtype)."""
         beta1, beta2 = group["betas"]
         if isinstance(beta1, torch.Tensor) or isinstance(beta2, torch.Tensor):
-            return None
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and not lr.is_cpu:
             return None
         amsgrad = group["amsgrad"]
         states = [self.optimizer.state.get(p) for p in params]
@@ -128,30 +132,14 @@ class FusedStep:
         decoupled = group.get("decoupled_weight_decay", _ADAM[type(self.optimizer)])
         fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
         grads = [p.grad for p in params]
-        kwargs = {
-            "amsgrad": amsgrad,
-            "lr": lr,
-            "beta1": beta1,
-            "beta2": beta2,
-            "weight_decay": group["weight_decay"],
-            "eps": group["eps"],
-            "maximize": group["maximize"],
-            "grad_scale": grad_scale,
-            "found_inf": found_inf,
-        }
+        kwargs = {"amsgrad": amsgrad, "beta1": beta1, "beta2": beta2, "eps": group["eps"]}
+        kwargs.update(common)
         return fn, (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), kwargs, steps
 
     def _sgd_calls(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        found_inf: torch.Tensor | None,
-        grad_scale: torch.Tensor | None,
+        self, group: dict[str, Any], params: list[torch.Tensor], common: dict[str, Any]
     ) -> _KernelCall | None:
         """torch.optim.sgd._fused_sgd's call for one group, once momentum buffers exist."""
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and not lr.is_cpu:
-            return None
         if getattr(self.optimizer, "_need_device_dtype_check_for_fused", True):
             return None  # torch's first step checks the parameters' device and dtype
         momentum = group["momentum"]
@@ -163,16 +151,12 @@ class FusedStep:
                 return None  # the first step allocates the buffers
         grads = [p.grad for p in params]
         kwargs = {
-            "weight_decay": group["weight_decay"],
             "momentum": momentum,
-            "lr": lr,
             "dampening": group["dampening"],
             "nesterov": group["nesterov"],
-            "maximize": group["maximize"],
             "is_first_step": False,
-            "grad_scale": grad_scale,
-            "found_inf": found_inf,
         }
+        kwargs.update(common)
         return torch._fused_sgd_, (params, grads, buffers), kwargs, []
 
 
