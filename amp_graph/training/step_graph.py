@@ -92,9 +92,9 @@ def build_step_graph(root: nn.Module, build: fx.GraphModule, plan: StepPlan) -> 
         node.meta[AMP] = _step_info(fn.__name__, detail)
         return node
 
-    def attr(name: str) -> fx.Node:
+    def attr(name: str, detail: str | None = None) -> fx.Node:
         node = graph.create_node("get_attr", name)
-        node.meta[AMP] = _step_info("get_attr", f"the step's {name}")
+        node.meta[AMP] = _step_info("get_attr", detail or f"the step's {name}")
         return node
 
     inputs = []
@@ -211,7 +211,10 @@ def _optimizer_stage(call: Any, attr: Any, optimizers: list[fx.Node], plan: Step
         call(fn, (checker, opt, *clip), f"{label}_{i}", detail)
     step_fn = step_ops.optimizer_step if scaling else step_ops.step_if_finite
     for i, opt in enumerate(optimizers):
-        fused = (attr(plan.fused_steps[i]),) if plan.fused_steps else ()
+        fused = ()
+        if plan.fused_steps:
+            detail = f"steps optimizer_{i} without torch.optim's per-call Python (FusedStep)"
+            fused = (attr(plan.fused_steps[i], detail),)
         call(step_fn, (checker, opt, *fused), f"step_{i}", "step unless inf/nan was found")
     if plan.master:
         call(step_ops.master_to_model, (attr(plan.master),), "master_to_model", "O2 copy back")
