@@ -22,19 +22,21 @@ from amp_graph.scaler import GradScaler
 from amp_graph.training.fused_step import FusedStep
 
 BF16 = torch.bfloat16
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
 
 
-def _model() -> nn.Module:
+def _model(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(device)
 
 
 def _grads(model: nn.Module, step: int, skip: set[str] = frozenset()) -> None:
     """Deterministic gradients of a step (no backward: the test is about the optimizer)."""
     gen = torch.Generator().manual_seed(step)
     for name, p in model.named_parameters():
-        p.grad = None if name in skip else torch.randn(p.shape, generator=gen)
+        p.grad = None if name in skip else torch.randn(p.shape, generator=gen).to(p.device)
 
 
 def _assert_same(ref_model, ref_opt, model, opt) -> None:
@@ -52,6 +54,9 @@ ADAMS = {
         p, lr=1e-2, betas=(0.8, 0.95), amsgrad=True, maximize=True, weight_decay=0.1, fused=True
     ),
     "adamw_tensor_lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(3e-3), fused=True),
+    "adamw_device_lr": lambda p: torch.optim.AdamW(
+        p, lr=torch.tensor(3e-3, device=p[0].device), fused=True
+    ),
     "sgd_nesterov_decay": lambda p: torch.optim.SGD(
         p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True
     ),
@@ -64,10 +69,12 @@ if HAS_DECOUPLED:
     )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(ADAMS))
-def test_bit_identical_to_optimizer_step(name):
-    ref_model, model = _model(), _model()
-    ref_opt, opt = ADAMS[name](ref_model.parameters()), ADAMS[name](model.parameters())
+def test_bit_identical_to_optimizer_step(name, device):
+    ref_model, model = _model(device), _model(device)
+    ref_opt = ADAMS[name](list(ref_model.parameters()))
+    opt = ADAMS[name](list(model.parameters()))
     fused = FusedStep(opt)
     for step in range(5):
         skip = {"2.bias"} if step == 3 else set()  # a parameter without a gradient this step
@@ -79,7 +86,8 @@ def test_bit_identical_to_optimizer_step(name):
     assert fused.direct_steps == 4  # the first step creates the state through torch's step
 
 
-def test_two_groups_and_a_skipped_step_with_found_inf_and_grad_scale():
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_groups_and_a_skipped_step_with_found_inf_and_grad_scale(device):
     """The attributes a scaler or guard sets: a skipped step changes nothing (step counts
     included); grad_scale divides inside the kernel, as in torch's step."""
 
@@ -92,15 +100,15 @@ def test_two_groups_and_a_skipped_step_with_found_inf_and_grad_scale():
             fused=True,
         )
 
-    ref_model, model = _model(), _model()
+    ref_model, model = _model(device), _model(device)
     ref_opt, opt = make(ref_model), make(model)
     fused = FusedStep(opt)
     for step, found in enumerate([0.0, 0.0, 1.0, 0.0]):
         _grads(ref_model, step)
         _grads(model, step)
         for o in (ref_opt, opt):
-            o.found_inf = torch.tensor(found)
-            o.grad_scale = torch.tensor(4.0)
+            o.found_inf = torch.tensor(found, device=device)
+            o.grad_scale = torch.tensor(4.0, device=device)
         before = [p.clone() for p in model.parameters()]
         ref_opt.step()
         fused()
@@ -269,3 +277,69 @@ def test_a_graph_steps_through_it_bit_for_bit_with_torch_step_and_skips_inf(dtyp
     # every step after the first, the skipped one included (the kernel skips on found_inf)
     assert "fused_step_0" in step.code and step.fused_step_0.direct_steps == 5
     assert graphs[1].step_graph.fused_step_0 is None
+
+
+def test_found_inf_on_another_device_than_the_parameters_defers():
+    """torch's step would move the flag; FusedStep leaves that to it."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    fused = FusedStep(opt)
+    _grads(model, 0)
+    fused()  # creates the state
+    _grads(model, 1)
+    opt.found_inf = torch.tensor(0.0, device="meta")
+    with pytest.raises(NotImplementedError):  # torch's step, moving a meta flag, fails
+        fused()
+    del opt.found_inf
+    assert fused.direct_steps == 0
+
+
+@cuda
+def test_a_cuda_graph_capture_defers_and_replays_the_same_steps():
+    """Inside a capture FusedStep runs torch's step (which checks ``capturable``); the
+    warm-up steps before it are its own; the replays equal torch's eager steps."""
+    ref_model, model = _model("cuda"), _model("cuda")
+
+    def make(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True, capturable=True)
+
+    ref_opt, opt = make(ref_model), make(model)
+    fused = FusedStep(opt)
+    for m in (ref_model, model):
+        _grads(m, 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            ref_opt.step()
+            fused()
+    torch.cuda.current_stream().wait_stream(side)
+    assert fused.direct_steps == 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused()
+    assert fused.direct_steps == 2  # the capture ran torch's step
+    for _ in range(3):
+        graph.replay()
+        ref_opt.step()
+    torch.cuda.synchronize()
+    _assert_same(ref_model, ref_opt, model, opt)
+
+
+@cuda
+def test_a_graph_on_cuda_steps_through_it_bit_for_bit():
+    base = models.MLP().cuda()
+    torch.manual_seed(1)
+    batches = [
+        (torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
+        for _ in range(5)
+    ]
+    batches[3][0][0, 0] = float("inf")
+    graphs = [_graph(copy.deepcopy(base), fused, BF16) for fused in (True, False)]
+    for x, y in batches:
+        losses = [g(x, y) for g in graphs]
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0, equal_nan=True)
+        for a, b in zip(graphs[0].model.parameters(), graphs[1].model.parameters(), strict=True):
+            assert torch.equal(a, b)
+    assert graphs[0].skipped_steps == graphs[1].skipped_steps == 1
+    assert graphs[0].step_graph.fused_step_0.direct_steps == 4

@@ -4,13 +4,14 @@ per-call Python.
 ``torch.optim.AdamW(..., fused=True).step()`` spends much of a small model's step in Python
 around its one kernel: a profiler range, the hooks, the state gathered parameter by parameter
 with its checks for lazy initialization, complex and sparse tensors, and the tensors grouped
-by device and dtype. On the CPU that was about 300 us of a 700 us ``step()`` for a GPT of 36
+by device and dtype. On a CPU that was about 230 us of a 700 us ``step()`` for a GPT of 36
 parameters (BENCHMARKS.md, "The optimizer step without torch.optim's Python"). A
 :class:`~amp_graph.Graph` calls the same optimizer every step, so :class:`FusedStep` checks
 only what could make torch's step differ and then makes torch's own call:
 ``torch._fused_adam_`` / ``torch._fused_adamw_`` / ``torch._fused_sgd_`` with the lists
 ``step()`` would build, the step counts advanced (and, on a skipped step, taken back) as
-torch does. Weights and optimizer state are bit-identical to ``optimizer.step()``'s.
+torch does. Weights and optimizer state are bit-identical to ``optimizer.step()``'s, on the
+CPU and on CUDA (``tests/test_fused_step.py``; the CUDA cases run in ``make gpu-check``).
 
 It defers to ``optimizer.step()`` (the same result, torch's cost) whenever torch's step could
 do something else:
@@ -20,11 +21,13 @@ do something else:
 * a step hook (the optimizer's or a global one), ``step`` replaced on the instance (except by
   an LR scheduler's counting wrapper, whose count it keeps), arguments to ``step``;
 * the profiler running (its trace then shows torch's ``Optimizer.step`` range);
-* a parameter off the CPU: a captured CUDA graph runs no Python at replay anyway, and an eager
-  GPU step keeps torch's path until it is measured there;
+* parameters of one group on more than one device, or elsewhere than the CPU or CUDA; a CUDA
+  graph being captured (torch's step checks ``capturable``; a replay runs no Python anyway);
+  ``found_inf``, ``grad_scale`` or a tensor learning rate on another device than the
+  parameters (torch's step would move them);
 * state not created yet (the first step creates it; SGD's momentum buffers and its check of
-  the parameters' device and dtype likewise), a
-  sparse gradient, parameters of more than one dtype in a group, betas given as tensors.
+  the parameters' device and dtype likewise), a sparse gradient, parameters of more than one
+  dtype in a group, betas given as tensors.
 """
 
 from __future__ import annotations
@@ -85,19 +88,22 @@ class FusedStep:
             return None
         found_inf = getattr(optimizer, "found_inf", None)
         grad_scale = getattr(optimizer, "grad_scale", None)
-        if any(t is not None and not t.is_cpu for t in (found_inf, grad_scale)):
-            return None
         calls = []
         for group in optimizer.param_groups:
-            lr = group["lr"]
             if not group["fused"] or group["differentiable"]:
-                return None
-            if isinstance(lr, torch.Tensor) and not lr.is_cpu:
                 return None
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue  # torch's step does nothing for this group
-            if not _same_cpu_dtype_dense(params):
+            device = _one_device_dtype_dense(params)
+            if device is None:
+                return None
+            lr = group["lr"]
+            # torch would move these to the parameters' device (a CPU lr it takes as a number)
+            on_device = [found_inf, grad_scale]
+            if isinstance(lr, torch.Tensor) and not lr.is_cpu:
+                on_device.append(lr)
+            if any(t is not None and t.device != device for t in on_device):
                 return None
             # the arguments both kernels take alike
             common = {
@@ -175,8 +181,21 @@ def _plain_step(optimizer: torch.optim.Optimizer) -> bool:
     return not torch._C._autograd._profiler_enabled()
 
 
-def _same_cpu_dtype_dense(params: list[torch.Tensor]) -> bool:
-    """All on the CPU, of one dtype, with dense gradients: torch's grouping by device and
-    dtype then makes one group, in this order."""
-    dtype = params[0].dtype
-    return all([p.is_cpu and p.dtype is dtype and not p.grad.is_sparse for p in params])
+def _one_device_dtype_dense(params: list[torch.Tensor]) -> torch.device | None:
+    """The device of ``params`` if they are all on the CPU, or all on one CUDA device with no
+    CUDA graph being captured, and of one dtype, with dense gradients: torch's grouping by
+    device and dtype then makes one group, in this order. None otherwise."""
+    first = params[0]
+    dtype = first.dtype
+    if first.is_cpu:
+        same = [p.is_cpu and p.dtype is dtype and not p.grad.is_sparse for p in params]
+    elif first.is_cuda and not torch.cuda.is_current_stream_capturing():
+        # (a capture: torch's step checks `capturable`, and a replay runs no Python anyway)
+        index = first.get_device()
+        same = [
+            p.is_cuda and p.get_device() == index and p.dtype is dtype and not p.grad.is_sparse
+            for p in params
+        ]
+    else:
+        return None
+    return first.device if all(same) else None
