@@ -32,6 +32,7 @@ do something else:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -42,6 +43,17 @@ __all__ = ["FusedStep"]
 # torch.optim classes whose fused step this module reproduces, by exact type
 _ADAM = {torch.optim.Adam: False, torch.optim.AdamW: True}  # -> decoupled weight decay default
 _KernelCall = tuple[Any, tuple, dict[str, Any], list[torch.Tensor]]  # fn, args, kwargs, steps
+
+
+@dataclasses.dataclass
+class _Group:
+    """One parameter group as a kernel call sees it: the parameters that have gradients, their
+    gradients, and the keyword arguments both kernels take alike."""
+
+    options: dict[str, Any]  # the param_groups entry
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    common: dict[str, Any]
 
 
 class FusedStep:
@@ -95,7 +107,8 @@ class FusedStep:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue  # torch's step does nothing for this group
-            device = _one_device_dtype_dense(params)
+            grads = [p.grad for p in params]
+            device = _one_device_dtype_dense(params, grads)
             if device is None:
                 return None
             lr = group["lr"]
@@ -113,16 +126,15 @@ class FusedStep:
                 "grad_scale": grad_scale,
                 "found_inf": found_inf,
             }
-            call = self._plan(group, params, common)
+            call = self._plan(_Group(group, params, grads, common))
             if call is None:
                 return None
             calls.append(call)
         return calls
 
-    def _adam_calls(
-        self, group: dict[str, Any], params: list[torch.Tensor], common: dict[str, Any]
-    ) -> _KernelCall | None:
+    def _adam_calls(self, g: _Group) -> _KernelCall | None:
         """torch.optim.adam._fused_adam's call for one group (one device, one dtype)."""
+        group, params = g.options, g.params
         beta1, beta2 = group["betas"]
         if isinstance(beta1, torch.Tensor) or isinstance(beta2, torch.Tensor):
             return None
@@ -137,33 +149,30 @@ class FusedStep:
             return None
         decoupled = group.get("decoupled_weight_decay", _ADAM[type(self.optimizer)])
         fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        grads = [p.grad for p in params]
         kwargs = {"amsgrad": amsgrad, "beta1": beta1, "beta2": beta2, "eps": group["eps"]}
-        kwargs.update(common)
-        return fn, (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), kwargs, steps
+        kwargs.update(g.common)
+        return fn, (params, g.grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), kwargs, steps
 
-    def _sgd_calls(
-        self, group: dict[str, Any], params: list[torch.Tensor], common: dict[str, Any]
-    ) -> _KernelCall | None:
+    def _sgd_calls(self, g: _Group) -> _KernelCall | None:
         """torch.optim.sgd._fused_sgd's call for one group, once momentum buffers exist."""
+        group = g.options
         if getattr(self.optimizer, "_need_device_dtype_check_for_fused", True):
             return None  # torch's first step checks the parameters' device and dtype
         momentum = group["momentum"]
         buffers = []
         if momentum != 0:
             states = self.optimizer.state
-            buffers = [states.get(p, {}).get("momentum_buffer") for p in params]
+            buffers = [states.get(p, {}).get("momentum_buffer") for p in g.params]
             if any(buffer is None for buffer in buffers):
                 return None  # the first step allocates the buffers
-        grads = [p.grad for p in params]
         kwargs = {
             "momentum": momentum,
             "dampening": group["dampening"],
             "nesterov": group["nesterov"],
             "is_first_step": False,
         }
-        kwargs.update(common)
-        return torch._fused_sgd_, (params, grads, buffers), kwargs, []
+        kwargs.update(g.common)
+        return torch._fused_sgd_, (g.params, g.grads, buffers), kwargs, []
 
 
 def _plain_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -181,20 +190,25 @@ def _plain_step(optimizer: torch.optim.Optimizer) -> bool:
     return not torch._C._autograd._profiler_enabled()
 
 
-def _one_device_dtype_dense(params: list[torch.Tensor]) -> torch.device | None:
+def _one_device_dtype_dense(
+    params: list[torch.Tensor], grads: list[torch.Tensor]
+) -> torch.device | None:
     """The device of ``params`` if they are all on the CPU, or all on one CUDA device with no
     CUDA graph being captured, and of one dtype, with dense gradients: torch's grouping by
     device and dtype then makes one group, in this order. None otherwise."""
     first = params[0]
     dtype = first.dtype
     if first.is_cpu:
-        same = [p.is_cpu and p.dtype is dtype and not p.grad.is_sparse for p in params]
+        same = [
+            p.is_cpu and p.dtype is dtype and not g.is_sparse
+            for p, g in zip(params, grads, strict=True)
+        ]
     elif first.is_cuda and not torch.cuda.is_current_stream_capturing():
         # (a capture: torch's step checks `capturable`, and a replay runs no Python anyway)
         index = first.get_device()
         same = [
-            p.is_cuda and p.get_device() == index and p.dtype is dtype and not p.grad.is_sparse
-            for p in params
+            p.is_cuda and p.get_device() == index and p.dtype is dtype and not g.is_sparse
+            for p, g in zip(params, grads, strict=True)
         ]
     else:
         return None
