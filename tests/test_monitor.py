@@ -133,6 +133,71 @@ def test_kernel_blocks_and_chunks(numel) -> None:
     assert row[0, STATS.index("numel")] == numel
 
 
+def _banded_blocks() -> torch.Tensor:
+    """Blocks of the kernel's 256 values: each within one band of magnitudes (whole blocks
+    below, above or across each threshold, which the kernel counts from the block's range),
+    one block of each edge value of :func:`_edge_values` alone and one of its neighbours, and
+    bands with a zero, inf and NaN among them."""
+    gen = torch.Generator().manual_seed(1)
+    signs = torch.where(torch.rand(256, generator=gen) < 0.5, -1.0, 1.0)
+    bands = [
+        torch.exp2(torch.empty(256).uniform_(e, e + 6, generator=gen)) * signs
+        for e in range(-152, 130, 6)
+    ]
+    edges = _edge_values()[:60]  # every format's boundaries and their neighbours
+    blocks = [*bands, *(torch.full((256,), float(v)) for v in edges)]
+    for special in (0.0, math.inf, math.nan):
+        for band in bands[::5]:
+            with_special = band.clone()
+            with_special[7] = special
+            blocks.append(with_special)
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, FP16])
+@pytest.mark.parametrize("run_dtype", [BF16, FP16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("scale", [None, 2.0**-20, 2.0**12, 448 / 3.0])
+def test_kernel_block_ranges_match_casts(dtype, run_dtype, scale) -> None:
+    """The kernel counts a threshold without a pass where the whole block lies on one side:
+    whole blocks on each side of every threshold, and blocks exactly at it, against the
+    definitions."""
+    x = _banded_blocks().to(dtype)
+    scale_t = None if scale is None else torch.tensor(scale)
+    got = _computed("kernel", x, run_dtype, scale_t)
+    want = by_hand(x, run_dtype, scale_t)
+    assert got == pytest.approx(want, rel=0, abs=0), {
+        k: (got[k], want[k]) for k in want if got[k] != want[k]
+    }
+    # every count the shortcut takes is there: whole blocks under each format, and over
+    # (float16 values have already lost both ends)
+    if scale is None and dtype != FP16:
+        assert all(want[f"{f}_underflow"] * x.numel() >= 256 for f in ("fp16", "e4m3", "e5m2"))
+        assert all(want[f"{f}_overflow"] * x.numel() >= 256 for f in ("e4m3", "e5m2"))
+
+
+def test_kernel_reads_every_float16_exactly() -> None:
+    """The kernel converts float16 by moving its bit fields: every one of the 65,536 values
+    (subnormals, inf, NaN), against the definitions."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(FP16)
+    for run_dtype in (FP16, BF16):
+        got, want = _computed("kernel", x, run_dtype), by_hand(x, run_dtype)
+        assert got == pytest.approx(want, rel=0, abs=0), run_dtype
+    sums = torch.zeros(1, len(STATS), dtype=torch.float64)
+    accumulate(sums, 0, x, FP16)
+    assert sums[0, STATS.index("amax")] == 65504.0
+    assert sums[0, STATS.index("nonfinite")] == 2 * 1024  # +-inf and the NaNs
+
+
+@pytest.mark.parametrize("scale", [0.0, -3.0, math.inf])
+def test_kernel_any_scale_counts_as_torch_ops(scale) -> None:
+    """A scale that is not positive and finite (no fp8 recipe makes one) is counted by the
+    definitions' formulas, pass by pass, as the torch-ops path counts it."""
+    x = _banded_blocks()
+    row = torch.zeros(1, len(STATS), dtype=torch.float64)
+    accumulate(row, 0, x, BF16, torch.tensor(scale))
+    assert torch.equal(row[0], measure(x, BF16, torch.tensor(scale)))
+
+
 # ---- the statistics in a graph, against an interpreter with hooks ---------------------------
 
 
