@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.capture import Captured, CaptureError, capture_for_policy, export_refused
 from amp_graph.frontends.capture_cache import CaptureCache
+from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
 from amp_graph.frontends.policy_request import (
     check_request,
@@ -499,6 +500,7 @@ def compile(
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph is True or False; got {cuda_graph!r}")
     request = resolve(policy, dtype, device_type_of(model, examples))
+    warn_if_low_matmul_is_slow(request.policy, request.dtype, request.device_type)
     if cuda_graph and request.device_type != "cuda":
         raise CudaGraphError(
             f"compile(..., cuda_graph=True): the model is on {request.device_type}, not on a "

@@ -53,6 +53,7 @@ from amp_graph.capture import Captured, capture_for_policy
 from amp_graph.capture.fsdp_units import fsdp_units
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.compiler import COMPILE_META, rewrite
+from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
@@ -517,6 +518,7 @@ class Graph:
     def _policy(self, root: _Root, device: str) -> tuple[Policy, torch.dtype]:
         policy = self.config.policy if self.config.amp else "O0"
         request = resolve(policy, self.config.dtype, device)
+        warn_if_low_matmul_is_slow(request.policy, request.dtype, device)
         validate_module_overrides(
             request.policy, [name for name, _ in root.named_modules()], where="graph"
         )
