@@ -13,7 +13,6 @@ bfloat16 (what CI machines of that kind run):
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from measure import cpu_name
@@ -21,22 +20,6 @@ from measure import cpu_name
 from amp_graph.frontends import cpu_low_speed
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def fastest_products(size: int, repeats: int) -> dict[torch.dtype, float]:
-    gen = torch.Generator().manual_seed(0)
-    operands = {
-        dtype: [torch.randn(size, size, generator=gen).to(dtype) for _ in range(2)]
-        for dtype in DTYPES
-    }
-    fastest = dict.fromkeys(DTYPES, float("inf"))
-    for round_ in range(repeats + 1):
-        for dtype, (a, b) in operands.items():
-            start = time.perf_counter()
-            torch.mm(a, b)
-            if round_:  # round 0 warms up
-                fastest[dtype] = min(fastest[dtype], time.perf_counter() - start)
-    return fastest
 
 
 def main() -> None:
@@ -48,7 +31,7 @@ def main() -> None:
     print("| n (n x n x n) | float32 | bfloat16 (/ float32) | float16 (/ float32) |")
     print("|---|---|---|---|")
     for size in args.sizes:
-        t = fastest_products(size, args.repeats)
+        t = cpu_low_speed.fastest_products(DTYPES, size, args.repeats)
         full = t[torch.float32]
         cells = [f"{t[d] * 1e3:.3f} ms ({t[d] / full:.1f}x)" for d in DTYPES[1:]]
         print(f"| {size} | {full * 1e3:.3f} ms | {' | '.join(cells)} |")

@@ -58,22 +58,31 @@ class LowMatmulSpeed:
         return self.ratio > SLOWER
 
 
-def _measure(dtype: torch.dtype) -> tuple[float, float]:
-    """The fastest of seven ``PROBE_SIZE``-cubed products in ``dtype`` and in float32, in
-    alternation (other work on the machine then slows both alike, and the fastest is the
-    least disturbed), after a warm-up of each (oneDNN builds its primitive once)."""
+def fastest_products(
+    dtypes: tuple[torch.dtype, ...], size: int, rounds: int
+) -> dict[torch.dtype, float]:
+    """The fastest of ``rounds`` ``size``-cubed products in each of ``dtypes``, the dtypes in
+    alternation within a round (other work on the machine then slows them alike, and the
+    fastest is the least disturbed), after a round that warms up (oneDNN builds its
+    primitive once)."""
     gen = torch.Generator().manual_seed(0)
     operands = {
-        kind: [torch.randn(PROBE_SIZE, PROBE_SIZE, generator=gen).to(kind) for _ in range(2)]
-        for kind in (dtype, torch.float32)
+        dtype: [torch.randn(size, size, generator=gen).to(dtype) for _ in range(2)]
+        for dtype in dtypes
     }
-    fastest = dict.fromkeys(operands, float("inf"))
-    for round_ in range(8):
-        for kind, (a, b) in operands.items():
+    fastest = dict.fromkeys(dtypes, float("inf"))
+    for round_ in range(rounds + 1):
+        for dtype, (a, b) in operands.items():
             start = time.perf_counter()
             torch.mm(a, b)
             if round_:  # round 0 warms up
-                fastest[kind] = min(fastest[kind], time.perf_counter() - start)
+                fastest[dtype] = min(fastest[dtype], time.perf_counter() - start)
+    return fastest
+
+
+def _measure(dtype: torch.dtype) -> tuple[float, float]:
+    """The probe: seven products in ``dtype`` and in float32 (seconds, the fastest of each)."""
+    fastest = fastest_products((dtype, torch.float32), PROBE_SIZE, rounds=7)
     return fastest[dtype], fastest[torch.float32]
 
 
@@ -135,6 +144,7 @@ __all__ = [
     "PROBE_SIZE",
     "SLOWER",
     "LowMatmulSpeed",
+    "fastest_products",
     "forget",
     "low_matmul_speed",
     "slow_low_matmul_message",
