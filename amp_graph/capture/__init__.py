@@ -6,7 +6,9 @@
   values carry the dtypes the plan will give them (O2/O3, FSDP2's gathered parameters);
 * :mod:`~amp_graph.capture.casts` - casts to a dtype read from a tensor, recorded as the plan
   means them;
-* :mod:`~amp_graph.capture.fsdp_units` - FSDP2 units and their mixed-precision policies.
+* :mod:`~amp_graph.capture.fsdp_units` - FSDP2 units and their mixed-precision policies;
+* :mod:`~amp_graph.capture.host_random` - random numbers the forward draws on the host, which
+  one graph would replay on every call.
 """
 
 from .model_capture import (

@@ -57,6 +57,7 @@ from amp_graph.capture.fsdp_units import (
     mixed_precision,
     planned_for,
 )
+from amp_graph.capture.host_random import HostGenerators, host_draws, host_draws_message
 from amp_graph.capture.planned_dtypes import (
     capture_under_policy,
     half_model_view,
@@ -227,38 +228,49 @@ def capture_module(
     if dynamic_shapes is None and dynamic:
         dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs)
     low = low_dtype or autocast_dtype or torch.bfloat16
-    planned = (
-        capture_under_policy(model, policy, low) if policy is not None else contextlib.nullcontext()
-    )
-    # Apex O2/O3 (the policies that cast inputs at entry): the model's Python sees a half
-    # model
-    half = (
-        half_model_view(model, policy, low)
-        if policy is not None and policy.cast_inputs
-        else contextlib.nullcontext()
-    )
-    # FSDP2: every rank captures its units unsharded with their hooks detached
-    # (amp_graph/capture/fsdp_units.py); the pass fsdp_hooks calls the hooks in the graph
     casts_nothing = autocast_dtype is None and (policy is None or policy.changes_nothing)
-    fsdp = fsdp_units_unsharded(model, casts_nothing)
-    # Export flattens the output right after the forward returns: the hook registers the
-    # output's dataclass types before that. Removed after, also when export fails.
-    hook = model.register_forward_hook(_register_output_dataclasses)
+
+    def export() -> tuple[Any, Any, Any]:
+        planned = (
+            capture_under_policy(model, policy, low)
+            if policy is not None
+            else contextlib.nullcontext()
+        )
+        # Apex O2/O3 (the policies that cast inputs at entry): the model's Python sees a half
+        # model
+        half = (
+            half_model_view(model, policy, low)
+            if policy is not None and policy.cast_inputs
+            else contextlib.nullcontext()
+        )
+        # FSDP2: every rank captures its units unsharded with their hooks detached
+        # (amp_graph/capture/fsdp_units.py); the pass fsdp_hooks calls the hooks in the graph
+        fsdp = fsdp_units_unsharded(model, casts_nothing)
+        # Export flattens the output right after the forward returns: the hook registers the
+        # output's dataclass types before that. Removed after, also when export fails.
+        hook = model.register_forward_hook(_register_output_dataclasses)
+        try:
+            with (
+                gc_paused(),
+                fsdp as units,
+                capture_autocast(device_type, autocast_dtype),
+                planned,
+                half,
+                # export builds a GraphModule after each of its own passes, generating and
+                # compiling Python code for each (6 times on torch 2.13); none of it is run,
+                # since _graph_module copies the graph: generate code only when asked for
+                _use_lazy_graph_module(True),
+            ):
+                program = torch.export.export(
+                    model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
+                )
+        finally:
+            hook.remove()
+        return program, planned, units
+
+    generators = HostGenerators.now()
     try:
-        with (
-            gc_paused(),
-            fsdp as units,
-            capture_autocast(device_type, autocast_dtype),
-            planned,
-            half,
-            # export builds a GraphModule after each of its own passes, generating and
-            # compiling Python code for each (6 times on torch 2.13); none of it is run,
-            # since _graph_module copies the graph: generate code only when asked for
-            _use_lazy_graph_module(True),
-        ):
-            program = torch.export.export(
-                model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
-            )
+        program, planned, units = export()
     except CaptureError:
         raise  # ours (a dataclass output that cannot be rebuilt): it says what to do
     except UnsupportedFSDP as error:
@@ -266,9 +278,9 @@ def capture_module(
     except Exception as error:
         if _raised_by_user_code(error):
             raise  # the model's own assert or check failed: that is the user's error as is
-        raise _capture_error(model, error) from error
-    finally:
-        hook.remove()
+        raise _capture_error(model, error, generators.moved(HostGenerators.now())) from error
+    if drawn := host_draws(generators, export):
+        raise CaptureError(host_draws_message(type(model).__name__, drawn))
     if isinstance(planned, capture_under_policy) and planned.reentrant_checkpoint:
         raise CaptureError(
             f"{type(model).__name__} calls torch.utils.checkpoint in its reentrant form "
@@ -677,12 +689,17 @@ _HINTS: tuple[tuple[Callable[[str], bool], str], ...] = (
 )
 
 
-def _capture_error(model: nn.Module, error: BaseException) -> CaptureError:
+def _capture_error(
+    model: nn.Module, error: BaseException, drawn: list[str] | None = None
+) -> CaptureError:
     text = f"{type(error).__name__}: {error}"
     hint = next((h for match, h in _HINTS if match(text)), None) or (
         "If the model's Python cannot run on fake tensors, use torch.compile(model, "
         "backend='amp_graph'), which splits the model where it must."
     )
+    if drawn:
+        # often the cause: a mask drawn on the host became a constant the graph indexes with
+        hint += "\n  Also: " + host_draws_message(type(model).__name__, drawn)
     first_lines = "\n".join(text.splitlines()[:6])
     return CaptureError(
         f"amp_graph could not capture {type(model).__name__} with torch.export "
