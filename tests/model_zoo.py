@@ -144,6 +144,32 @@ def _whisper():
     }
 
 
+def _opt():
+    """OPT: HF's ``pos_embeds.to(inputs_embeds.device)`` before every block."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.OPTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+        word_embed_proj_dim=32, vocab_size=100, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    return transformers.OPTForCausalLM(config), {"input_ids": ids()}
+
+
+def _clip():
+    """CLIP, text and vision towers: ``image_embeds.t().to(text_embeds.device)`` at the end."""
+    transformers = pytest.importorskip("transformers")
+    tower = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.CLIPConfig(
+        text_config={**tower, "intermediate_size": 64, "vocab_size": 100,
+                     "max_position_embeddings": 16},
+        vision_config={**tower, "intermediate_size": 64, "image_size": 32, "patch_size": 8},
+        projection_dim=16,
+    )  # fmt: skip
+    return transformers.CLIPModel(config), {
+        "input_ids": ids(2, 8),
+        "pixel_values": torch.randn(2, 3, 32, 32),
+    }
+
+
 class _TorchTransformer(nn.Module):
     """torch's own layers as a seq2seq model: nn.Transformer with a causal target mask."""
 
@@ -173,6 +199,8 @@ ZOO = {
     "convnext": _convnext,
     "whisper": _whisper,
     "torch_transformer": _torch_transformer,
+    "opt": _opt,
+    "clip": _clip,
 }
 
 

@@ -187,6 +187,49 @@ def test_backend_marks_casts_that_changed_nothing_in_dynamos_trace(fresh_dynamo)
                torch.ops.aten.type_as.default)  # fmt: skip
 
 
+class MovesToDevice(nn.Module):
+    """HF's way of adding values that may sit on two devices: ``a + b.to(a.device)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.positions = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        hidden = hidden + self.positions(ids).to(hidden.device)
+        return self.head(hidden.to(hidden.device, non_blocking=False))
+
+
+@pytest.mark.parametrize("policy", ["O2", "autocast"])
+def test_to_device_of_a_tensor_already_there_is_the_tensor_itself(policy, fresh_dynamo):
+    """Dynamo traces float32: ``.to(device)`` would be recorded as a cast to float32 and, under
+    O2, start a float32 island. It is the tensor itself, as torch returns it."""
+    model, ids = MovesToDevice(), torch.randint(0, 10, (2, 5))
+    compiled = amp_graph.compile(model, policy, BF16)
+    dynamo = torch.compile(model, backend=amp_graph.backend(policy, BF16, inner="eager"))
+    assert torch.equal(dynamo(ids), compiled(ids))
+    [backend_gm] = amp_graph.captured_graphs(dynamo)
+    assert _linear_dtypes(backend_gm) == [BF16]
+    assert not [n for n in backend_gm.graph.nodes if n.meta[AMP].role is Role.USER_CAST]
+    if policy == "autocast":
+        with torch.autocast("cpu", BF16):
+            assert torch.equal(dynamo(ids), model(ids))
+
+
+@pytest.mark.parametrize("name", ["opt", "clip"])
+def test_backend_computes_every_product_low_under_o2_on_hf_models(name, fresh_dynamo):
+    model, kwargs = build(name)
+    model.eval()
+    dynamo = torch.compile(model, backend=amp_graph.backend("O2", BF16, inner="eager"))
+    with torch.no_grad():
+        dynamo(**kwargs)
+    for gm in amp_graph.captured_graphs(dynamo):
+        report = amp_graph.report(gm)
+        assert report.products > 0 and report.wide_products == {}, report.totals()
+
+
 def test_a_float32_the_model_chose_still_holds_under_o2():
     compiled = amp_graph.compile(Upcasts(), "O2", BF16, example_inputs=(X,))
     report = amp_graph.report(compiled)

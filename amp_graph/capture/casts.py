@@ -220,6 +220,34 @@ def is_noop_cast(name: Any, args: tuple, kwargs: dict) -> bool:
     return not kwargs.get("copy", False) and _cast_target(name, args, kwargs) == args[0].dtype
 
 
+def _same_device(named: Any, tensor: torch.Tensor) -> bool:
+    """``named`` (a device, its string or a CUDA index) is where ``tensor`` is, as ``.to``
+    reads it (no index: the tensor's own)."""
+    if isinstance(named, bool) or not isinstance(named, (torch.device, str, int)):
+        return False
+    try:
+        device = torch.device(named)
+    except (RuntimeError, TypeError):
+        return False
+    return device.type == tensor.device.type and device.index in (None, tensor.device.index)
+
+
+def moves_nothing(name: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``name`` is a ``.to(device)`` naming no dtype (``h.to(x.device)``, as HF writes
+    to bring a value to another's device) of a tensor already there: torch returns the
+    tensor itself, whatever its dtype. Traced, it would be recorded as a cast to the dtype
+    the tensor had in that trace."""
+    if _cast_method(name) != "to" or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    named = [*args[1:], kwargs.get("device")]
+    named = [a for a in named if a is not None]
+    flags = {"device", "non_blocking"}
+    if not named or set(kwargs) - flags or len(named) > 2:
+        return False
+    device, *rest = named
+    return _same_device(device, args[0]) and all(isinstance(r, bool) and not r for r in rest)
+
+
 def kept_apart(func: Any, args: tuple, kwargs: dict, names: set[str], tracer: Any = None) -> tuple:
     """The arguments to call ``func`` with: as given, or, for a cast that would return its
     input itself (:func:`is_noop_cast`), with an ``aten.alias`` of that input, recorded by
@@ -346,6 +374,8 @@ class CastKeepingInterpreter(fx.Interpreter):
         return self._keeping(super().call_function, target, args, kwargs)
 
     def _keeping(self, call: Callable, target: Any, args: tuple, kwargs: dict) -> Any:
+        if moves_nothing(target, args, kwargs):
+            return args[0]  # the tensor itself, as torch returns it: its dtype is the plan's
         baked = reads_target_dtype(target) and is_noop_cast(target, args, kwargs)
         out = call(target, kept_apart(target, args, kwargs, self.aliases), kwargs)
         tracer = proxy_tracer() if baked else None
@@ -362,6 +392,7 @@ __all__ = [
     "is_noop_cast",
     "kept_apart",
     "mark_named",
+    "moves_nothing",
     "newest_node",
     "promoted",
     "proxy_tracer",
