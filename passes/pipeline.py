@@ -3,8 +3,8 @@
 The graph comes flat: :func:`inline_regions` is part of the captured form (``rewrite``
 runs it before it keeps the graph as captured), not a pass of the list.
 
-Order: classify -> (fp8_linears, under an fp8 policy)
--> assign_dtypes -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
+Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes -> low_extremes
+-> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
 -> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
 With ``check_each=True`` (the tests use it) the verifier also runs after every pass, so a
 pass that breaks an invariant is caught where it happens.
@@ -32,6 +32,7 @@ from .fp8_linears import fp8_linears
 from .fsdp_hooks import fsdp_hooks
 from .fsdp_planned_reads import fsdp_planned_reads
 from .insert_casts import insert_casts
+from .low_extremes import low_extremes
 from .meta import VAL, model_root
 from .recompute_casts import recompute_casts
 from .regions import region_left
@@ -72,6 +73,8 @@ def amp_passes(
     if policy.fp8 is not None:  # after classify: an fp32 override outranks fp8
         passes.append(("fp8_linears", lambda gm: fp8_linears(gm, policy.fp8, model_root(gm))))
     passes.append(("assign_dtypes", lambda gm: assign_dtypes(gm, low_dtype, policy.cast_inputs)))
+    # after the dtypes: it lowers float32's extremes where an op is planned low
+    passes.append(("low_extremes", low_extremes))
     passes.append(("insert_casts", insert_casts))
     passes.append(("simplify_casts", simplify_casts))
     passes.append(("verify", lambda gm: verify(gm, propagate=full_verify)))

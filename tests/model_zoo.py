@@ -170,6 +170,16 @@ def _clip():
     }
 
 
+def _deberta_v2():
+    """DeBERTa-v2: ``masked_fill(mask, torch.finfo(query_layer.dtype).min)`` on the scores."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DebertaV2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.DebertaV2ForSequenceClassification(config), {"input_ids": ids()}
+
+
 class _TorchTransformer(nn.Module):
     """torch's own layers as a seq2seq model: nn.Transformer with a causal target mask."""
 
@@ -201,6 +211,7 @@ ZOO = {
     "torch_transformer": _torch_transformer,
     "opt": _opt,
     "clip": _clip,
+    "deberta_v2": _deberta_v2,
 }
 
 

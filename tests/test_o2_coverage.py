@@ -218,7 +218,7 @@ def test_to_device_of_a_tensor_already_there_is_the_tensor_itself(policy, fresh_
             assert torch.equal(dynamo(ids), model(ids))
 
 
-@pytest.mark.parametrize("name", ["opt", "clip"])
+@pytest.mark.parametrize("name", ["opt", "clip", "deberta_v2"])
 def test_backend_computes_every_product_low_under_o2_on_hf_models(name, fresh_dynamo):
     model, kwargs = build(name)
     model.eval()
