@@ -456,3 +456,28 @@ def test_valid_arguments():
     custom = backend(inner=lambda gm, example_inputs: gm.forward)
     assert callable(custom.inner)
     assert "policy='O1'" in repr(backend())
+
+
+class VmappedHeads(nn.Module):
+    """A linear per head through torch.vmap: dynamo inlines the transform's levels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(torch.mm, in_dims=(None, 0))(x, self.weight).sum(0)
+
+
+def test_a_functorch_transform_inline_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    model, x = VmappedHeads(), torch.randn(3, 8)
+    dynamo = torch.compile(model, backend=amp_graph.backend("O1", torch.bfloat16, inner="eager"))
+    with pytest.raises(Exception, match="cannot retrace a graph that runs a functorch") as raised:
+        dynamo(x)
+    assert "test_backend.py" in str(raised.value) and "amp_graph.compile" in str(raised.value)
+    # the way out it names: compile captures the same model (CPU autocast's lists, to compare)
+    compiled = amp_graph.compile(model, "autocast", torch.bfloat16)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    assert torch.equal(compiled(x), expected)

@@ -413,6 +413,7 @@ def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Graph
     the ``nn_module_stack`` of the dynamo node it came from. What dynamo recorded about each
     input (``grapharg``: parameter or buffer sources) is carried over.
     """
+    _refuse_functorch_transforms(gm)
     import torch.fx.traceback as fx_traceback
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -451,6 +452,37 @@ def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Graph
     traced.recompile()
     traced.meta.update(getattr(gm, "meta", {}))
     return traced
+
+
+# functorch's transforms as dynamo inlines them (torch.vmap, torch.func.grad/jvp, and
+# torch's associative_scan, which HF Mamba's slow path calls): make_fx cannot retrace their
+# level bookkeeping, and the batched tensors would escape into the graph as constants
+_FUNCTORCH_LEVELS = frozenset(
+    {
+        "_vmap_increment_nesting",
+        "_grad_increment_nesting",
+        "_jvp_increment_nesting",
+        "_add_batch_dim",
+    }
+)
+
+
+def _refuse_functorch_transforms(gm: fx.GraphModule) -> None:
+    """Raise :class:`CaptureError` where dynamo's graph runs a functorch transform inline."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in _FUNCTORCH_LEVELS:
+            lines = [ln.strip() for ln in node.meta.get("stack_trace", "").splitlines()]
+            torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
+            files = [ln for ln in lines if ln.startswith("File") and torch_dir not in ln]
+            where = files[-1] if files else ""  # the innermost frame of the model's code
+            raise CaptureError(
+                "amp_graph's torch.compile backend cannot retrace a graph that runs a functorch "
+                "transform inline (torch.vmap, torch.func.grad or jvp, torch's associative_scan "
+                f"as HF Mamba's slow path calls it){': ' + where if where else ''}. Use "
+                "amp_graph.compile(model, ...) or amp_graph.Graph, which capture it with "
+                "torch.export, or keep the transform out of the compiled region "
+                "(torch.compiler.disable on the function that calls it)."
+            )
 
 
 def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
