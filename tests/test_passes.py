@@ -229,7 +229,7 @@ def test_driver_names_the_failing_pass_and_those_before(monkeypatch):
         amp_graph.compile(QKV())(torch.randn(2, 8))
     message = str(info.value)
     assert "'simplify_casts' failed" in message
-    before = "(passes run before it: classify, assign_dtypes, insert_casts)"
+    before = "(passes run before it: classify, assign_dtypes, low_extremes, insert_casts)"
     assert before in message and "boom" in message
 
 
