@@ -1,6 +1,7 @@
 """Low-precision parameter storage with float32 master weights (policy O2 in a Graph).
 
-The model keeps its parameters in the low-precision dtype (normalization layers excepted);
+The model keeps its parameters in the low-precision dtype (normalization layers excepted,
+and those the plan reads only in float32: :func:`read_only_in_float32`, :meth:`release`);
 the optimizers own float32 master copies. Gradients accumulate in float32 on the model's
 parameters (``grad_dtype = torch.float32``: autograd casts each incoming low-precision
 gradient before adding it, so micro-batches never accumulate in low precision); after
@@ -14,10 +15,14 @@ writes them and re-derives the low-precision copies, so the two never drift apar
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
+from amp_graph.passes import schema
+from amp_graph.passes.meta import AMP, Role
 from amp_graph.policy.python_ops import NORMALIZATION_MODULES
 
 # Newer torch (2.13 has it): a leaf whose gradients have another dtype than the leaf.
@@ -29,14 +34,19 @@ class MasterWeights:
 
     def __init__(self, pairs: list[tuple[str, nn.Parameter, nn.Parameter]]) -> None:
         self.pairs = pairs  # (qualified name, model parameter (low), master parameter (fp32))
-        self._by_model = {id(model): master for _, model, master in pairs}
-        self._models = [model for _, model, _ in pairs]
-        self._masters = [master for _, _, master in pairs]
+        self._hooks: dict[int, Any] = {}
+        self._index()
         for _, model, master in pairs:
             if HAS_GRAD_DTYPE:
                 model.grad_dtype = torch.float32
             elif model.requires_grad:
-                model.register_post_accumulate_grad_hook(_to_master_hook(master))
+                hook = model.register_post_accumulate_grad_hook(_to_master_hook(master))
+                self._hooks[id(model)] = hook
+
+    def _index(self) -> None:
+        self._by_model = {id(model): master for _, model, master in self.pairs}
+        self._models = [model for _, model, _ in self.pairs]
+        self._masters = [master for _, _, master in self.pairs]
 
     @staticmethod
     def create(
@@ -76,6 +86,39 @@ class MasterWeights:
                 if param in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(param)
 
+    @torch.no_grad()
+    def release(
+        self, params: Iterable[nn.Parameter], optimizers: Iterable[torch.optim.Optimizer]
+    ) -> list[str]:
+        """Give ``params`` back their float32 storage (their masters' values) and hand them
+        back to the optimizers in their masters' places, with the masters' state; they leave
+        the pairs. Returns their qualified names."""
+        ids = {id(p) for p in params}
+        released = [(name, m, w) for name, m, w in self.pairs if id(m) in ids]
+        if not released:
+            return []
+        for _, model, master in released:
+            model.data = master.data  # (grad_dtype float32: now its own dtype)
+            if (hook := self._hooks.pop(id(model), None)) is not None:
+                hook.remove()
+        back = {id(master): model for _, model, master in released}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                for i, param in enumerate(group["params"]):
+                    model = back.get(id(param))
+                    if model is None:
+                        continue
+                    group["params"][i] = model
+                    if param in optimizer.state:
+                        optimizer.state[model] = optimizer.state.pop(param)
+        self.pairs = [pair for pair in self.pairs if id(pair[1]) not in ids]
+        self._index()
+        return [name for name, _, _ in released]
+
+    def low_parameters(self) -> list[nn.Parameter]:
+        """The model's parameters stored in the low dtype (those with a master)."""
+        return list(self._models)
+
     def master_of(self, param: torch.Tensor) -> nn.Parameter | None:
         return self._by_model.get(id(param))
 
@@ -107,6 +150,37 @@ class MasterWeights:
             "model_grads": sum(size(m.grad) for _, m, _ in self.pairs),
             "master_grads": sum(size(w.grad) for _, _, w in self.pairs),
         }
+
+
+def read_only_in_float32(gm: fx.GraphModule, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters among ``params`` that the rewritten graph ``gm`` reads only in float32:
+    each read, through views, is a cast to float32 (the model's ``A_log.float()`` or
+    amp_graph's for an op on the float32 list, as CLIP's ``logit_scale.exp()``) or an op
+    computing in float32. Stored low, such a parameter would be rounded before every read
+    and save no cast; :func:`~amp_graph.compile` reads it in float32, unrounded."""
+    wanted = {id(p): p for p in params}
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or AMP not in node.meta:
+            continue
+        try:
+            value = gm.get_parameter(node.target)
+        except AttributeError:
+            continue  # a buffer or a constant
+        if id(value) in wanted and node.users and all(_read_wide(u) for u in node.users):
+            found.append(wanted.pop(id(value)))
+    return found
+
+
+def _read_wide(node: fx.Node) -> bool:
+    amp = node.meta.get(AMP)
+    if amp is None:
+        return False
+    if amp.role in (Role.CAST, Role.USER_CAST):
+        return amp.out_dtype == torch.float32
+    if amp.role is Role.OP and schema.is_view(node):
+        return bool(node.users) and all(_read_wide(u) for u in node.users)
+    return amp.role is Role.OP and amp.compute_dtype == torch.float32
 
 
 def _to_master_hook(master: nn.Parameter) -> Callable[[torch.Tensor], None]:

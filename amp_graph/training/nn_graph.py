@@ -68,7 +68,7 @@ from amp_graph.policy import Policy, nearest
 from amp_graph.scaler import GradScaler, NonFiniteGuard
 from amp_graph.training import cuda_graph_step as cuda_graphs
 from amp_graph.training.fused_step import FusedStep
-from amp_graph.training.master_weights import MasterWeights
+from amp_graph.training.master_weights import MasterWeights, read_only_in_float32
 from amp_graph.training.step_graph import StepPlan, build_step_graph
 
 log = logging.getLogger(__name__)
@@ -551,6 +551,13 @@ class Graph:
             seconds={"capture": captured.seconds},
             recompute_hooks=not self.config.compile,  # compiled: its partitioner recomputes
         )
+        if self._master is not None:
+            # a parameter read only in float32 gains nothing stored low, and is rounded
+            wide = read_only_in_float32(captured.graph_module, self._master.low_parameters())
+            if wide:
+                names = self._master.release(wide, self._optimizers)
+                log.info("O2: kept in float32 (read only in float32): %s", ", ".join(names))
+                return self._capture(root, args, dynamic)  # the graph reads them in float32
         return captured
 
     def _step_graph(self, captured: Captured) -> fx.GraphModule:
