@@ -180,6 +180,16 @@ def _deberta_v2():
     return transformers.DebertaV2ForSequenceClassification(config), {"input_ids": ids()}
 
 
+def _falcon():
+    """Falcon: its linears compute ``x @ self.weight.T``, the weight read through a view."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=100,
+        new_decoder_architecture=False, use_cache=False,
+    )  # fmt: skip
+    return transformers.FalconForCausalLM(config), {"input_ids": ids()}
+
+
 class _TorchTransformer(nn.Module):
     """torch's own layers as a seq2seq model: nn.Transformer with a causal target mask."""
 
@@ -212,6 +222,7 @@ ZOO = {
     "opt": _opt,
     "clip": _clip,
     "deberta_v2": _deberta_v2,
+    "falcon": _falcon,
 }
 
 

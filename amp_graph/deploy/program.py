@@ -36,6 +36,7 @@ from amp_graph.frontends.policy_request import (
     validate_node_overrides,
 )
 from amp_graph.passes.aten_casts import aten_casts
+from amp_graph.passes.casts_before_views import casts_before_views
 from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL, Role, short
 from amp_graph.passes.state_casts import state_casts
 from amp_graph.policy import Policy, Rule
@@ -287,6 +288,7 @@ def export(
         seconds["lift"] = time.perf_counter() - start
         start = time.perf_counter()
         aten_casts(gm)  # the export's own passes
+        casts_before_views(gm)
         stored = state_casts(gm)
         seconds["passes"] += time.perf_counter() - start
         start = time.perf_counter()

@@ -1,0 +1,152 @@
+"""Pass casts_before_views: a parameter or buffer read through layout views and then cast
+is cast first, and viewed after.
+
+Model code often reads a weight through a view before the op that needs it low: Falcon's
+``x @ self.weight.T``, a mixture of experts' ``gate_up_proj.transpose(1, 2)``, SD3's
+``pos_embed`` cropped by slices and reshaped. The plan casts the view, so the state's own
+reader is the view, and :func:`passes.state_casts` (which stores low, for
+:mod:`amp_graph.deploy`, only the state every reader casts) keeps such a weight in
+float32. With the cast moved before the views, the weight's one reader is a cast and it is
+stored low.
+
+Reads: ``get_attr`` nodes, their users through the views of ``LAYOUT_VIEWS``, and the casts
+at the end (:func:`passes.aten_casts.cast_dtype`; run after aten_casts). Writes: one
+``_to_copy`` of the state per such tensor read, the views then read it; the casts after the
+views are removed; the views' ``meta["val"]`` and ``meta["amp"].out_dtype`` become the low
+dtype. Guarantees: every reader receives the same values (a cast converts element by element, and
+commutes with selecting and relaying out elements) with the same sizes and strides (checked
+on the fake values before anything changes: a cast of a slice is contiguous, a slice of a
+cast is not); only state read through these views and nothing else, every read ending in a
+cast to one dtype narrower than its own, is touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from .aten_casts import TO_COPY, cast_dtype
+from .meta import AMP, VAL
+from .result import PassResult
+
+aten = torch.ops.aten
+
+# views of one tensor's elements (no overlapping strides, as expand would make); a cast
+# commutes with each, and the readers' strides are checked on the fake values
+LAYOUT_VIEWS = frozenset(
+    {
+        aten.t.default,
+        aten.numpy_T.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.default,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.narrow.default,
+    }
+)
+
+
+def _views_and_casts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """The layout views under ``node`` and the casts ending them, or None if any reader is
+    something else."""
+    views: list[fx.Node] = []
+    casts: list[fx.Node] = []
+    for user in node.users:
+        if cast_dtype(user) is not None and user.args[0] is node:
+            casts.append(user)
+        elif user.op == "call_function" and user.target in LAYOUT_VIEWS and user.args[0] is node:
+            below = _views_and_casts(user)
+            if below is None or not below[1]:
+                return None
+            views.append(user)
+            views.extend(below[0])
+            casts.extend(below[1])
+        else:
+            return None
+    return views, casts
+
+
+def _fake_of(node: fx.Node, value: torch.Tensor, views: list[fx.Node]) -> torch.Tensor:
+    """The state's fake value: its node's, or one made in the mode of its views' values."""
+    if isinstance(node.meta.get(VAL), torch.Tensor):
+        return node.meta[VAL]
+    mode = detect_fake_mode([view.meta.get(VAL) for view in views])
+    return mode.from_tensor(value, static_shapes=True)
+
+
+def _viewed(node: fx.Node, low: torch.Tensor, views: list[fx.Node]) -> dict[fx.Node, torch.Tensor]:
+    """The views' values with the state cast first (views in graph order: parents first)."""
+    vals = {node: low}
+    for view in views:
+        vals[view] = view.target(vals[view.args[0]], *view.args[1:], **view.kwargs)
+    return vals
+
+
+def _cast_value(cast: fx.Node, dtype: torch.dtype) -> torch.Tensor | None:
+    """What the cast gives now: its value, or its input's value cast (preserving strides)."""
+    value = cast.meta.get(VAL)
+    if isinstance(value, torch.Tensor):
+        return value
+    source = cast.args[0].meta.get(VAL)  # type: ignore[union-attr]
+    return source.to(dtype) if isinstance(source, torch.Tensor) else None
+
+
+def _same_layout(a: torch.Tensor, b: object) -> bool:
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> object:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def casts_before_views(gm: fx.GraphModule) -> PassResult:
+    """Cast state read through layout views and then cast, before the views."""
+    moved = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = _attribute(gm, node.target)  # type: ignore[arg-type]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if not value.is_contiguous():
+            continue
+        found = _views_and_casts(node)
+        if found is None or not found[0]:
+            continue
+        views, casts = found
+        dtypes = {cast_dtype(c) for c in casts}
+        if len(dtypes) != 1:
+            continue
+        (dtype,) = dtypes
+        if dtype is None or dtype.itemsize >= value.dtype.itemsize:
+            continue
+        low = _fake_of(node, value, views).to(dtype)
+        vals = _viewed(node, low, views)
+        if any(not _same_layout(vals[c.args[0]], _cast_value(c, dtype)) for c in casts):
+            continue  # a reader would get other strides (a slice cast is contiguous)
+        with gm.graph.inserting_after(node):
+            cast = gm.graph.call_function(TO_COPY, (node,), {"dtype": dtype})
+        cast.meta = dict(casts[0].meta)
+        cast.meta[VAL] = low
+        for user in list(node.users):
+            if user is not cast:
+                user.replace_input_with(node, cast)
+        for view in views:
+            view.meta[VAL] = vals[view]
+            if AMP in view.meta:
+                view.meta[AMP].out_dtype = dtype
+        for old in casts:
+            old.replace_all_uses_with(old.args[0])
+            gm.graph.erase_node(old)
+        moved += 1
+    return PassResult(gm, bool(moved), {"state_casts_before_views": moved} if moved else {})
+
+
+__all__ = ["LAYOUT_VIEWS", "casts_before_views"]
