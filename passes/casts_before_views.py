@@ -29,6 +29,7 @@ from torch._guards import detect_fake_mode
 from .aten_casts import TO_COPY, cast_dtype
 from .meta import AMP, VAL
 from .result import PassResult
+from .state_casts import state_attribute
 
 aten = torch.ops.aten
 
@@ -101,18 +102,13 @@ def _same_layout(a: torch.Tensor, b: object) -> bool:
     return isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _attribute(gm: fx.GraphModule, target: str) -> object:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
-
-
 def casts_before_views(gm: fx.GraphModule) -> PassResult:
     """Cast state read through layout views and then cast, before the views."""
     moved = 0
     for node in list(gm.graph.nodes):
         if node.op != "get_attr":
             continue
-        value = _attribute(gm, node.target)  # type: ignore[arg-type]
+        value = state_attribute(gm, node.target)  # type: ignore[arg-type]
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
         if not value.is_contiguous():

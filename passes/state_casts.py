@@ -31,7 +31,8 @@ class StateCasts:
     casts: list[fx.Node] = field(default_factory=list)
 
 
-def _attribute(gm: fx.GraphModule, target: str) -> object:
+def state_attribute(gm: fx.GraphModule, target: str) -> object:
+    """What the ``get_attr`` target ``target`` reads from ``gm``."""
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)
 
@@ -41,12 +42,12 @@ def state_casts(gm: fx.GraphModule) -> StateCasts:
     reads: dict[int, list[fx.Node]] = defaultdict(list)  # by tensor: tied paths are one
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = _attribute(gm, node.target)  # type: ignore[arg-type]
+            value = state_attribute(gm, node.target)  # type: ignore[arg-type]
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 reads[id(value)].append(node)
     found = StateCasts()
     for nodes in reads.values():
-        own = _attribute(gm, nodes[0].target).dtype  # type: ignore[arg-type,union-attr]
+        own = state_attribute(gm, nodes[0].target).dtype  # type: ignore[arg-type,union-attr]
         users = [user for node in nodes for user in node.users]
         dtypes = {cast_dtype(user) for user in users}
         if len(dtypes) != 1 or not users:
