@@ -73,18 +73,8 @@ class MasterWeights:
                 pairs.append((f"{prefix}.{name}", param, master))
         weights = MasterWeights(pairs)
         for optimizer in optimizers:
-            weights._retarget(optimizer)
+            _swap_in(optimizer, weights._by_model)
         return weights
-
-    def _retarget(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            for i, param in enumerate(group["params"]):
-                master = self._by_model.get(id(param))
-                if master is None:
-                    continue
-                group["params"][i] = master
-                if param in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(param)
 
     @torch.no_grad()
     def release(
@@ -103,14 +93,7 @@ class MasterWeights:
                 hook.remove()
         back = {id(master): model for _, model, master in released}
         for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                for i, param in enumerate(group["params"]):
-                    model = back.get(id(param))
-                    if model is None:
-                        continue
-                    group["params"][i] = model
-                    if param in optimizer.state:
-                        optimizer.state[model] = optimizer.state.pop(param)
+            _swap_in(optimizer, back)
         self.pairs = [pair for pair in self.pairs if id(pair[1]) not in ids]
         self._index()
         return [name for name, _, _ in released]
@@ -181,6 +164,19 @@ def _read_wide(node: fx.Node) -> bool:
     if amp.role is Role.OP and schema.is_view(node):
         return bool(node.users) and all(_read_wide(u) for u in node.users)
     return amp.role is Role.OP and amp.compute_dtype == torch.float32
+
+
+def _swap_in(optimizer: torch.optim.Optimizer, replacements: dict[int, nn.Parameter]) -> None:
+    """Put ``replacements[id(p)]`` in the place of each such ``p`` of the optimizer's groups,
+    with ``p``'s state."""
+    for group in optimizer.param_groups:
+        for i, param in enumerate(group["params"]):
+            new = replacements.get(id(param))
+            if new is None:
+                continue
+            group["params"][i] = new
+            if param in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(param)
 
 
 def _to_master_hook(master: nn.Parameter) -> Callable[[torch.Tensor], None]:
