@@ -24,7 +24,7 @@ import torch.nn as nn
 from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name, python_ops
 
 from . import schema
-from .meta import AMP, AmpInfo, Role, model_root
+from .meta import AMP, KEPT_FUNCTION, AmpInfo, Role, model_root
 from .regions import REGION, AutocastRegion
 from .result import PassResult
 
@@ -152,6 +152,11 @@ _VIEW_DETAIL = (
     "its consumers cast it"
 )
 _GETITEM_DETAIL = "selects an element or a slice: never cast; its consumers cast it"
+_FUNCTION_DETAIL = (
+    "a custom autograd.Function ({name}), kept whole so that its own backward runs: its "
+    "inputs as they come (torch.autocast casts none of a Function's inputs), its forward "
+    "{autocast}, as the capture saw it"
+)
 # aten ops that are the model's own casts (x.float(), x.to(torch.bfloat16), x.type_as(y)).
 _ATEN_CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::type_as"})
 
@@ -187,6 +192,9 @@ def _fixed_role(node: fx.Node) -> tuple[Role, str, str] | None:
         return _fixed_aten_role(node, op)
     if node.target is operator.getitem:
         return Role.OP, "getitem", _GETITEM_DETAIL
+    if (kept := node.meta.get(KEPT_FUNCTION)) is not None:
+        name, autocast = kept
+        return Role.OP, f"{name}.apply", _FUNCTION_DETAIL.format(name=name, autocast=autocast)
     return None
 
 

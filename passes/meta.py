@@ -64,6 +64,11 @@ the capture."""
 FSDP_UNIT = "fsdp_unit"
 """``node.meta`` key on a parameter read: the path of the FSDP2 unit that shards it."""
 
+KEPT_FUNCTION = "amp_graph.kept_function"
+"""``node.meta`` key on a node that calls a custom ``torch.autograd.Function`` kept whole
+(:mod:`amp_graph.capture.autograd_functions`): the Function's ``"module.QualName"`` and the
+autocast state its ``apply`` runs under, in words. Written by the capture."""
+
 
 def model_root(gm: torch.nn.Module) -> torch.nn.Module:
     """The module the graph's module paths name: the user's model for captured graphs."""

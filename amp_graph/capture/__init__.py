@@ -8,7 +8,10 @@
   means them;
 * :mod:`~amp_graph.capture.fsdp_units` - FSDP2 units and their mixed-precision policies;
 * :mod:`~amp_graph.capture.host_random` - random numbers the forward draws on the host, which
-  one graph would replay on every call.
+  one graph would replay on every call;
+* :mod:`~amp_graph.capture.autograd_functions` - custom ``torch.autograd.Function`` s kept
+  whole, one node calling their own ``apply``, so that their backward runs;
+* :mod:`~amp_graph.capture.capture_error` - :class:`CaptureError`, what could not be captured.
 """
 
 from .model_capture import (

@@ -43,12 +43,18 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
+from amp_graph.capture.autograd_functions import (
+    AutocastState,
+    FunctionKeepingInterpreter,
+    bind_functions,
+    kept_functions,
+)
 from amp_graph.capture.casts import (
-    CastKeepingInterpreter,
     mark_named,
     strip_aliases,
     strip_widening_casts,
 )
+from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.fsdp_units import (
     FSDP_MIXED_PRECISION,
     UnsupportedFSDP,
@@ -94,10 +100,6 @@ class ExportFacts:
 
 
 """The attribute of a captured GraphModule that holds the user's model itself."""
-
-
-class CaptureError(RuntimeError):
-    """amp_graph could not capture the model; the message names the construct and a way out."""
 
 
 @dataclass
@@ -207,6 +209,7 @@ def capture_module(
     low_dtype: torch.dtype | None = None,
     dynamic_shapes: Any = None,
     code_on_call: bool = False,
+    keep_functions: bool = True,
 ) -> Captured:
     """Export ``model(*args, **kwargs)`` and unlift it into a GraphModule over ``model``.
 
@@ -220,6 +223,9 @@ def capture_module(
     GraphModule generates its Python code when first called or printed, not at each
     ``recompile()`` (torch's ``_LazyGraphModule``): for a caller that only reads the graph,
     as :func:`amp_graph.export` does, generating the code of a 10k-node graph is waste.
+    ``keep_functions``: each custom ``torch.autograd.Function`` the model calls becomes one
+    node that calls its ``apply`` (:mod:`amp_graph.capture.autograd_functions`), so that its
+    own backward runs; False inlines its forward's ops, for an inference program.
 
     Raises:
         CaptureError: naming the failing construct (file, line, code) and what to do.
@@ -229,6 +235,8 @@ def capture_module(
         dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs)
     low = low_dtype or autocast_dtype or torch.bfloat16
     casts_nothing = autocast_dtype is None and (policy is None or policy.changes_nothing)
+
+    functions = kept_functions(type(model).__name__)
 
     def export() -> tuple[Any, Any, Any]:
         planned = (
@@ -254,6 +262,7 @@ def capture_module(
                 gc_paused(),
                 fsdp as units,
                 capture_autocast(device_type, autocast_dtype),
+                functions if keep_functions else contextlib.nullcontext(),
                 planned,
                 half,
                 # export builds a GraphModule after each of its own passes, generating and
@@ -290,8 +299,16 @@ def capture_module(
             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
             "{'use_reentrant': False})); amp_graph then recomputes the block in backward."
         )
+    if keep_functions and (defined := functions.defined):
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in defined)
+        raise CaptureError(
+            f"{type(model).__name__} defines the custom autograd Function {names} while its "
+            "forward runs: amp_graph keeps a Function whole (its own backward) only if its "
+            "class exists before the capture. Define the class once, at module level."
+        )
     with gc_paused():
         gm = _graph_module(program, model, model_attr, code_on_call)
+        bind_functions(gm, functions.calls)
     gm.meta[EXPORT_FACTS] = ExportFacts(
         dict(program.range_constraints), list(program.module_call_graph), list(program.verifiers)
     )
@@ -404,14 +421,21 @@ def _check_checkpoints_within_units(gm: fx.GraphModule, units: list[str]) -> Non
             )
 
 
-def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+def capture_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    function_autocast: AutocastState | None = None,
+) -> fx.GraphModule:
     """Retrace a graph dynamo captured (torch-level calls) down to pre-dispatch aten ops.
 
     The torch.compile backend's capture: the graph runs under ``make_fx(pre_dispatch=True)``
     on the fake values dynamo traced it with (symbolic sizes included), so ops inside
     ``F.multi_head_attention_forward`` and other composites become aten ops, each keeping
     the ``nn_module_stack`` of the dynamo node it came from. What dynamo recorded about each
-    input (``grapharg``: parameter or buffer sources) is carried over.
+    input (``grapharg``: parameter or buffer sources) is carried over. Each custom autograd
+    Function dynamo traced whole becomes one node that runs it under ``function_autocast``
+    (the policy's torch.autocast; None: the state now), its own backward kept
+    (:class:`~amp_graph.capture.autograd_functions.FunctionKeepingInterpreter`).
     """
     _refuse_functorch_transforms(gm)
     import torch.fx.traceback as fx_traceback
@@ -433,10 +457,11 @@ def capture_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Graph
 
     aliases: set[str] = set()
     baked: set[str] = set()
+    autocast = function_autocast or AutocastState.now()
 
     def run(*args: Any) -> Any:
         with fx_traceback.preserve_node_meta():
-            return CastKeepingInterpreter(gm, aliases, baked).run(*args)
+            return FunctionKeepingInterpreter(gm, aliases, baked, autocast).run(*args)
 
     with fake_mode:
         traced = make_fx(run, pre_dispatch=True)(*values)

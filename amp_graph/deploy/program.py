@@ -277,6 +277,9 @@ def export(
             device_type=request.device_type,
             dynamic_shapes=dynamic_shapes,
             code_on_call=True,  # the graph is lifted, never called
+            # an inference program has no backward to keep: a Function's forward ops are
+            # the program's, each under the policy (and ONNX/AOTI can lower them)
+            keep_functions=False,
         )
         seconds["capture"] = time.perf_counter() - start
         gm = captured.graph_module

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.capture import capture_graph
+from amp_graph.capture.autograd_functions import AutocastState
 from amp_graph.frontends.compiler import CompileRecord, rewrite
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import check_request, device_type_of, resolve
@@ -113,7 +114,8 @@ class AmpGraphBackend:
         request = resolve(self.policy, self.dtype, device_type_of(gm, example_inputs))
         policy, dtype, device_type = request.policy, request.dtype, request.device_type
         warn_if_low_matmul_is_slow(policy, dtype, device_type)
-        aten_gm = capture_graph(gm, example_inputs)
+        autocast = AutocastState.of_policy(device_type, None if policy.casts_nothing else dtype)
+        aten_gm = capture_graph(gm, example_inputs, autocast)
         missing = attach_example_values(aten_gm, example_inputs)
         record = rewrite(
             aten_gm,
