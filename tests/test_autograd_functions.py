@@ -699,3 +699,25 @@ def test_backend_with_inductor_keeps_function_backward_within_bf16_rounding():
         scale = want_grads[name].abs().max()
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(grad, want_grads[name], rtol=0.05, atol=0.05 * scale, msg=name)
+
+
+def test_numerics_shadow_runs_a_function_in_float32():
+    """amp_graph.numerics compares each node with the model run in float32: a Function's
+    shadow runs with autocast off, so its row shows the error its bf16 matmul makes."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):  # x as given (float32): any error is the Function's own
+            return SavedMatmul.apply(x, self.w)
+
+    torch.manual_seed(0)
+    compiled = amp_graph.compile(M(), "autocast", BF16)
+    x = torch.randn(8, 16)
+    compiled(x)
+    report = amp_graph.numerics(compiled, x)
+    (row,) = [r for r in report.rows if r.node == "saved_matmul"]
+    assert row.dtype == BF16  # tanh of a bf16 product, as CPU autocast runs it
+    assert 1e-4 < row.forward.rel_error < 0.05  # bf16's rounding against a float32 shadow

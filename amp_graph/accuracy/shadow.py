@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from amp_graph.capture.autograd_functions import FunctionCall
 from amp_graph.frontends.compiler import COMPILE_META, CompiledModule, CompileRecord
 from amp_graph.ops.recompute_ops import recomputed_cast, recomputed_quantize
 from amp_graph.passes.meta import AMP, FLOAT8
@@ -363,6 +364,8 @@ class _ShadowRun(_MixedRun):
         substitute = shadow_targets().get(target)
         if substitute is not None:
             return substitute(*args, **kwargs)
+        if isinstance(target, FunctionCall):  # a custom Function runs under autocast: not here
+            target = target.in_float32()
         return super().call_function(target, *_widened(args, kwargs))
 
     def call_method(self, target: Any, args: tuple, kwargs: dict) -> Any:

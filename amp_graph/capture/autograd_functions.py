@@ -71,6 +71,7 @@ class AutocastState:
         )
 
     def entered(self) -> contextlib.ExitStack:
+        """Enter this state (each device type whose state differs from the current one)."""
         stack = contextlib.ExitStack()
         for device, enabled, dtype in self.states:
             if enabled or torch.is_autocast_enabled(device):
@@ -125,6 +126,12 @@ class FunctionCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         with self.autocast.entered():
             return self.function.apply(*args, **kwargs)
+
+    def in_float32(self) -> FunctionCall:
+        """The same call with autocast off: what it computes when the model runs in float32
+        (the numerics' shadow run)."""
+        off = AutocastState(tuple((d, False, dtype) for d, _, dtype in self.autocast.states))
+        return FunctionCall(self.function, self.spec, self.leaves, self.tensor_positions, off)
 
     @property
     def name(self) -> str:
