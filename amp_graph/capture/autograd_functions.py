@@ -39,13 +39,13 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.casts import (
     CastKeepingInterpreter,
     is_noop_cast,
     proxy_tracer,
     reads_target_dtype,
 )
-from amp_graph.capture.capture_error import CaptureError
 from amp_graph.passes.meta import KEPT_FUNCTION
 
 # The target export's verifier admits for a Function call kept in its pre-dispatch graph

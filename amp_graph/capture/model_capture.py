@@ -49,12 +49,12 @@ from amp_graph.capture.autograd_functions import (
     bind_functions,
     kept_functions,
 )
+from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.casts import (
     mark_named,
     strip_aliases,
     strip_widening_casts,
 )
-from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.fsdp_units import (
     FSDP_MIXED_PRECISION,
     UnsupportedFSDP,
