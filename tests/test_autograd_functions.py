@@ -534,8 +534,10 @@ def test_export_inlines_the_forward_of_an_inference_program():
 
 
 class BackendBlock(nn.Module):
-    """Block's Functions less those the backend refuses: custom_fwd/custom_bwd, and
-    SavedMatmul's casts to dtypes read from tensors."""
+    """Block's Functions less those the backend refuses (custom_fwd/custom_bwd, and
+    SavedMatmul's casts to dtypes read from tensors) and SetupContextGelu, whose backward
+    calls torch.autograd.grad: dynamo cannot trace it (torch 2.13 breaks the graph there,
+    2.15 runs the whole frame eagerly, README's known limits)."""
 
     def __init__(self, dim=8):
         super().__init__()
@@ -546,7 +548,8 @@ class BackendBlock(nn.Module):
         h = b.fc_in(x)
         h = StraightThroughRound.apply(h * 4) / 4 + h
         h = ScaledShift.apply(h, 0.5, "mul", 2) + h
-        h = SetupContextGelu.apply(b.norm(h), "tanh")
+        values, _ = MaxWithIndex.apply(h)
+        h = b.norm(h + values.unsqueeze(-1))
         q, k, v = b.qkv(h).unflatten(-1, (3, 1, -1)).unbind(-3)
         h = FlashLikeAttention.apply(q, k, v).flatten(-2) + h
         return StraightThroughRound.apply(b.fc_out(h))  # the last op: backward must reach it
@@ -564,11 +567,9 @@ def test_backend_keeps_function_backward_bit_for_bit_with_autocast(inner):
     out = compiled(x)
     out.float().square().sum().backward()
     _assert_same(out, _grads(model), want_out, want_grads)
-    # SetupContextGelu's backward calls autograd.grad: dynamo breaks the graph there and
-    # torch runs that Function itself; the others are one node each
     graphs = amp_graph.captured_graphs(compiled)
     kept = [n for gm in graphs for n in gm.graph.nodes if n.meta.get(KEPT_FUNCTION)]
-    assert len(kept) == 4
+    assert len(graphs) == 1 and len(kept) == 5  # one node per Function call
     assert any("StraightThroughRound" in n.meta[KEPT_FUNCTION][0] for n in kept)
 
 

@@ -75,7 +75,11 @@ class AutocastState:
         stack = contextlib.ExitStack()
         for device, enabled, dtype in self.states:
             if enabled or torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                # no cast cache: one call is too short to reuse a cast, and a CUDA graph
+                # capture must not keep one
+                stack.enter_context(
+                    torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False)
+                )
         return stack
 
     @classmethod
