@@ -18,6 +18,7 @@ import torch
 
 from amp_graph.monitoring.repro import META_FILE, buffers_after, gradients, set_rng
 
+from .bundle_files import load_bundle_file
 from .numerics import numerics as run_numerics
 from .replay_compiled import built_from, replay_compiled, same_bits
 
@@ -83,6 +84,7 @@ def replay(
     model: Any = None,
     optimizer: Any = None,
     numerics: bool = True,
+    policy: Any = None,
 ) -> ReplayResult:
     """Rerun the skipped step a monitor's repro bundle recorded, and find where it broke.
 
@@ -99,7 +101,13 @@ def replay(
     optimizer=...)``) takes ``model=``, a new instance of the model (None: the recorded class
     built with no arguments), and optionally ``optimizer=`` (over ``model``'s parameters),
     which gets its state of before the step: the forward and backward run once and are
-    compared the same way (:mod:`amp_graph.inspect.replay_compiled`).
+    compared the same way (:mod:`amp_graph.inspect.replay_compiled`). It compiles under the
+    bundle's ``policy.json``, or ``policy=`` (a policy holding a function of yours is stored
+    as text only: pass it then).
+
+    No file of the bundle is unpickled into code: each is read with
+    ``torch.load(weights_only=True)`` and one holding anything else raises
+    :class:`~amp_graph.inspect.bundle_files.BundleRefused` naming it.
     """
     path = Path(path)
     meta_file = path / META_FILE
@@ -118,8 +126,11 @@ def replay(
         raise TypeError(
             f"{path} is a compiled module's bundle: pass model= (and optimizer=), not a Graph"
         )
-    if not compiled and (model is not None or optimizer is not None):
-        raise TypeError(f"{path} is a Graph's bundle: pass graph=, not model= or optimizer=")
+    if not compiled and (model is not None or optimizer is not None or policy is not None):
+        raise TypeError(
+            f"{path} is a Graph's bundle: pass graph= (it has its policy), not model=, "
+            "optimizer= or policy="
+        )
     if not compiled and graph is None:
         graph = built_from(
             meta["graph_class"],
@@ -132,7 +143,7 @@ def replay(
     try:
         if compiled:
             skipped, mismatches, report, note = replay_compiled(
-                path, meta, model, optimizer, numerics
+                path, meta, model, optimizer, numerics, policy
             )
             reproduced = not mismatches
             return ReplayResult(path, meta["step"], skipped, reproduced, mismatches, report, note)
@@ -142,10 +153,10 @@ def replay(
 
 
 def _replay(path: Path, meta: dict[str, Any], graph: Any, numerics: bool) -> ReplayResult:
-    state = torch.load(path / "state.pt", weights_only=False)
-    inputs = torch.load(path / "batch.pt", weights_only=False)
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    recorded = torch.load(path / "step_result.pt", weights_only=False)
+    state = load_bundle_file(path / "state.pt")
+    inputs = load_bundle_file(path / "batch.pt")
+    rng = load_bundle_file(path / "rng.pt")
+    recorded = load_bundle_file(path / "step_result.pt")
     graph.load_state_dict(state)
     graph.capture(*inputs)  # capturing draws random numbers: before the RNG is set
     graph.load_state_dict(state)  # again: O2's float32 masters exist once captured

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from amp_graph.frontends.compiler import compile as compile_model
 from amp_graph.monitoring.repro import detached, set_rng
 
+from .bundle_files import bundle_policy, load_bundle_file
 from .numerics import numerics as run_numerics
 
 
@@ -34,6 +35,7 @@ def replay_compiled(
     model: nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
     numerics: bool,
+    policy: Any = None,
 ) -> tuple[bool, list[str], Any, str]:
     """``(skipped again, mismatches, numerics report, note)`` of the bundle at ``path``."""
     if model is None:
@@ -42,13 +44,13 @@ def replay_compiled(
             "the model",
             "model= (a new instance, built as the training script builds it)",
         )
-    state = torch.load(path / "state.pt", weights_only=False)
-    args, kwargs = torch.load(path / "batch.pt", weights_only=False)
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    recorded = torch.load(path / "step_result.pt", weights_only=False)
+    state = load_bundle_file(path / "state.pt")
+    args, kwargs = load_bundle_file(path / "batch.pt")
+    rng = load_bundle_file(path / "rng.pt")
+    recorded = load_bundle_file(path / "step_result.pt")
     _load(model, optimizer, state)
     model.train(meta["training"])
-    compiled = compile_model(model, _policy(path, meta), _dtype(meta["dtype"]))
+    compiled = compile_model(model, policy or bundle_policy(path, meta), _dtype(meta["dtype"]))
     compiled.capture(*args, **kwargs)  # capturing draws random numbers: before the RNG is set
     _load(model, None, state)
     set_rng(rng)
@@ -112,13 +114,6 @@ def _load(model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-
-
-def _policy(path: Path, meta: dict[str, Any]) -> Any:
-    pickled = path / "policy.pt"
-    if pickled.exists():
-        return torch.load(pickled, weights_only=False)
-    return meta["policy"]  # a preset by name (policy.txt has an unpicklable one)
 
 
 def _dtype(name: str) -> torch.dtype:

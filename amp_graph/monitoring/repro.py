@@ -9,8 +9,9 @@ guard found inf/nan gradients) writes ``repro_dir/step_<N>/``:
   schedulers, scaler, step counter;
 * ``step_result.pt``: what the step returned, the gradients it computed and the buffers it
   wrote (to check the replay bit for bit);
-* ``policy.txt`` (and ``policy.pt``), ``graph.txt`` (the step graph and the build graph, as
-  printed), ``meta.json``.
+* ``policy.txt`` and ``policy.json`` (the policy as plain data, never a pickle: a bundle is
+  read with ``weights_only=True``, :mod:`amp_graph.inspect.bundle_files`), ``graph.txt``
+  (the step graph and the build graph, as printed), ``meta.json``.
 
 What is kept per step, and what is not copied: a skipped step changes no parameter and no
 optimizer state, so those are read after it, not copied before it. Per step the monitor
@@ -38,6 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from amp_graph.frontends.compiler import COMPILE_META
+from amp_graph.policy.policy_data import PolicyNotData, policy_as_data
 
 log = logging.getLogger(__name__)
 
@@ -258,12 +260,16 @@ def restore_hyperparameters(optimizer_state: dict[str, Any], groups: list[dict])
 
 
 def write_policy(path: Path, record: Any) -> None:
-    """``policy.txt`` (always) and ``policy.pt`` (where the policy pickles) of a bundle."""
+    """``policy.txt`` (always) and ``policy.json`` (the policy as plain data, where it is
+    data: :mod:`amp_graph.policy.policy_data`) of a bundle. Never a pickle: a bundle is
+    shared, and replaying it must not run code."""
     (path / "policy.txt").write_text(f"{record.policy!r}\ndtype: {record.dtype}\n")
     try:
-        torch.save(record.policy, path / "policy.pt")
-    except Exception as error:  # a policy keyed by a local class cannot be pickled
-        log.info("amp_graph: the policy could not be pickled (%s); policy.txt has it", error)
+        data = policy_as_data(record.policy)
+    except PolicyNotData as error:  # a function in the policy: policy.txt has it
+        log.info("amp_graph: the policy is not plain data (%s); policy.txt has it", error)
+        return
+    (path / "policy.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _device_of(graph: Any) -> torch.device:

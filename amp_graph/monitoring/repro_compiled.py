@@ -24,8 +24,8 @@ The first skipped step's bundle, ``repro_dir/step_<N>/``: ``batch.pt`` (``(args,
 ``rng.pt``, ``state.pt`` (``model``, ``optimizer``, ``scheduler``, ``scaler`` as they were
 before the step: the skip left parameters and optimizer state as they were, so those are
 read then), ``step_result.pt`` (the output, the output gradients, the parameters' gradients,
-the buffers after), ``policy.txt`` (and ``policy.pt``), ``graph.txt`` and ``meta.json``
-(``"kind": "compile"``).
+the buffers after), ``policy.txt`` and ``policy.json`` (the policy as plain data),
+``graph.txt`` and ``meta.json`` (``"kind": "compile"``).
 
 A loop that zeroes gradients in place (``zero_grad(set_to_none=False)``) before the next
 call leaves no gradient to keep: the bundle then holds none, says so, and replay compares the
