@@ -196,8 +196,14 @@ class kept_functions:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        # read before anything collects them: a class made in a forward dies with its call
-        self.defined = [c for c in _user_function_classes() if c not in self._known]
+        # read before anything collects them: a class made in a forward dies with its call.
+        # Only classes made inside a function count: a module imported lazily during the
+        # forward (as transformers imports its integrations) defines its classes at the top
+        self.defined = [
+            c
+            for c in _user_function_classes()
+            if c not in self._known and "<locals>" in c.__qualname__
+        ]
         for cls, own in reversed(self._patched):
             if own is None:
                 del cls.apply
