@@ -86,15 +86,38 @@ def test_compile_in_place_keeps_the_model_class_attributes_and_state_dict_keys()
         amp_graph.uncompile(model)
 
 
-def test_generate_with_a_kv_cache_runs_the_models_own_forward(caplog):
+@pytest.mark.parametrize("policy", ["autocast", "O1"])
+def test_generate_with_a_kv_cache_decodes_as_under_torch_autocast(caplog, policy):
+    """HF generate (use_cache=True: every call holds a KV cache) runs the model's own forward
+    under torch.autocast in the policy's dtype: tokens and every step's scores equal those
+    of generate under torch.autocast, bit for bit, and differ from float32's; a policy that
+    means more than torch.autocast's lists is said at WARNING, once."""
     model = _gpt2().eval()
     prompt = _ids()[:, :4]
-    generate = dict(max_new_tokens=4, do_sample=False, use_cache=True)
-    expected = model.generate(prompt, **generate)
-    amp_graph.compile_(model, "O1", example_kwargs={"input_ids": prompt})
+    generate = dict(
+        max_new_tokens=4,
+        do_sample=False,
+        use_cache=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    in_float32 = model.generate(prompt, **generate)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model.generate(prompt, **generate)
+    amp_graph.compile_(model, policy, torch.bfloat16, example_kwargs={"input_ids": prompt})
     with caplog.at_level(logging.INFO, logger="amp_graph.frontends.compiler"):
-        assert torch.equal(model.generate(prompt, **generate), expected)
-    assert "KV cache" in caplog.text
+        got = model.generate(prompt, **generate)
+        model.generate(prompt, **generate)
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs, fp32 in zip(got.scores, expected.scores, in_float32.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert not torch.equal(ours, fp32)  # mixed precision, not the float32 model
+    warnings = [r for r in caplog.records if "KV cache" in r.getMessage()]
+    if policy == "autocast":
+        assert not warnings
+    else:
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+        assert "torch.autocast('cpu', bf16)" in warnings[0].getMessage()
     assert len(model.forward.compiled.graph_modules) == 1  # nothing captured for decoding
 
 
@@ -151,3 +174,22 @@ def test_wrapper_shows_config_generate_and_save_pretrained_of_the_model(tmp_path
     compiled.save_pretrained(tmp_path)  # the model's own method: its own keys
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     assert loaded.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(num_beams=2), dict(cache_implementation="static")],
+    ids=["beam-search", "static-cache"],
+)
+def test_beam_search_and_a_static_cache_decode_as_under_torch_autocast(options):
+    model = _gpt2().eval()
+    prompt = _ids()[:, :4]
+    generate = dict(max_new_tokens=4, do_sample=False, use_cache=True, **options)
+    generate.update(output_scores=True, return_dict_in_generate=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model.generate(prompt, **generate)
+    amp_graph.compile_(model, "autocast", torch.bfloat16, example_kwargs={"input_ids": prompt})
+    got = model.generate(prompt, **generate)
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

@@ -26,7 +26,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture import Captured, CaptureError, capture_for_policy, export_refused
+from amp_graph.capture import (
+    Captured,
+    CaptureError,
+    capture_autocast,
+    capture_for_policy,
+    export_refused,
+)
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
@@ -533,26 +539,46 @@ def compile(
 class _InplaceForward(_SignedForward):
     """The ``forward`` :func:`compile_` sets on a model: runs the model's graph, except for
     calls that decode with a KV cache (``past_key_values`` given, or ``use_cache=True``), which
-    run the class's own forward eagerly: a cache object is state a graph cannot take or
-    return (HF ``generate`` makes these calls)."""
+    run the class's own forward eagerly under torch.autocast in the policy's dtype: a cache
+    object is state a graph cannot take or return (HF ``generate`` makes these calls)."""
 
     def __init__(self, compiled: CompiledModule, signature: inspect.Signature | None) -> None:
         super().__init__(compiled._call, signature)
         self.compiled = compiled
-        self._logged_eager = False
+        self._decode_autocast: tuple[str, torch.dtype | None] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
-            model = self.compiled.model
-            if not self._logged_eager:
-                self._logged_eager = True
-                log.info(
-                    "amp_graph: %s called with a KV cache (use_cache / past_key_values) runs "
-                    "its own forward, eagerly and in float32",
-                    type(model).__name__,
-                )
-            return type(model).forward(model, *args, **kwargs)
+            return self._decode(args, kwargs)
         return self.run(*args, **kwargs)
+
+    def _decode(self, args: tuple, kwargs: dict) -> Any:
+        """A call with a KV cache: the class's forward under torch.autocast in the policy's
+        dtype (none for O0), so that decoding computes in mixed precision as torch.autocast's
+        does; a WARNING, once, where the policy means more than torch.autocast's lists."""
+        model = self.compiled.model
+        if self._decode_autocast is None:
+            device_type = device_type_of(model, (args, kwargs))
+            request = resolve(self.compiled.policy, self.compiled.dtype, device_type)
+            low = None if request.policy.casts_nothing else request.dtype
+            self._decode_autocast = (device_type, low)
+            exact = request.policy.name == f"autocast[{device_type}]"
+            if not exact and low is not None:
+                log.warning(
+                    "amp_graph: %s called with a KV cache (use_cache / past_key_values, as "
+                    "HF generate calls it) runs its own forward eagerly under "
+                    "torch.autocast(%r, %s): torch.autocast's decisions, not all of policy "
+                    "%s's (its own tables, overrides, O2/O3's low-precision model). A cache "
+                    "object is state one graph cannot take or return; policy='autocast' "
+                    "decodes exactly as captured",
+                    type(model).__name__,
+                    device_type,
+                    short(low),
+                    request.policy.name,
+                )
+        device_type, low = self._decode_autocast
+        with capture_autocast(device_type, low):
+            return type(model).forward(model, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -591,9 +617,11 @@ def compile_(
     The graph is set as an instance attribute ``forward`` (nothing global is patched); the
     capture still traces the class's forward. ``inspect.signature(model.forward)`` is the
     model's. Calls that decode with a KV cache (``past_key_values`` given or
-    ``use_cache=True``, as HF ``generate`` makes) run the model's own forward eagerly, in
-    float32; for training, HF models want ``config.use_cache = False`` (a cache object is not
-    a graph output). :func:`uncompile` undoes it; :func:`as_graph_module` reads the graph.
+    ``use_cache=True``, as HF ``generate`` makes) run the model's own forward eagerly under
+    torch.autocast in the policy's dtype (a WARNING, once, for a policy that means more than
+    torch.autocast's lists); for training, HF models want ``config.use_cache = False`` (a
+    cache object is not a graph output). :func:`uncompile` undoes it;
+    :func:`as_graph_module` reads the graph.
 
     Args and Raises: as :func:`compile`; also ``ValueError`` for a model whose ``forward`` is
     already an instance attribute (compiled in place already, or wrapped by another library),
