@@ -11,6 +11,7 @@ structure, dtype or rank, behind :class:`CompiledModule`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import re
@@ -562,7 +563,11 @@ class _InplaceForward(_SignedForward):
             request = resolve(self.compiled.policy, self.compiled.dtype, device_type)
             low = None if request.policy.casts_nothing else request.dtype
             self._decode_autocast = (device_type, low)
-            exact = request.policy.name == f"autocast[{device_type}]"
+            # torch.autocast's own tables and nothing more: decoding under it is exact
+            autocast_policy = Policy.preset("autocast", device_type)
+            exact = request.policy == dataclasses.replace(
+                autocast_policy, missing_kernels=request.policy.missing_kernels
+            )
             if not exact and low is not None:
                 log.warning(
                     "amp_graph: %s called with a KV cache (use_cache / past_key_values, as "
