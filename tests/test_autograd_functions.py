@@ -240,6 +240,18 @@ class Block(nn.Module):
         return self.fc_out(h)
 
 
+class LinearThen(nn.Module):
+    """A linear layer, then one Function: the smallest model whose gradient goes through it."""
+
+    def __init__(self, function, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.function = function
+
+    def forward(self, x):
+        return self.function.apply(self.fc(x))
+
+
 def _inputs():
     torch.manual_seed(0)
     return torch.randn(2, 5, 8)
@@ -295,17 +307,9 @@ def test_compile_keeps_every_function_backward_bit_for_bit_with_autocast():
 def test_a_straight_through_estimator_gets_its_own_gradient_not_rounds():
     """The issue's repro: round's derivative is 0, the Function's backward is the identity."""
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return StraightThroughRound.apply(self.fc(x))
-
     torch.manual_seed(0)
     for policy in ("O0", "O1"):
-        model = M()
+        model = LinearThen(StraightThroughRound, 4)
         x = torch.randn(2, 4)
         amp_graph.compile(model, policy, BF16)(x).float().sum().backward()
         got = model.fc.weight.grad.clone()
@@ -379,16 +383,8 @@ def test_custom_fwd_cast_inputs_computes_in_float32_and_custom_bwd_under_autocas
 
 
 def test_double_backward_goes_through_the_function():
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return Cube.apply(self.fc(x))
-
     torch.manual_seed(0)
-    model = M()
+    model = LinearThen(Cube, 3)
     x = torch.randn(2, 3, requires_grad=True)
 
     def second_order(run):
