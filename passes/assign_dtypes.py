@@ -214,6 +214,16 @@ class _Planner(fx.Interpreter):
                     device=tensor.device,
                     requires_grad=tensor.requires_grad,
                 )
+        if _is_dtensor(captured):  # tensor parallel: the graph reads the DTensor itself
+            fake = captured
+            if getattr(captured._local_tensor, "fake_mode", None) is not self.fake_mode:
+                # FSDP2 over tensor parallelism captures its units unsharded: the captured
+                # value, not the resharded parameter, describes what the graph reads
+                fake = self.fake_mode.from_tensor(captured, static_shapes=True)
+            if fake.dtype == dtype:
+                return fake
+            with self.fake_mode:
+                return fake.to(dtype)
         if _is_dtensor(tensor):  # an FSDP2 shard: the graph reads it gathered (fsdp_hooks)
             with self.fake_mode:
                 return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 def end_rank() -> NoReturn:
@@ -19,3 +19,72 @@ def end_rank() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _scenario_worker(
+    rank: int, world: int, module: str, scenario: str, port: int, out_dir: str
+) -> None:
+    import datetime
+    import importlib
+    import traceback
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    try:
+        result = importlib.import_module(module).SCENARIOS[scenario](rank)
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    end_rank()
+
+
+def spawn_scenario(
+    module: str, scenario: str, out_dir: Any, world: int, join_seconds: float = 150
+) -> list[Any]:
+    """Run ``module.SCENARIOS[scenario](rank)`` on ``world`` gloo ranks and return each
+    rank's result (saved by the rank with torch.save); fail, not hang, if a rank fails or
+    stalls."""
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(
+        _scenario_worker,
+        args=(world, module, scenario, free_port(), str(out_dir)),
+        nprocs=world,
+        join=False,
+    )
+    deadline = time.monotonic() + join_seconds
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{scenario}: ranks still running after {join_seconds} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -20,6 +20,12 @@ and ``custom_bwd`` runs the backward under the forward's state, as they do under
 torch.autocast. Its inputs reach it as the plan computed them: a Function call is not an op
 that autocast casts, and no pass casts them either (:func:`is_function_call`).
 
+DTensor's own conversions (``from_local``, ``redistribute``, ``to_local``: the hooks of
+``torch.distributed.tensor.parallel`` call them) are kept the same way. Inlined, export
+would record their collectives as bare ``all_reduce`` / ``all_gather`` nodes, which have no
+derivative; kept, their backward redistributes the gradient as in eager mode, and the ops
+between them compute on DTensors (the policy's dtype on each shard, as on one process).
+
 The patch is scoped: each class's ``apply`` is restored when the capture ends, raises or
 not, and a call made while no export traces (another thread, a model's own ``torch.compile``
 region) goes to the original ``apply``.
@@ -105,6 +111,16 @@ class AutocastState:
         return f"under torch.autocast({', '.join(on)})" if on else "with autocast off"
 
 
+# torch's own Functions amp_graph keeps whole: DTensor's conversions, whose backward
+# redistributes the gradient (inlined, the forward's collectives would have no derivative)
+_TORCH_FUNCTION_NAMES = {
+    "torch.distributed.tensor._api._FromTorchTensor": "dtensor_from_local",
+    "torch.distributed.tensor._api._ToTorchTensor": "dtensor_to_local",
+    "torch.distributed.tensor._redistribute.Redistribute": "dtensor_redistribute",
+    "torch.distributed.tensor._redistribute.NestedRedistribute": "dtensor_redistribute",
+}
+
+
 class FunctionCall:
     """A graph node's target: ``function.apply`` on the node's tensors and the constants
     the capture saw, under the autocast state of the capture (:class:`AutocastState`)."""
@@ -119,9 +135,12 @@ class FunctionCall:
     ) -> None:
         self.function, self.spec, self.autocast = function, spec, autocast
         self.leaves, self.tensor_positions = leaves, tensor_positions
-        self.__name__ = f"{function.__name__}_apply"
+        own_name = _TORCH_FUNCTION_NAMES.get(f"{function.__module__}.{function.__qualname__}")
+        self.__name__ = own_name or f"{function.__name__}_apply"
         self.__qualname__ = self.__name__
-        self.__module__ = function.__module__
+        # fx's codegen spells a target from a torch module as an attribute path, which a
+        # call object is not; torch's own Functions (DTensor's) are named as globals
+        self.__module__ = __name__ if own_name else function.__module__
 
     def __call__(self, *tensors: Any) -> Any:
         leaves = list(self.leaves)
@@ -156,8 +175,8 @@ def function_calls(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _user_function_classes() -> list[type[torch.autograd.Function]]:
-    """Every Function class defined outside torch (torch's own, as checkpoint's and
-    DTensor's, export handles itself)."""
+    """Every Function class defined outside torch, and DTensor's conversions (torch's
+    other Functions, as checkpoint's, export handles itself)."""
     found: dict[type, None] = {}
     pending = list(torch.autograd.Function.__subclasses__())
     while pending:
@@ -166,7 +185,12 @@ def _user_function_classes() -> list[type[torch.autograd.Function]]:
             continue
         found[cls] = None
         pending.extend(cls.__subclasses__())
-    return [c for c in found if not (c.__module__ == "torch" or c.__module__.startswith("torch."))]
+    return [
+        c
+        for c in found
+        if not (c.__module__ == "torch" or c.__module__.startswith("torch."))
+        or f"{c.__module__}.{c.__qualname__}" in _TORCH_FUNCTION_NAMES
+    ]
 
 
 class FunctionNotCaptured(CaptureError):
@@ -449,7 +473,8 @@ def bind_functions(gm: fx.GraphModule, calls: dict[str, FunctionCall]) -> int:
             continue
         node.target = calls[key]
         node.args = node.args[1:]
-        node._rename(_snake(node.target.function.__name__))  # export named it after its target
+        # export named it after its target
+        node._rename(_snake(node.target.__name__.removesuffix("_apply")))
         node.meta[KEPT_FUNCTION] = (node.target.name, node.target.autocast.describe())
         bound += 1
     if bound:

@@ -42,6 +42,7 @@ import torch.fx as fx
 
 from amp_graph.capture import capture_graph
 from amp_graph.capture.autograd_functions import AutocastState
+from amp_graph.capture.capture_error import CaptureError
 from amp_graph.frontends.compiler import CompileRecord, rewrite
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import check_request, device_type_of, resolve
@@ -111,6 +112,7 @@ class AmpGraphBackend:
         inductor (as config patches) and are refused for other inner backends.
         """
         start = time.perf_counter()
+        _refuse_dtensor_graphs(gm, example_inputs)
         request = resolve(self.policy, self.dtype, device_type_of(gm, example_inputs))
         policy, dtype, device_type = request.policy, request.dtype, request.device_type
         warn_if_low_matmul_is_slow(policy, dtype, device_type)
@@ -185,6 +187,23 @@ class AmpGraphBackend:
                     error,
                     len(self._graphs),
                 )
+
+
+def _refuse_dtensor_graphs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Raise :class:`CaptureError` where dynamo's graph computes on DTensors (tensor
+    parallelism): make_fx's retrace cannot run DTensor's dispatch, which would fail deep in
+    the retrace with no word of the cause."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(value, DTensor) for value in example_inputs):
+        raise CaptureError(
+            "amp_graph's torch.compile backend cannot yet rewrite a graph that computes on "
+            "DTensors (a model parallelized with torch.distributed.tensor.parallel). Use "
+            "amp_graph.compile(model, policy, dtype) (or amp_graph.Graph for the whole "
+            "step), which capture tensor-parallel models, FSDP2 x tensor parallel included."
+        )
 
 
 def backend(

@@ -1,0 +1,489 @@
+"""amp_graph on tensor-parallel models (``torch.distributed.tensor.parallel``), gloo ranks on
+the CPU: 2 ranks for 1-D tensor parallelism, 4 for FSDP2 x tensor parallelism (2-D).
+
+The oracle is the same parallelized model run eagerly under ``torch.autocast``, from the
+same initialization and data. The models are written as people write them: an MLP split
+column-then-row (Megatron's), and a torchtitan-style LM whose norms are sequence parallel,
+whose attention and MLP inputs are prepared by ``PrepareModuleInput``, and whose head feeds
+``loss_parallel``.
+
+What must hold, and why it can fail:
+
+* DTensor's own autograd Functions (``from_local``, ``redistribute``, ``to_local``) are
+  graph nodes that call them (``amp_graph.capture.autograd_functions``). Inlined, their
+  collectives would be raw ``all_reduce`` nodes without a derivative: the gradients of every
+  layer below a row-parallel layer would be wrong.
+* The MLP computes bit for bit what torch.autocast computes, forward and gradients: the
+  same aten ops at the same dtypes on the same shards. The LM's loss is bit for bit
+  equal too; its gradients differ from autocast's by bf16 rounding only (atol 2e-3; measured
+  2e-4), because amp_graph casts an input read by three projections once, and autograd
+  then sums their gradients in bf16, where autocast casts it three times. The unsharded LM
+  shows the same differences; a dropped gradient or a float32 op is far above it.
+* Each op computes at the dtype the policy gives it on one process: the sharded graph's
+  (op, compute dtype) pairs equal those of the same model captured unsharded.
+* A float16 step whose gradient overflows on one rank's shard only is skipped by every
+  rank: the scaler agrees over the DTensor gradients' mesh, both dimensions of it in 2-D.
+* What the forward holds for backward per rank is at most what torch.autocast holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from dist_helpers import spawn_scenario
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed")
+
+DIM, HEADS, VOCAB, SEQ, BATCH = 32, 4, 64, 8, 2
+STEPS = 3
+LR = 0.5  # SGD: a parameter moves by LR x its gradient, so a wrong gradient shows
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: each rank computes its own heads (column-parallel projections)
+        q = self.wq(x).view(b, t, -1, DIM // HEADS).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, DIM // HEADS).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, DIM // HEADS).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, 4 * DIM)
+        self.w2 = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = nn.LayerNorm(DIM)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def _tp_mesh(two_d: bool = False) -> tuple[Any, Any]:
+    """(the tensor-parallel mesh, the data-parallel one or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if two_d:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return mesh["tp"], mesh["dp"]
+    return init_device_mesh("cpu", (dist.get_world_size(),)), None
+
+
+def parallel_mlp(mesh: Any) -> nn.Module:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)  # the same full parameters on every rank before sharding
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def parallel_lm(mesh: Any, loss_parallel: bool = False, dp_mesh: Any = None) -> LM:
+    """torchtitan's plan for its Llama, on :class:`LM`; with ``dp_mesh``, FSDP2 over it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = LM()
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    for block in model.layers:
+        prepare = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": prepare,
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": prepare,
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    if dp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def lm_batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + seed)
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor, parallel: bool = False) -> torch.Tensor:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel() if parallel else contextlib.nullcontext():
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+        loss.backward()  # loss_parallel: the backward too must run inside its context
+    return loss
+
+
+def full(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    return {n: whole(p.grad if grads else p) for n, p in model.named_parameters()}
+
+
+def op_dtypes(gm: Any) -> Counter:
+    """(aten op, compute dtype) of every op node the passes planned, DTensor's conversions
+    left out."""
+    from amp_graph.passes import AMP
+
+    from amp_graph.capture.autograd_functions import is_function_call
+
+    pairs: Counter = Counter()
+    for node in gm.graph.nodes:
+        amp = node.meta.get(AMP)
+        if node.op == "call_function" and amp is not None and not is_function_call(node):
+            pairs[(str(node.target), str(amp.compute_dtype))] += 1
+    return pairs
+
+
+# ---- scenarios: each runs on every rank and returns what it measured ----
+
+
+def mlp_exact(rank: int) -> dict[str, Any]:
+    import amp_graph
+    from amp_graph.frontends.compiler import as_graph_module
+
+    mesh, _ = _tp_mesh()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for entry, policy in (("compile", "autocast"), ("compile", "O1"), ("compile_", "O1")):
+        model = parallel_mlp(mesh)
+        if entry == "compile":
+            compiled = amp_graph.compile(model, policy, torch.bfloat16)
+        else:  # in place: the model itself runs the graph
+            compiled = amp_graph.compile_(model, policy, torch.bfloat16)
+        out = compiled(x)
+        out.float().square().sum().backward()
+        reference = parallel_mlp(mesh)
+        with torch.autocast("cpu", torch.bfloat16):
+            ref = reference(x)
+        ref.float().square().sum().backward()
+        results[f"{entry} {policy}"] = {
+            "out": out.detach(),
+            "ref": ref.detach(),
+            "grads": full(model, grads=True),
+            "ref_grads": full(reference, grads=True),
+            "code": as_graph_module(compiled).code,
+        }
+    return results
+
+
+def lm_compile(rank: int, loss_parallel: bool = False) -> dict[str, Any]:
+    import amp_graph
+
+    mesh, _ = _tp_mesh()
+    idx, target = lm_batches(0)[0]
+    model = parallel_lm(mesh, loss_parallel)
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    logits = compiled(idx)
+    loss = lm_loss(logits, target, loss_parallel)
+    reference = parallel_lm(mesh, loss_parallel)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref_logits = reference(idx)
+    ref_loss = lm_loss(ref_logits, target, loss_parallel)
+    torch.manual_seed(0)
+    unsharded = amp_graph.compile(LM(), "O1", torch.bfloat16)
+    unsharded(idx)
+    return {
+        "logits_type": type(logits).__name__,
+        "logits_dtype": logits.dtype,
+        "loss": loss.item(),
+        "ref_loss": ref_loss.item(),
+        "grads": full(model, grads=True),
+        "ref_grads": full(reference, grads=True),
+        "op_dtypes": op_dtypes(compiled.graph_module),
+        "unsharded_op_dtypes": op_dtypes(unsharded.graph_module),
+    }
+
+
+def _sgd_autocast(model: nn.Module, data: list, dtype: torch.dtype) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for idx, target in data:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype):
+            logits = model(idx)
+        losses.append(lm_loss(logits, target).item())
+        opt.step()
+    return losses
+
+
+def _graph_step(model: nn.Module, policy: str) -> Any:
+    import amp_graph
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    class TrainStep(amp_graph.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, policy=policy, dtype=torch.bfloat16)
+
+        def build(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return lm_loss(self.model(idx), target)
+
+    return TrainStep()
+
+
+def graph_training(rank: int, two_d: bool = False) -> dict[str, Any]:
+    mesh, dp_mesh = _tp_mesh(two_d)
+    data = lm_batches(dp_mesh.get_local_rank() if two_d else 0)  # each dp group its own
+    model = parallel_lm(mesh, dp_mesh=dp_mesh)
+    step = _graph_step(model, "O1")
+    losses = [step(idx, target).item() for idx, target in data]
+    reference = parallel_lm(mesh, dp_mesh=dp_mesh)
+    return {
+        "losses": losses,
+        "ref_losses": _sgd_autocast(reference, data, torch.bfloat16),
+        "params": full(model),
+        "ref_params": full(reference),
+        "grad_meshes": sorted({p.grad.device_mesh.ndim for p in model.parameters()}),
+        "code": step.build_graph.code,
+    }
+
+
+POISONED_STEP = 1
+
+
+def fp16_skip(rank: int, two_d: bool = False) -> dict[str, Any]:
+    """float16 under amp_graph.GradScaler; the last rank's shard of one column-parallel
+    weight's gradient is inf at POISONED_STEP: every rank must skip that step."""
+    import amp_graph
+    from amp_graph.scaler import GradScaler
+
+    mesh, dp_mesh = _tp_mesh(two_d)
+    model = parallel_lm(mesh, dp_mesh=dp_mesh)
+    compiled = amp_graph.compile(model, "O1", torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = GradScaler(init_scale=2.0**10)
+    taken = []
+    data = lm_batches(dp_mesh.get_local_rank() if two_d else 0)
+    for step, (idx, target) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        logits = compiled(idx)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+        scaler.scale(loss).backward()
+        if step == POISONED_STEP and rank == dist.get_world_size() - 1:
+            model.layers[0].attention.wq.weight.grad.to_local()[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        taken.append(bool(scaler.last_step_taken))
+    return {"taken": taken, "params": full(model), "scale": scaler.get_scale()}
+
+
+def held_bytes(rank: int) -> dict[str, int]:
+    import amp_graph
+    from amp_graph.inspect.held import held_for_backward
+
+    mesh, _ = _tp_mesh()
+    idx, _ = lm_batches(0)[0]
+    held = {}
+    for name in ("amp_graph", "autocast"):
+        model = parallel_lm(mesh)
+        run = amp_graph.compile(model, "O1", torch.bfloat16) if name == "amp_graph" else model
+        run(idx)  # the capture (and autocast's first call) outside the count
+        with torch.autocast("cpu", torch.bfloat16, enabled=name == "autocast"):
+            kept, out = held_for_backward(lambda m=run: m(idx), [*model.parameters()])
+        out.float().sum().backward()
+        held[name] = kept
+    return held
+
+
+def backend_lm(rank: int) -> dict[str, Any]:
+    import amp_graph
+
+    mesh, _ = _tp_mesh()
+    idx, _ = lm_batches(0)[0]
+    model = parallel_lm(mesh)
+    compiled = torch.compile(model, backend=amp_graph.backend("O1", inner="eager"))
+    try:
+        compiled(idx)
+    except Exception as error:  # the message is what is checked
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
+SCENARIOS = {
+    "mlp_exact": mlp_exact,
+    "lm_compile": lm_compile,
+    "lm_compile_loss_parallel": lambda rank: lm_compile(rank, loss_parallel=True),
+    "graph_training": graph_training,
+    "graph_training_2d": lambda rank: graph_training(rank, two_d=True),
+    "fp16_skip": fp16_skip,
+    "fp16_skip_2d": lambda rank: fp16_skip(rank, two_d=True),
+    "held_bytes": held_bytes,
+    "backend_lm": backend_lm,
+}
+
+
+def run(scenario: str, tmp_path: Path, world: int = 2) -> list[Any]:
+    return spawn_scenario(__name__, scenario, tmp_path, world)
+
+
+# ---- the tests ----
+
+
+def test_column_then_row_parallel_mlp_equals_autocast_bit_for_bit(tmp_path: Path) -> None:
+    for rank in run("mlp_exact", tmp_path):
+        for policy, result in rank.items():
+            assert result["out"].dtype == result["ref"].dtype == torch.bfloat16, policy
+            assert torch.equal(result["out"], result["ref"]), policy
+            for name, grad in result["grads"].items():
+                assert torch.equal(grad, result["ref_grads"][name]), (policy, name)
+            # DTensor's conversions are kept whole: their backward redistributes gradients
+            for function in ("dtensor_from_local", "dtensor_redistribute", "dtensor_to_local"):
+                assert function in result["code"], (policy, function)
+            assert "all_reduce" not in result["code"], policy
+
+
+@pytest.mark.parametrize("scenario", ["lm_compile", "lm_compile_loss_parallel"])
+def test_sequence_parallel_lm_computes_each_op_as_unsharded_and_matches_autocast(
+    tmp_path: Path, scenario: str
+) -> None:
+    ranks = run(scenario, tmp_path)
+    for result in ranks:
+        # loss_parallel keeps the logits sharded along the vocabulary: a DTensor
+        expected = "DTensor" if scenario.endswith("loss_parallel") else "Tensor"
+        assert result["logits_type"] == expected
+        assert result["logits_dtype"] == torch.bfloat16
+        assert result["loss"] == result["ref_loss"]
+        assert result["op_dtypes"] == result["unsharded_op_dtypes"]
+        assert result["grads"].keys() == result["ref_grads"].keys()
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, result["ref_grads"][name], rtol=0, atol=2e-3)
+            assert grad.abs().max() > 0, name  # every layer gets a gradient
+    for name, grad in ranks[0]["grads"].items():  # one model: the ranks agree exactly
+        assert torch.equal(grad, ranks[1]["grads"][name]), name
+
+
+@pytest.mark.parametrize("scenario, world", [("graph_training", 2), ("graph_training_2d", 4)])
+def test_graph_trains_tensor_parallel_lm_as_autocast(
+    tmp_path: Path, scenario: str, world: int
+) -> None:
+    ranks = run(scenario, tmp_path, world)
+    for result in ranks:
+        assert result["losses"][0] == result["ref_losses"][0]
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), rtol=1e-3, atol=0
+        )
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, result["ref_params"][name], rtol=0, atol=2e-3)
+        # 2-D: the gradients are DTensors over both mesh dimensions
+        assert result["grad_meshes"] == ([2] if world == 4 else [1])
+        assert "dtensor_redistribute" in result["code"]
+    for other in ranks[1:]:
+        for name, value in ranks[0]["params"].items():
+            assert torch.equal(value, other["params"][name]), name
+
+
+@pytest.mark.parametrize("scenario, world", [("fp16_skip", 2), ("fp16_skip_2d", 4)])
+def test_fp16_overflow_on_one_shard_skips_the_step_on_every_rank(
+    tmp_path: Path, scenario: str, world: int
+) -> None:
+    ranks = run(scenario, tmp_path, world)
+    for result in ranks:
+        assert result["taken"] == [True, False, True]
+        assert result["scale"] == 2.0**9  # halved once, by the one skip
+        assert all(torch.isfinite(p).all() for p in result["params"].values())
+    for other in ranks[1:]:
+        for name, value in ranks[0]["params"].items():
+            assert torch.equal(value, other["params"][name]), name
+
+
+def test_held_for_backward_per_rank_at_most_autocast(tmp_path: Path) -> None:
+    for held in run("held_bytes", tmp_path):
+        assert 0 < held["amp_graph"] <= held["autocast"], held
+
+
+def test_backend_refuses_dtensor_graphs_naming_compile(tmp_path: Path) -> None:
+    for result in run("backend_lm", tmp_path):
+        error = result["error"]
+        assert error is not None
+        assert "DTensor" in error and "amp_graph.compile" in error, error
