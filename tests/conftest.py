@@ -112,6 +112,16 @@ def _pinned_recompute_cost(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def torch_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 linears on ``torch._scaled_mm`` also where this CPU's kernel timed slower than
+    amp_graph's float32 emulation (``cpu_scaled_mm_is_slow``, a timing probe: on some AMX
+    Xeons it is), for the tests that count the scaled matmuls a probe sees dispatched."""
+    from amp_graph.ops import fp8_ops
+
+    monkeypatch.setattr(fp8_ops, "cpu_scaled_mm_is_slow", lambda: False)
+
+
+@pytest.fixture
 def fresh_dynamo():
     """Compile from scratch: no cached frames, no recompile limit carried over between tests."""
     torch._dynamo.reset()

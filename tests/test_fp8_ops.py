@@ -144,6 +144,7 @@ def test_matches_torchao_float8_training():
         assert torch.equal(layer.weight.grad.bfloat16().float(), theirs[0].weight.grad), recipe
 
 
+@pytest.mark.usefixtures("torch_scaled_mm")
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_dispatch_probe_one_scaled_mm_forward_two_backward(recipe):
     grad_format = get_recipe(recipe).grad_dtype
@@ -162,6 +163,7 @@ def test_dispatch_probe_one_scaled_mm_forward_two_backward(recipe):
     assert all(a == grad_format and b == E4M3 for a, b in backward)
 
 
+@pytest.mark.usefixtures("torch_scaled_mm")
 def test_backward_skips_the_input_gradient_nobody_needs():
     probe = ScaledMatmulProbe()
     w = torch.randn(32, 64, requires_grad=True)
@@ -271,6 +273,7 @@ def test_device_without_float8_matmul_is_a_clear_error():
         fp8_ops.require_fp8_matmul("cuda")
 
 
+@pytest.mark.usefixtures("torch_scaled_mm")
 def test_scaled_mm_failure_on_an_unsupported_device_names_the_device(monkeypatch):
     """What a GPU without float8 matmuls (sm_80) does: torch._scaled_mm raises. The op asks
     the probe, which fails the same way, and raises the specific error."""

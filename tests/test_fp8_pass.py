@@ -169,6 +169,7 @@ def test_matmuls_with_a_parameter_operand_become_fp8():
             assert torch.equal(got, want)
 
 
+@pytest.mark.usefixtures("torch_scaled_mm")
 def test_gradients_flow_through_the_rewritten_graph_in_fp8():
     """Dispatch probe on the rewritten GPT: per fp8 linear one e4m3 x e4m3 scaled matmul
     forward, two e5m2 x e4m3 backward (every linear's input depends on a parameter)."""

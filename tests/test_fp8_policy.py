@@ -39,6 +39,7 @@ def test_preset_is_o1_with_fp8_linears():
     assert "fp8" in amp_graph.PRESETS
 
 
+@pytest.mark.usefixtures("torch_scaled_mm")
 def test_compile_runs_every_eligible_linear_as_one_scaled_matmul_forward_two_backward():
     model, idx = nanogpt()
     compiled = amp_graph.compile(model, "fp8", check_each_pass=True)

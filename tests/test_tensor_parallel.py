@@ -125,8 +125,19 @@ def parallel_mlp(mesh: Any) -> nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
-def parallel_lm(mesh: Any, loss_parallel: bool = False, dp_mesh: Any = None) -> LM:
-    """torchtitan's plan for its Llama, on :class:`LM`; with ``dp_mesh``, FSDP2 over it."""
+# torch 2.15's export drops the mask of a vocabulary-parallel embedding's partial output
+# (amp_graph says so, naming the way out): there the LM's embedding is column-parallel
+VOCAB_PARALLEL_CAPTURES = torch.torch_version.TorchVersion(torch.__version__) < (2, 15)
+
+
+def parallel_lm(
+    mesh: Any,
+    loss_parallel: bool = False,
+    dp_mesh: Any = None,
+    vocab_parallel: bool = VOCAB_PARALLEL_CAPTURES,
+) -> LM:
+    """torchtitan's plan for its Llama, on :class:`LM`; with ``dp_mesh``, FSDP2 over it.
+    ``vocab_parallel``: the embedding row-parallel (torchtitan's), else column-parallel."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -142,7 +153,9 @@ def parallel_lm(mesh: Any, loss_parallel: bool = False, dp_mesh: Any = None) -> 
         model,
         mesh,
         {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "tok_embeddings": (RowwiseParallel if vocab_parallel else ColwiseParallel)(
+                input_layouts=Replicate(), output_layouts=Shard(1)
+            ),
             "norm": SequenceParallel(),
             "output": ColwiseParallel(
                 input_layouts=Shard(1),
@@ -390,7 +403,26 @@ def backend_lm(rank: int) -> dict[str, Any]:
     return {"error": None}
 
 
+def vocab_parallel_lm(rank: int) -> dict[str, Any]:
+    """The LM with torchtitan's row-parallel embedding: captured where torch allows it,
+    else refused with the cause and the way out."""
+    import amp_graph
+
+    mesh, _ = _tp_mesh()
+    idx, target = lm_batches(0)[0]
+    model = parallel_lm(mesh, vocab_parallel=True)
+    try:
+        loss = lm_loss(amp_graph.compile(model, "O1", torch.bfloat16)(idx), target)
+    except Exception as error:  # the message is what is checked
+        return {"error": f"{type(error).__name__}: {error}"}
+    reference = parallel_lm(mesh, vocab_parallel=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref_logits = reference(idx)
+    return {"error": None, "loss": loss.item(), "ref_loss": lm_loss(ref_logits, target).item()}
+
+
 SCENARIOS = {
+    "vocab_parallel_lm": vocab_parallel_lm,
     "mlp_exact": mlp_exact,
     "lm_compile": lm_compile,
     "lm_compile_loss_parallel": lambda rank: lm_compile(rank, loss_parallel=True),
@@ -487,3 +519,14 @@ def test_backend_refuses_dtensor_graphs_naming_compile(tmp_path: Path) -> None:
         error = result["error"]
         assert error is not None
         assert "DTensor" in error and "amp_graph.compile" in error, error
+
+
+def test_vocabulary_parallel_embedding_captures_or_says_why(tmp_path: Path) -> None:
+    for result in run("vocab_parallel_lm", tmp_path):
+        if VOCAB_PARALLEL_CAPTURES:
+            assert result["error"] is None
+            assert result["loss"] == result["ref_loss"]
+        else:
+            error = result["error"]
+            assert error is not None and error.startswith("FunctionNotCaptured"), error
+            assert "vocabulary-parallel embedding" in error and "ColwiseParallel" in error

@@ -445,6 +445,16 @@ def _amp_decorated(name: str, where: str) -> str:
 
 def _not_captured(owner: str, cls: type, error: BaseException) -> str:
     name = f"{cls.__module__}.{cls.__qualname__}"
+    if name in _TORCH_FUNCTION_NAMES:
+        return (
+            f"amp_graph could not capture {owner}: DTensor's {_TORCH_FUNCTION_NAMES[name]} "
+            f"failed on the capture's fake tensors ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). Known case: on torch "
+            "2.15, the masked partial output of a vocabulary-parallel embedding "
+            "(RowwiseParallel on an nn.Embedding) loses its mask under torch.export. Shard "
+            "the embedding with ColwiseParallel (along its embedding dimension) or keep it "
+            "replicated; on torch 2.13 it captures as it is."
+        )
     return (
         f"amp_graph could not capture {owner}: the custom autograd Function {name} failed "
         f"when its forward ran on fake tensors ({type(error).__name__}: "
