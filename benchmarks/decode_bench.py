@@ -36,7 +36,12 @@ def gpt2(layers: int, width: int, vocab: int) -> torch.nn.Module:
     import transformers
 
     config = transformers.GPT2Config(
-        n_positions=512, n_embd=width, n_layer=layers, n_head=width // 64, vocab_size=vocab
+        n_positions=512,
+        n_embd=width,
+        n_layer=layers,
+        n_head=width // 64,
+        vocab_size=vocab,
+        use_cache=False,  # the captured forward; generate passes use_cache=True
     )
     config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
     torch.manual_seed(0)
