@@ -22,6 +22,7 @@ Run:  python benchmarks/decode_bench.py                  (about 1 minute on 2 CP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 from collections.abc import Callable
@@ -72,15 +73,19 @@ def main() -> None:
         amp_graph.compile_(model, policy, dtype, example_kwargs={"input_ids": prompt})
         models[f"amp_graph {policy}"] = model
 
+    def inference(name: str) -> contextlib.ExitStack:
+        """No gradients, and torch.autocast around the reference alone."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch.autocast(device, dtype, enabled=name == "autocast"))
+        return stack
+
     def generate(name: str, tokens: int) -> Callable[[], object]:
         model = models[name]
         options = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
 
         def run() -> object:
-            with (
-                torch.no_grad(),
-                torch.autocast(device, dtype, enabled=name == "autocast"),
-            ):
+            with inference(name):
                 return model.generate(prompt, use_cache=True, **options)
 
         return run
@@ -89,10 +94,7 @@ def main() -> None:
         model = models[name]
 
         def run() -> object:
-            with (
-                torch.no_grad(),
-                torch.autocast(device, dtype, enabled=name == "autocast"),
-            ):
+            with inference(name):
                 return model(input_ids=prompt, use_cache=False)
 
         return run

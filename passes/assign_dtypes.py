@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
+from amp_graph.ops.dtensors import is_dtensor
 from amp_graph.policy import Rule, autocast_tables, base_name
 
 from . import schema
@@ -214,7 +215,7 @@ class _Planner(fx.Interpreter):
                     device=tensor.device,
                     requires_grad=tensor.requires_grad,
                 )
-        if _is_dtensor(captured):  # tensor parallel: the graph reads the DTensor itself
+        if is_dtensor(captured):  # tensor parallel: the graph reads the DTensor itself
             fake = captured
             if getattr(captured._local_tensor, "fake_mode", None) is not self.fake_mode:
                 # FSDP2 over tensor parallelism captures its units unsharded: the captured
@@ -224,7 +225,7 @@ class _Planner(fx.Interpreter):
                 return fake
             with self.fake_mode:
                 return fake.to(dtype)
-        if _is_dtensor(tensor):  # an FSDP2 shard: the graph reads it gathered (fsdp_hooks)
+        if is_dtensor(tensor):  # an FSDP2 shard: the graph reads it gathered (fsdp_hooks)
             with self.fake_mode:
                 return torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
         return self.fake_mode.from_tensor(tensor, static_shapes=True)
@@ -351,14 +352,6 @@ class _Planner(fx.Interpreter):
     def _current_node(self) -> fx.Node:
         assert self._node is not None
         return self._node
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
 
 
 def _same_dtypes_as(captured: Any, inputs: Any) -> bool:

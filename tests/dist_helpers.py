@@ -31,7 +31,13 @@ def free_port() -> int:
 
 
 def _scenario_worker(
-    rank: int, world: int, module: str, scenario: str, port: int, out_dir: str
+    rank: int,
+    world: int,
+    module: str,
+    scenario: str,
+    port: int,
+    out_dir: str,
+    timeout_seconds: float,
 ) -> None:
     import datetime
     import importlib
@@ -46,7 +52,7 @@ def _scenario_worker(
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=timeout_seconds),
     )
     torch.set_num_threads(1)
     try:
@@ -61,11 +67,17 @@ def _scenario_worker(
 
 
 def spawn_scenario(
-    module: str, scenario: str, out_dir: Any, world: int, join_seconds: float = 150
+    module: str,
+    scenario: str,
+    out_dir: Any,
+    world: int,
+    join_seconds: float = 150,
+    collective_timeout_seconds: float = 60,
 ) -> list[Any]:
     """Run ``module.SCENARIOS[scenario](rank)`` on ``world`` gloo ranks and return each
     rank's result (saved by the rank with torch.save); fail, not hang, if a rank fails or
-    stalls."""
+    stalls (``join_seconds`` for the whole run, ``collective_timeout_seconds`` for one
+    collective: the process group's timeout)."""
     import time
     from pathlib import Path
 
@@ -74,7 +86,7 @@ def spawn_scenario(
 
     context = mp.spawn(
         _scenario_worker,
-        args=(world, module, scenario, free_port(), str(out_dir)),
+        args=(world, module, scenario, free_port(), str(out_dir), collective_timeout_seconds),
         nprocs=world,
         join=False,
     )

@@ -10,23 +10,16 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dist_helpers import end_rank
+from dist_helpers import end_rank, free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 WORLD = 2
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train(model, step_model, rank: int) -> list[float]:
@@ -108,7 +101,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_training_on_two_processes(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for result in results:
         assert result["graphs"] >= 2  # DDPOptimizer split the model at bucket boundaries

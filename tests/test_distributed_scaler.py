@@ -10,22 +10,15 @@ like torch.amp.GradScaler, which is run the same way to show the test can fail.
 from __future__ import annotations
 
 import datetime
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_helpers import end_rank
+from dist_helpers import end_rank, free_port
 
 POISONED_ITER = 2
 N_ITERS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank: int, scaler, make_optimizer, average: bool = True) -> dict:
@@ -119,7 +112,7 @@ def _train_alone(scaler) -> dict:
 
 
 def test_all_ranks_skip_together_with_a_process_group(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
 
     expected_taken = [i != POISONED_ITER for i in range(N_ITERS)]
@@ -159,7 +152,7 @@ def test_process_group_survives_pickling_or_says_so() -> None:
     from amp_graph.scaler import GradScaler
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         model = make_model()

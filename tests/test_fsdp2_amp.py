@@ -18,11 +18,6 @@ are all far above it. The ranks must agree exactly: they hold one model.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import importlib
-import socket
-import time
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -30,11 +25,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_helpers import end_rank
+from dist_helpers import spawn_scenario
 from hf_configs import small_llama_config
 
 WORLD = 2
@@ -724,49 +717,17 @@ def _shares_parameters(gm: Any, model: nn.Module) -> bool:
 # ---- the harness ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, scenario: str, port: int, out_dir: str, module: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    torch.set_num_threads(1)
-    try:
-        result = importlib.import_module(module).SCENARIOS[scenario](rank)
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    end_rank()
-
-
 def run_ranks(scenario: str, tmp_path: Path, module: str = __name__) -> list[dict[str, Any]]:
     """Run ``scenario`` (of ``module``'s ``SCENARIOS``) on WORLD processes; fail (not hang)
     if a rank fails or stalls."""
-    context = mp.spawn(
-        _worker, args=(scenario, _free_port(), str(tmp_path), module), nprocs=WORLD, join=False
+    return spawn_scenario(
+        module,
+        scenario,
+        tmp_path,
+        WORLD,
+        join_seconds=JOIN_SECONDS,
+        collective_timeout_seconds=30,
     )
-    deadline = time.monotonic() + JOIN_SECONDS
-    try:
-        # join returns when one process ends (raising if it failed, after ending the others)
-        while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"{scenario}: ranks still running after {JOIN_SECONDS} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {

@@ -13,24 +13,17 @@ The same processes check ``unscale_and_clip_grad_norm_`` on sharded gradients ag
 from __future__ import annotations
 
 import datetime
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_helpers import end_rank
+from dist_helpers import end_rank, free_port
 
 WORLD = 2
 STEPS = 6
 POISONED_STEP = 3
 INIT_SCALE = 2.0**10
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _sharded_model() -> torch.nn.Module:
@@ -134,7 +127,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_fsdp2_ranks_skip_a_step_poisoned_on_one_shard(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     for result in ranks:

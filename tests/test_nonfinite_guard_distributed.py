@@ -15,23 +15,16 @@ loss: bfloat16 and float32 Graphs) agrees with other ranks exactly as the GradSc
 from __future__ import annotations
 
 import datetime
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dist_helpers import end_rank
+from dist_helpers import end_rank, free_port
 
 WORLD = 2
 BF16 = torch.bfloat16
 POISONED_STEP = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -135,7 +128,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_guard_agrees_only_where_asked_and_never_blocks(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     for result in ranks:  # 3 steps on rank 0, 1 on rank 1: both finished, nothing skipped

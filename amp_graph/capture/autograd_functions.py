@@ -121,6 +121,11 @@ _TORCH_FUNCTION_NAMES = {
 }
 
 
+def _qualified(cls: type) -> str:
+    """``module.QualName`` of a class: how the classes above are keyed and errors name them."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class FunctionCall:
     """A graph node's target: ``function.apply`` on the node's tensors and the constants
     the capture saw, under the autocast state of the capture (:class:`AutocastState`)."""
@@ -135,7 +140,7 @@ class FunctionCall:
     ) -> None:
         self.function, self.spec, self.autocast = function, spec, autocast
         self.leaves, self.tensor_positions = leaves, tensor_positions
-        own_name = _TORCH_FUNCTION_NAMES.get(f"{function.__module__}.{function.__qualname__}")
+        own_name = _TORCH_FUNCTION_NAMES.get(_qualified(function))
         self.__name__ = own_name or f"{function.__name__}_apply"
         self.__qualname__ = self.__name__
         # fx's codegen spells a target from a torch module as an attribute path, which a
@@ -158,7 +163,7 @@ class FunctionCall:
 
     @property
     def name(self) -> str:
-        return f"{self.function.__module__}.{self.function.__qualname__}"
+        return _qualified(self.function)
 
     def __repr__(self) -> str:
         return f"<{self.name}.apply {self.autocast.describe()}>"
@@ -189,7 +194,7 @@ def _user_function_classes() -> list[type[torch.autograd.Function]]:
         c
         for c in found
         if not (c.__module__ == "torch" or c.__module__.startswith("torch."))
-        or f"{c.__module__}.{c.__qualname__}" in _TORCH_FUNCTION_NAMES
+        or _qualified(c) in _TORCH_FUNCTION_NAMES
     ]
 
 
@@ -444,7 +449,7 @@ def _amp_decorated(name: str, where: str) -> str:
 
 
 def _not_captured(owner: str, cls: type, error: BaseException) -> str:
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    name = _qualified(cls)
     if name in _TORCH_FUNCTION_NAMES:
         return (
             f"amp_graph could not capture {owner}: DTensor's {_TORCH_FUNCTION_NAMES[name]} "

@@ -47,6 +47,7 @@ from amp_graph.frontends.compiler import CompileRecord, rewrite
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import check_request, device_type_of, resolve
 from amp_graph.ops import recompute_ops
+from amp_graph.ops.dtensors import is_dtensor
 from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.graph_copy import copy_graph_module
@@ -193,11 +194,7 @@ def _refuse_dtensor_graphs(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
     """Raise :class:`CaptureError` where dynamo's graph computes on DTensors (tensor
     parallelism): make_fx's retrace cannot run DTensor's dispatch, which would fail deep in
     the retrace with no word of the cause."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(value, DTensor) for value in example_inputs):
+    if any(is_dtensor(value) for value in example_inputs):
         raise CaptureError(
             "amp_graph's torch.compile backend cannot yet rewrite a graph that computes on "
             "DTensors (a model parallelized with torch.distributed.tensor.parallel). Use "

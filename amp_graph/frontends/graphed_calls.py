@@ -38,6 +38,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from amp_graph.ops.dtensors import is_dtensor
+
 log = logging.getLogger(__name__)
 
 Signature = tuple
@@ -88,9 +90,7 @@ WAY_OUT = "compile without cuda_graph=True"
 
 def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether any of ``tensors`` is a DTensor (FSDP2), whose collectives are not captured."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(t, DTensor) for t in tensors)
+    return any(is_dtensor(t) for t in tensors)
 
 
 def static_copy(x: torch.Tensor) -> torch.Tensor:

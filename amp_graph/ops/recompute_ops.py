@@ -39,6 +39,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from amp_graph.ops.dtensors import is_dtensor
+
 __all__ = [
     "KEPT_BY_AUTOGRAD",
     "KEPT_BY_MODULE",
@@ -162,19 +164,11 @@ def _pack(saved: torch.Tensor) -> Any:
     copies = _recording.copies
     base = saved if saved._base is None else saved._base
     entry = copies.get(id(base)) if copies is not None else None
-    if entry is None or entry[0]() is not base or (saved is not base and _is_dtensor(saved)):
+    if entry is None or entry[0]() is not base or (saved is not base and is_dtensor(saved)):
         # a view of a DTensor copy cannot be remade from its geometry (DTensor has no
         # as_strided): kept, as torch.autocast keeps it
         return (saved, saved._version)
     return _Recast(entry[1], saved, base)
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if type(tensor) is torch.Tensor or not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 def _unpack(packed: Any) -> torch.Tensor:

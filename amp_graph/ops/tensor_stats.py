@@ -31,9 +31,9 @@ import functools
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed.tensor
 
 from amp_graph.ops import cpu_extension
+from amp_graph.ops.dtensors import is_dtensor
 
 __all__ = [
     "STATS",
@@ -203,7 +203,7 @@ def _kernel_applies(x: torch.Tensor, scale: torch.Tensor | None) -> bool:
     :mod:`amp_graph.ops.cpu_extension`). A per-row fp8 scale goes to torch ops."""
     if x.device.type != "cpu" or (scale is not None and scale.numel() != 1):
         return False
-    if x.dtype not in _KERNEL_DTYPES or isinstance(x, torch.distributed.tensor.DTensor):
+    if x.dtype not in _KERNEL_DTYPES or is_dtensor(x):
         return False
     return cpu_extension.load_cpu_extension()
 

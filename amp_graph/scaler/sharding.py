@@ -9,22 +9,14 @@ nothing else triggers a collective.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from amp_graph.ops.dtensors import is_dtensor
+
 Groups = tuple["dist.ProcessGroup", ...]
-
-
-@functools.cache
-def _dtensor_type() -> type | None:
-    if not dist.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 class Shard(NamedTuple):
@@ -39,8 +31,7 @@ def local_shard(grad: torch.Tensor) -> Shard:
     """A plain tensor is its own shard, agreed with nobody; a DTensor is its local tensor, to be
     agreed over the groups of the mesh dimensions whose placement is not ``Replicate`` (in mesh
     order)."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(grad, dtensor):
+    if not is_dtensor(grad):
         return Shard(grad, (), False)
     mesh = grad.device_mesh
     groups = tuple(
