@@ -11,12 +11,15 @@
 * sharded gradients (DTensors: FSDP2, tensor parallelism) checked shard by shard and agreed over
   their mesh, and ``found_inf`` agreed over ``process_group`` when one is given (no other
   collective);
-* :meth:`GradScaler.unscale_and_clip_grad_norm_`, which gets the norm from the unscale pass.
+* :meth:`GradScaler.unscale_and_clip_grad_norm_`, which gets the norm from the unscale pass;
+* :func:`pipeline_loss`: the scaled ``loss_fn`` of a ``torch.distributed.pipelining``
+  schedule, with every stage able to unscale and skip together.
 
 Its parts, one job each: :mod:`~amp_graph.scaler.scale_state` (the scale and its update),
 :mod:`~amp_graph.scaler.grad_check` and :mod:`~amp_graph.scaler.sharding` (gradients ->
 ``found_inf``, across ranks), :mod:`~amp_graph.scaler.skip_monitor` (skips and diagnosis),
-:mod:`~amp_graph.scaler.errors` (torch's errors); :mod:`~amp_graph.scaler.grad_scaler` is the
+:mod:`~amp_graph.scaler.errors` (torch's errors), :mod:`~amp_graph.scaler.pipelining` (the
+pipeline schedules' loss); :mod:`~amp_graph.scaler.grad_scaler` is the
 facade. :class:`NonFiniteGuard` (:mod:`~amp_graph.scaler.nonfinite_guard`) is the same check
 without a scale, for steps that scale no loss (bfloat16, float32). The work on gradients is
 done by the ``amp_graph`` custom ops (:mod:`amp_graph.ops`).
@@ -43,11 +46,14 @@ Example::
 from amp_graph.scaler.errors import ScalerArgumentError, ScalerStateError
 from amp_graph.scaler.grad_scaler import GradScaler, StaticGradScaler
 from amp_graph.scaler.nonfinite_guard import NonFiniteGuard
+from amp_graph.scaler.pipelining import PipelineLoss, pipeline_loss
 
 __all__ = [
     "GradScaler",
     "NonFiniteGuard",
+    "PipelineLoss",
     "ScalerArgumentError",
     "ScalerStateError",
     "StaticGradScaler",
+    "pipeline_loss",
 ]

@@ -26,6 +26,11 @@ class ScaleState:
     (hysteresis allowance and skip counters included).
     """
 
+    # Where the loss is scaled on another rank (a later pipeline stage): the device on which
+    # any method creates the tensors at its first use, not only scale(). A class default, so
+    # that scalers pickled before it existed load.
+    first_use_device: torch.device | None = None
+
     def __init__(
         self,
         init_scale: float,
@@ -88,8 +93,16 @@ class ScaleState:
             self.trackers = torch.tensor(self.init_trackers, dtype=torch.int64, device=device)
         return self.scale
 
+    def create_on_first_use(self, device: torch.device) -> None:
+        """Let every method create the tensors on ``device``: for a rank whose gradients
+        were scaled by another rank's ``scale()`` (an earlier pipeline stage)."""
+        self.first_use_device = device
+
     def tensors(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, trackers)``; torch's error when no ``scale()`` created them yet."""
+        """``(scale, trackers)``; torch's error when no ``scale()`` created them yet (unless
+        :meth:`create_on_first_use` named their device)."""
+        if self.scale is None and self.first_use_device is not None:
+            self.lazy_init(self.first_use_device)
         if self.scale is None or self.trackers is None:
             raise errors.ScalerStateError(
                 errors.with_fix(
