@@ -69,6 +69,7 @@ from amp_graph.scaler import GradScaler, NonFiniteGuard
 from amp_graph.training import cuda_graph_step as cuda_graphs
 from amp_graph.training.fused_step import FusedStep
 from amp_graph.training.master_weights import MasterWeights, read_only_in_float32
+from amp_graph.training.optimizer_state import load_optimizer_states, optimizer_states
 from amp_graph.training.step_graph import StepPlan, build_step_graph
 
 log = logging.getLogger(__name__)
@@ -625,8 +626,9 @@ class Graph:
     # ---- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Modules (float32 masters under O2), optimizers, schedulers, scaler, step counter,
-        and the count of steps skipped without a scaler."""
+        """Modules (float32 masters under O2), optimizers (their state allocated before the
+        first step, for DCP to fill: :mod:`~amp_graph.training.optimizer_state`), schedulers,
+        scaler, step counter, and the count of steps skipped without a scaler."""
         modules = {}
         for name, module in self._modules.items():
             state = module.state_dict()
@@ -639,7 +641,7 @@ class Graph:
         scaler = self._scaler_state()
         return {
             "modules": modules,
-            "optimizers": [o.state_dict() for o in self._optimizers],
+            "optimizers": optimizer_states(self._optimizers),  # fillable in place (DCP)
             "schedulers": [s.state_dict() for s in self._schedulers],
             "scaler": scaler,
             "nonfinite_guard": self._guard.state_dict(),
@@ -671,13 +673,7 @@ class Graph:
                             master.copy_(value)
                         module_state[key] = value.to(param.dtype)
             module.load_state_dict(module_state)
-        if len(state["optimizers"]) != len(self._optimizers):
-            raise ValueError(
-                f"state_dict has {len(state['optimizers'])} optimizers, the graph "
-                f"{len(self._optimizers)}"
-            )
-        for optimizer, optimizer_state in zip(self._optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
+        load_optimizer_states(self._optimizers, state["optimizers"])
         for scheduler, scheduler_state in zip(self._schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(scheduler_state)
         scaler = getattr(self, "_scaler_in_use", None) or self._scaler
