@@ -105,7 +105,7 @@ def test_generate_with_a_kv_cache_decodes_as_under_torch_autocast(caplog, policy
     with torch.autocast("cpu", torch.bfloat16):
         expected = model.generate(prompt, **generate)
     amp_graph.compile_(model, policy, torch.bfloat16, example_kwargs={"input_ids": prompt})
-    with caplog.at_level(logging.INFO, logger="amp_graph.frontends.compiler"):
+    with caplog.at_level(logging.INFO, logger="amp_graph.frontends.model_forwards"):
         got = model.generate(prompt, **generate)
         model.generate(prompt, **generate)
     assert torch.equal(got.sequences, expected.sequences)
@@ -169,11 +169,51 @@ def test_trainer_takes_the_wrapper_too_its_signature_keeps_the_columns(tmp_path)
 def test_wrapper_shows_config_generate_and_save_pretrained_of_the_model(tmp_path):
     model = _gpt2().eval()
     compiled = amp_graph.compile(model, "O1")
-    assert compiled.config is model.config and compiled.generate.__self__ is model
+    assert compiled.config is model.config
+    assert compiled.generate.__wrapped__ == model.generate  # run so that it decodes low
     assert inspect.signature(compiled.forward) == inspect.signature(model.forward)
     compiled.save_pretrained(tmp_path)  # the model's own method: its own keys
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     assert loaded.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_the_wrappers_generate_decodes_as_under_torch_autocast_not_in_float32(caplog, use_cache):
+    """``amp_graph.compile(model).generate``: the model's own generate, whose calls of the
+    model run the graph (without a cache: one capture per shape, then symbolic sizes) or,
+    with a KV cache, its forward under torch.autocast. It decoded in float32 before."""
+    model = _gpt2().eval()
+    prompt = _ids()[:, :4]
+    generate = dict(max_new_tokens=4, do_sample=False, use_cache=use_cache)
+    generate.update(output_scores=True, return_dict_in_generate=True)
+    in_float32 = model.generate(prompt, **generate)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model.generate(prompt, **generate)
+    compiled = amp_graph.compile(model, "autocast", torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="amp_graph.frontends.model_forwards"):
+        got = compiled.generate(prompt, **generate)
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs, fp32 in zip(got.scores, expected.scores, in_float32.scores, strict=True):
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert not torch.equal(ours, fp32)  # mixed precision, not the float32 model
+    assert "forward" not in model.__dict__  # the model is as it was after generate
+    assert bool(compiled.graph_modules) is not use_cache  # without a cache: the graph ran
+    assert not [r for r in caplog.records if r.name.startswith("amp_graph") and r.levelno >= 30]
+
+
+def test_the_wrappers_generate_over_a_model_wrapped_by_another_library_warns(caplog):
+    """A forward set on the instance by another library is left alone: generate then runs
+    the model's own code, in float32, and says so at WARNING with the way out."""
+    model = _gpt2().eval()
+    own = model.forward
+    model.forward = lambda *args, **kwargs: own(*args, **kwargs)  # another library's wrapper
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="amp_graph.frontends.model_forwards"):
+        compiled.generate(_ids()[:, :4], max_new_tokens=2, do_sample=False)
+    [warning] = [r.getMessage() for r in caplog.records if r.name.startswith("amp_graph")]
+    assert "in float32, not the graph" in warning and "amp_graph.compile_" in warning
+    assert model.__dict__["forward"] is not None and "forward" in model.__dict__
 
 
 @pytest.mark.parametrize(

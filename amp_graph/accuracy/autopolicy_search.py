@@ -52,7 +52,8 @@ from amp_graph.accuracy.shadow import (
     tensors_kept,
 )
 from amp_graph.capture import Captured, capture_for_policy
-from amp_graph.frontends.compiler import CompiledModule, _class_forward, _compiled_in_place
+from amp_graph.frontends.compiler import CompiledModule, _compiled_in_place
+from amp_graph.frontends.model_forwards import class_forward
 from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
@@ -362,7 +363,7 @@ class _Search:
         same bits) or an output that is not finite. There the graph's float32 shadow stays
         the only reference."""
         if self._references is None:
-            own = _class_forward if _compiled_in_place(self.model) else None
+            own = class_forward if _compiled_in_place(self.model) else None
             devices = [
                 t.device
                 for s in self.samples

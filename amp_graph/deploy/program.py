@@ -27,7 +27,8 @@ from torch.export import ExportedProgram
 from amp_graph.accuracy.autopolicy_search import AutopolicyError, as_call, autopolicy, default_tol
 from amp_graph.accuracy.float32_error import OutputError, output_error
 from amp_graph.capture import capture_for_policy, gc_paused
-from amp_graph.frontends.compiler import CompiledModule, _class_forward, _compiled_in_place, rewrite
+from amp_graph.frontends.compiler import CompiledModule, _compiled_in_place, rewrite
+from amp_graph.frontends.model_forwards import class_forward
 from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
@@ -244,7 +245,7 @@ def export(
     validate_module_overrides(base, [name for name, _ in model.named_modules()])
     seconds: dict[str, float] = {}
     # a model compile_ compiled in place is captured through its class's forward
-    own_forward = _class_forward(model) if in_place is not None else contextlib.nullcontext()
+    own_forward = class_forward(model) if in_place is not None else contextlib.nullcontext()
     with eval_mode(model), torch.no_grad(), own_forward, gc_paused():
         demoted: dict[str, str] = {}
         table_name = base.name  # "O2", also after calibration adds its overrides

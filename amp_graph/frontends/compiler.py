@@ -11,14 +11,14 @@ structure, dtype or rank, behind :class:`CompiledModule`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import inspect
 import logging
 import re
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +30,19 @@ from torch.utils import _pytree as pytree
 from amp_graph.capture import (
     Captured,
     CaptureError,
-    capture_autocast,
     capture_for_policy,
     export_refused,
 )
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
+from amp_graph.frontends.model_forwards import (
+    InplaceForward,
+    SignedForward,
+    class_forward,
+    forward_signature,
+    graph_forward,
+)
 from amp_graph.frontends.policy_request import (
     check_request,
     device_type_of,
@@ -148,32 +154,6 @@ def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
     )
 
 
-class _SignedForward:
-    """A ``forward`` set as an instance attribute: calls ``run`` and shows the model's
-    signature to ``inspect.signature`` (HF ``Trainer``, ``generate``) and ``run``'s code to
-    torch.export. A callable object, not a closure: ``copy.deepcopy`` rebinds ``run``."""
-
-    def __init__(self, run: Callable[..., Any], signature: inspect.Signature | None) -> None:
-        self.run = run
-        if signature is not None:
-            self.__signature__ = signature
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run(*args, **kwargs)
-
-    @property
-    def __code__(self) -> Any:  # torch.export reads it, then meets _call's refusal
-        return self.run.__code__
-
-
-def _forward_signature(model: nn.Module) -> inspect.Signature | None:
-    """The signature of ``model``'s forward, or None where inspect cannot tell."""
-    try:
-        return inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
-
-
 class CompiledModule(nn.Module):
     """What :func:`amp_graph.compile` returns: the model, captured and rewritten per input
     signature, behind the model's own call signature.
@@ -188,10 +168,11 @@ class CompiledModule(nn.Module):
 
     As torch.compile's ``OptimizedModule``: ``inspect.signature(compiled.forward)`` is the
     model's, and attributes the wrapper lacks are the model's (``compiled.config``,
-    ``compiled.save_pretrained``); those methods run the model's own code, uncompiled
-    (``compiled.generate`` decodes eagerly). ``state_dict()`` keys carry the ``_orig_mod.``
-    prefix, as torch.compile's do: to keep the model's class and keys, compile in place with
-    :func:`amp_graph.compile_`.
+    ``compiled.save_pretrained``); those methods run the model's own code, except that
+    ``compiled.generate``'s calls of the model run the graph, and its KV-cache calls decode
+    under torch.autocast, as with :func:`amp_graph.compile_`. ``state_dict()`` keys carry the
+    ``_orig_mod.`` prefix, as torch.compile's do: to keep the model's class and keys, compile
+    in place with :func:`amp_graph.compile_`.
     """
 
     def __init__(
@@ -213,17 +194,28 @@ class CompiledModule(nn.Module):
         self._last: Captured | None = None
         self._monitor: Any = None  # an amp_graph.monitoring.Monitor picks each call's graph
         self._in_place = False  # set by compile_: capture the class's forward
-        self.forward = _SignedForward(self._call, _forward_signature(model))
+        self.forward = SignedForward(self._call, forward_signature(model))
 
     def __getattr__(self, name: str) -> Any:
-        """The model's attribute where the wrapper has none (``config``, ``generate``)."""
+        """The model's attribute where the wrapper has none (``config``, ``generate``).
+        ``generate`` runs within :func:`graph_forward`: the model's calls of itself run the
+        graph, and those with a KV cache decode under torch.autocast (not in float32)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             model = self.__dict__.get("_modules", {}).get("_orig_mod")
             if model is None or name.startswith("__"):
                 raise
-            return getattr(model, name)
+            value = getattr(model, name)
+            if name != "generate" or not callable(value):
+                return value
+
+            @functools.wraps(value)
+            def generate(*args: Any, **kwargs: Any) -> Any:
+                with graph_forward(self):
+                    return value(*args, **kwargs)
+
+            return generate
 
     # ---- the graphs --------------------------------------------------------------------
 
@@ -296,7 +288,7 @@ class CompiledModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the graph for these inputs (capturing it first if needed). Replaced per
-        instance by a :class:`_SignedForward` that shows the model's signature."""
+        instance by a :class:`SignedForward` that shows the model's signature."""
         return self._call(*args, **kwargs)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
@@ -358,7 +350,7 @@ class CompiledModule(nn.Module):
         traced = model if isinstance(model, fx.GraphModule) else None
         if traced is not None:
             model = graph_code_module(traced)
-        with _class_forward(model) if self._in_place else contextlib.nullcontext():
+        with class_forward(model) if self._in_place else contextlib.nullcontext():
             captured = capture_for_policy(
                 model,
                 args,
@@ -537,71 +529,6 @@ def compile(
     return compiled
 
 
-class _InplaceForward(_SignedForward):
-    """The ``forward`` :func:`compile_` sets on a model: runs the model's graph, except for
-    calls that decode with a KV cache (``past_key_values`` given, or ``use_cache=True``), which
-    run the class's own forward eagerly under torch.autocast in the policy's dtype: a cache
-    object is state a graph cannot take or return (HF ``generate`` makes these calls)."""
-
-    def __init__(self, compiled: CompiledModule, signature: inspect.Signature | None) -> None:
-        super().__init__(compiled._call, signature)
-        self.compiled = compiled
-        self._decode_autocast: tuple[str, torch.dtype | None] | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
-            return self._decode(args, kwargs)
-        return self.run(*args, **kwargs)
-
-    def _decode(self, args: tuple, kwargs: dict) -> Any:
-        """A call with a KV cache: the class's forward under torch.autocast in the policy's
-        dtype (none for O0), so that decoding computes in mixed precision as torch.autocast's
-        does; a WARNING, once, where the policy means more than torch.autocast's lists."""
-        model = self.compiled.model
-        if self._decode_autocast is None:
-            device_type = device_type_of(model, (args, kwargs))
-            request = resolve(self.compiled.policy, self.compiled.dtype, device_type)
-            low = None if request.policy.casts_nothing else request.dtype
-            self._decode_autocast = (device_type, low)
-            # torch.autocast's own tables and nothing more: decoding under it is exact
-            autocast_policy = Policy.preset("autocast", device_type)
-            exact = request.policy == dataclasses.replace(
-                autocast_policy, missing_kernels=request.policy.missing_kernels
-            )
-            if not exact and low is not None:
-                log.warning(
-                    "amp_graph: %s called with a KV cache (use_cache / past_key_values, as "
-                    "HF generate calls it) runs its own forward eagerly under "
-                    "torch.autocast(%r, %s): torch.autocast's decisions, not all of policy "
-                    "%s's (its own tables, overrides, O2/O3's low-precision model). A cache "
-                    "object is state one graph cannot take or return; policy='autocast' "
-                    "decodes exactly as captured",
-                    type(model).__name__,
-                    device_type,
-                    short(low),
-                    request.policy.name,
-                )
-        device_type, low = self._decode_autocast
-        with capture_autocast(device_type, low):
-            return type(model).forward(model, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _class_forward(model: nn.Module) -> Iterator[None]:
-    """While active, ``model.forward`` is its class's again: for a model :func:`compile_`
-    compiled, the capture traces the model's own code, not the graph set on the instance
-    (nor a wrapper another library set over it, as accelerate's autocast)."""
-    if "forward" not in model.__dict__:
-        yield
-        return
-    forward = model.__dict__["forward"]
-    del model.__dict__["forward"]
-    try:
-        yield
-    finally:
-        model.__dict__["forward"] = forward
-
-
 def compile_(
     model: nn.Module,
     policy: Policy | str = "O1",
@@ -641,7 +568,7 @@ def compile_(
             "amp_graph.compile"
         )
     if isinstance(model, nn.Module) and "forward" in model.__dict__:
-        already = isinstance(model.__dict__["forward"], _InplaceForward)
+        already = isinstance(model.__dict__["forward"], InplaceForward)
         raise ValueError(
             f"{type(model).__name__} "
             + (
@@ -661,13 +588,13 @@ def compile_(
         check_each_pass=check_each_pass,
     )
     compiled._in_place = True
-    model.__dict__["forward"] = _InplaceForward(compiled, _forward_signature(model))
+    model.__dict__["forward"] = InplaceForward(compiled, forward_signature(model))
     return model
 
 
 def uncompile(model: nn.Module) -> nn.Module:
     """Undo :func:`compile_`: ``model.forward`` is its class's again. Returns ``model``."""
-    if not isinstance(model.__dict__.get("forward"), _InplaceForward):
+    if not isinstance(model.__dict__.get("forward"), InplaceForward):
         raise ValueError(
             f"{type(model).__name__} was not compiled in place by amp_graph.compile_"
             + (
@@ -684,8 +611,8 @@ def _compiled_in_place(model: Any) -> CompiledModule | None:
     """The :class:`CompiledModule` behind a model :func:`compile_` compiled, or None; also
     through wrappers set over its forward with ``functools.wraps`` (accelerate's autocast)."""
     forward = getattr(model, "__dict__", {}).get("forward")  # unwrap(None) is None
-    forward = inspect.unwrap(forward, stop=lambda f: isinstance(f, _InplaceForward))
-    return forward.compiled if isinstance(forward, _InplaceForward) else None
+    forward = inspect.unwrap(forward, stop=lambda f: isinstance(f, InplaceForward))
+    return forward.compiled if isinstance(forward, InplaceForward) else None
 
 
 def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
