@@ -77,17 +77,20 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor, parallel: bool = False) 
     return loss
 
 
-def op_dtypes(gm: Any) -> Counter:
+def op_dtypes(gm: Any, casts: bool = True) -> Counter:
     """(aten op, compute dtype) of every op node the passes planned, DTensor's conversions
-    left out."""
-    from amp_graph.passes import AMP
+    left out; ``casts=False``: the inserted casts too (the backend writes those it leaves to
+    AOTAutograd's recompute as ``recomputed_cast``, compile as ``_to_copy``)."""
+    from amp_graph.passes import AMP, Role
 
     from amp_graph.capture.autograd_functions import is_function_call
 
     pairs: Counter = Counter()
     for node in gm.graph.nodes:
         amp = node.meta.get(AMP)
-        if node.op == "call_function" and amp is not None and not is_function_call(node):
+        if node.op != "call_function" or amp is None or is_function_call(node):
+            continue
+        if casts or amp.role is not Role.CAST:
             pairs[(str(node.target), str(amp.compute_dtype))] += 1
     return pairs
 
@@ -246,18 +249,60 @@ def held_bytes(rank: int) -> dict[str, int]:
     return held
 
 
-def backend_lm(rank: int) -> dict[str, Any]:
+def backend_mlp(rank: int) -> dict[str, Any]:
+    """The MLP through torch.compile(backend=amp_graph.backend(...)), each inner backend."""
     import amp_graph
 
     mesh, _ = _tp_mesh()
-    idx, _ = lm_batches(0)[0]
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for inner in ("eager", "aot_eager", "inductor"):
+        model = parallel_mlp(mesh)
+        backend = amp_graph.backend("autocast", torch.bfloat16, inner=inner)
+        out = torch.compile(model, backend=backend)(x)
+        out.float().square().sum().backward()
+        reference = parallel_mlp(mesh)
+        with torch.autocast("cpu", torch.bfloat16):
+            ref = reference(x)
+        ref.float().square().sum().backward()
+        [gm] = backend.graphs
+        results[inner] = {
+            "out": out.detach(),
+            "ref": ref.detach(),
+            "grads": full(model, grads=True),
+            "ref_grads": full(reference, grads=True),
+            "code": gm.code,
+        }
+        torch._dynamo.reset()
+    return results
+
+
+def backend_lm(rank: int) -> dict[str, Any]:
+    """The LM through the backend (O1, AOTAutograd), against autocast and compile."""
+    import amp_graph
+    from amp_graph.ops.recompute_ops import recomputed_cast
+
+    mesh, _ = _tp_mesh()
+    idx, target = lm_batches(0)[0]
     model = parallel_lm(mesh)
-    compiled = torch.compile(model, backend=amp_graph.backend("O1", inner="eager"))
-    try:
-        compiled(idx)
-    except Exception as error:  # the message is what is checked
-        return {"error": f"{type(error).__name__}: {error}"}
-    return {"error": None}
+    backend = amp_graph.backend("O1", torch.bfloat16, inner="aot_eager")
+    loss = lm_loss(torch.compile(model, backend=backend)(idx), target)
+    reference = parallel_lm(mesh)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref_logits = reference(idx)
+    ref_loss = lm_loss(ref_logits, target)
+    compiled = amp_graph.compile(parallel_lm(mesh), "O1", torch.bfloat16)
+    compiled(idx)
+    return {
+        "loss": loss.item(),
+        "ref_loss": ref_loss.item(),
+        "grads": full(model, grads=True),
+        "ref_grads": full(reference, grads=True),
+        "op_dtypes": sum((op_dtypes(gm, casts=False) for gm in backend.graphs), Counter()),
+        "compile_op_dtypes": op_dtypes(compiled.graph_module, casts=False),
+        "casts": sum(op_dtypes(gm)[(str(recomputed_cast), "None")] for gm in backend.graphs),
+        "graphs": len(backend.graphs),
+    }
 
 
 def vocab_parallel_lm(rank: int) -> dict[str, Any]:
@@ -288,6 +333,7 @@ SCENARIOS = {
     "fp16_skip": fp16_skip,
     "fp16_skip_2d": lambda rank: fp16_skip(rank, two_d=True),
     "held_bytes": held_bytes,
+    "backend_mlp": backend_mlp,
     "backend_lm": backend_lm,
 }
 
@@ -371,11 +417,29 @@ def test_held_for_backward_per_rank_at_most_autocast(tmp_path: Path) -> None:
         assert 0 < held["amp_graph"] <= held["autocast"], held
 
 
-def test_backend_refuses_dtensor_graphs_naming_compile(tmp_path: Path) -> None:
+def test_backend_rewrites_the_mlp_as_autocast_computes_it_bit_for_bit(tmp_path: Path) -> None:
+    """dynamo's graph is exported on its fake DTensors, DTensor's conversions kept whole; the
+    inner backends (eager, AOTAutograd, inductor) run it and differentiate through them."""
+    for rank in run("backend_mlp", tmp_path):
+        for inner, result in rank.items():
+            assert result["out"].dtype == torch.bfloat16, inner
+            assert torch.equal(result["out"], result["ref"]), inner
+            for name, grad in result["grads"].items():
+                assert torch.equal(grad, result["ref_grads"][name]), (inner, name)
+            for function in ("dtensor_from_local", "dtensor_redistribute", "dtensor_to_local"):
+                assert function in result["code"], (inner, function)
+            assert "all_reduce" not in result["code"], inner
+
+
+def test_backend_trains_the_sequence_parallel_lm_as_compile_does(tmp_path: Path) -> None:
     for result in run("backend_lm", tmp_path):
-        error = result["error"]
-        assert error is not None
-        assert "DTensor" in error and "amp_graph.compile" in error, error
+        assert result["graphs"] == 1
+        assert result["loss"] == result["ref_loss"]
+        assert result["op_dtypes"] == result["compile_op_dtypes"]  # every op, as compile
+        assert result["casts"] > 0  # the casts are there, left to AOTAutograd to recompute
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, result["ref_grads"][name], rtol=0, atol=2e-3)
+            assert grad.abs().max() > 0, name
 
 
 def test_vocabulary_parallel_embedding_captures_or_says_why(tmp_path: Path) -> None:

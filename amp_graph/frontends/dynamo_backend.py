@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from amp_graph.capture import capture_graph
 from amp_graph.capture.autograd_functions import AutocastState
-from amp_graph.capture.capture_error import CaptureError
+from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
 from amp_graph.frontends.compiler import CompileRecord, rewrite
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import check_request, device_type_of, resolve
@@ -113,12 +113,14 @@ class AmpGraphBackend:
         inductor (as config patches) and are refused for other inner backends.
         """
         start = time.perf_counter()
-        _refuse_dtensor_graphs(gm, example_inputs)
         request = resolve(self.policy, self.dtype, device_type_of(gm, example_inputs))
         policy, dtype, device_type = request.policy, request.dtype, request.device_type
         warn_if_low_matmul_is_slow(policy, dtype, device_type)
-        autocast = AutocastState.of_policy(device_type, None if policy.casts_nothing else dtype)
-        aten_gm = capture_graph(gm, example_inputs, autocast)
+        if any(is_dtensor(value) for value in example_inputs):  # tensor parallelism
+            aten_gm = capture_dtensor_graph(gm, example_inputs, policy, dtype, device_type)
+        else:
+            autocast = AutocastState.of_policy(device_type, None if policy.casts_nothing else dtype)
+            aten_gm = capture_graph(gm, example_inputs, autocast)
         missing = attach_example_values(aten_gm, example_inputs)
         record = rewrite(
             aten_gm,
@@ -188,19 +190,6 @@ class AmpGraphBackend:
                     error,
                     len(self._graphs),
                 )
-
-
-def _refuse_dtensor_graphs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Raise :class:`CaptureError` where dynamo's graph computes on DTensors (tensor
-    parallelism): make_fx's retrace cannot run DTensor's dispatch, which would fail deep in
-    the retrace with no word of the cause."""
-    if any(is_dtensor(value) for value in example_inputs):
-        raise CaptureError(
-            "amp_graph's torch.compile backend cannot yet rewrite a graph that computes on "
-            "DTensors (a model parallelized with torch.distributed.tensor.parallel). Use "
-            "amp_graph.compile(model, policy, dtype) (or amp_graph.Graph for the whole "
-            "step), which capture tensor-parallel models, FSDP2 x tensor parallel included."
-        )
 
 
 def backend(
