@@ -46,6 +46,12 @@ from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
 from amp_graph.frontends.compiler import CompileRecord, rewrite
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import check_request, device_type_of, resolve
+from amp_graph.frontends.traced_dtypes import (
+    autocast_off,
+    baked_dtype_nodes,
+    baked_dtypes_warning,
+    without_autocast,
+)
 from amp_graph.ops import recompute_ops
 from amp_graph.ops.dtensors import is_dtensor
 from amp_graph.passes import AMP, Role
@@ -116,11 +122,41 @@ class AmpGraphBackend:
         request = resolve(self.policy, self.dtype, device_type_of(gm, example_inputs))
         policy, dtype, device_type = request.policy, request.dtype, request.device_type
         warn_if_low_matmul_is_slow(policy, dtype, device_type)
+        # Called under torch.autocast, dynamo traced the dtypes autocast gives: the retrace
+        # runs as dynamo traced (ops recorded before autocast's casts); the policy alone
+        # decides inside the graph, so autocast is off while it is rewritten, compiled, run.
+        ambient = torch.is_autocast_enabled(device_type)
+        if ambient:
+            _check_ambient_dtype(device_type, policy, dtype)
         if any(is_dtensor(value) for value in example_inputs):  # tensor parallelism
             aten_gm = capture_dtensor_graph(gm, example_inputs, policy, dtype, device_type)
         else:
             autocast = AutocastState.of_policy(device_type, None if policy.casts_nothing else dtype)
             aten_gm = capture_graph(gm, example_inputs, autocast)
+        with autocast_off(device_type):
+            compiled = self._rewrite_and_compile(
+                aten_gm, example_inputs, inner_kwargs, request, start
+            )
+        if (
+            not ambient
+            and not policy.casts_nothing
+            and (baked := baked_dtype_nodes(self._graphs[-1]))
+        ):
+            self._warn_once(
+                "baked dtypes",
+                baked_dtypes_warning(_graph_owner(gm), baked, policy.name, dtype, device_type),
+            )
+        return without_autocast(compiled, device_type) if ambient else compiled
+
+    def _rewrite_and_compile(
+        self,
+        aten_gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        inner_kwargs: dict[str, Any],
+        request: Any,
+        start: float,
+    ) -> Callable:
+        policy, dtype, device_type = request.policy, request.dtype, request.device_type
         missing = attach_example_values(aten_gm, example_inputs)
         record = rewrite(
             aten_gm,
@@ -167,6 +203,11 @@ class AmpGraphBackend:
             return recompute_ops.recording(compiled) if self.inner == "eager" else compiled
         return self.inner(gm, list(example_inputs))
 
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
+
     def _check_overrides(self, policy: Policy, gm: fx.GraphModule) -> None:
         """Warn once about module path / node overrides that match nothing captured so far.
 
@@ -190,6 +231,30 @@ class AmpGraphBackend:
                     error,
                     len(self._graphs),
                 )
+
+
+def _check_ambient_dtype(device_type: str, policy: Policy, dtype: torch.dtype) -> None:
+    """An ambient torch.autocast in another dtype than the policy's: dynamo traced that
+    dtype's reads, which the graph would then mix with the policy's; raise, saying so."""
+    ambient = torch.get_autocast_dtype(device_type)
+    if not policy.casts_nothing and ambient != dtype:
+        raise ValueError(
+            f"the compiled model is called under torch.autocast({device_type!r}, "
+            f"{short(ambient)}), but its amp_graph backend computes in {short(dtype)}: the "
+            f"dtypes the model reads would be {short(ambient)}'s inside a {short(dtype)} plan. "
+            f"Call it under torch.autocast({device_type!r}, torch.{str(dtype).split('.')[-1]}),"
+            " or outside torch.autocast, or give the backend dtype="
+            f"torch.{str(ambient).split('.')[-1]}."
+        )
+
+
+def _graph_owner(gm: fx.GraphModule) -> str:
+    """The model a dynamo graph comes from, as its module stacks name it."""
+    for node in gm.graph.nodes:
+        for _, kind in (node.meta.get("nn_module_stack") or {}).values():
+            name = getattr(kind, "__name__", None) or str(kind).rsplit(".", 1)[-1].strip("'>")
+            return f"{name}'s code"
+    return "the compiled code"
 
 
 def backend(

@@ -547,6 +547,15 @@ class Policy:
                 if op in table:
                     return Decision(rule, "table", f"aten::{op} is in {self.name}'s {rule} table")
         what = f"aten::{base_name(facts.aten[0])}" if facts.aten else facts.display
+        if self.default is Rule.FOLLOW and any(
+            base_name(a) in python_ops.ONE_DTYPE_OPS for a in facts.aten
+        ):
+            return Decision(
+                Rule.PROMOTE,
+                "default",
+                f"{what} is in no {self.name} table and its kernel takes one floating dtype: "
+                "promote (the widest of its inputs)",
+            )
         return Decision(
             self.default, "default", f"{what} is in no {self.name} table; default {self.default}"
         )

@@ -246,6 +246,27 @@ MIXED_PRECISION_NORM_OPS: frozenset[str] = frozenset(
 )
 
 
+# Kernels that take one floating dtype for their floating tensor inputs and refuse a mix
+# ("scatter(): Expected self.dtype to be equal to src.dtype"), where autocast lists none of
+# them (CUDA's promote list has scatter_add and index_put). A policy that would leave them to
+# follow their inputs promotes them instead: where the inputs agree nothing changes, and where
+# a plan (or a dtype the torch.compile backend's trace baked as float32) makes them differ,
+# the widest wins rather than the kernel failing.
+ONE_DTYPE_OPS: frozenset[str] = frozenset(
+    {
+        "scatter",
+        "scatter_add",
+        "scatter_reduce",
+        "index_add",
+        "index_copy",
+        "index_put",
+        "index_reduce",
+        "masked_scatter",
+        "put",
+    }
+)
+
+
 def aten_name_of(key: Callable | type) -> str | None:
     """The aten op a Python callable or a module type runs, by name (None if unknown)."""
     if isinstance(key, type):
