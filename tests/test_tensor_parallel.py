@@ -345,17 +345,23 @@ def run(scenario: str, tmp_path: Path, world: int = 2) -> list[Any]:
 # ---- the tests ----
 
 
+def _assert_mlp_as_autocast(results: dict[str, dict[str, Any]]) -> None:
+    """Per variant (entry point and policy, or inner backend): the MLP's output and every
+    gradient bit for bit autocast's, DTensor's conversions kept whole in its graph."""
+    for variant, result in results.items():
+        assert result["out"].dtype == result["ref"].dtype == torch.bfloat16, variant
+        assert torch.equal(result["out"], result["ref"]), variant
+        for name, grad in result["grads"].items():
+            assert torch.equal(grad, result["ref_grads"][name]), (variant, name)
+        # DTensor's conversions are kept whole: their backward redistributes gradients
+        for function in ("dtensor_from_local", "dtensor_redistribute", "dtensor_to_local"):
+            assert function in result["code"], (variant, function)
+        assert "all_reduce" not in result["code"], variant
+
+
 def test_column_then_row_parallel_mlp_equals_autocast_bit_for_bit(tmp_path: Path) -> None:
     for rank in run("mlp_exact", tmp_path):
-        for policy, result in rank.items():
-            assert result["out"].dtype == result["ref"].dtype == torch.bfloat16, policy
-            assert torch.equal(result["out"], result["ref"]), policy
-            for name, grad in result["grads"].items():
-                assert torch.equal(grad, result["ref_grads"][name]), (policy, name)
-            # DTensor's conversions are kept whole: their backward redistributes gradients
-            for function in ("dtensor_from_local", "dtensor_redistribute", "dtensor_to_local"):
-                assert function in result["code"], (policy, function)
-            assert "all_reduce" not in result["code"], policy
+        _assert_mlp_as_autocast(rank)
 
 
 @pytest.mark.parametrize("scenario", ["lm_compile", "lm_compile_loss_parallel"])
@@ -421,14 +427,7 @@ def test_backend_rewrites_the_mlp_as_autocast_computes_it_bit_for_bit(tmp_path: 
     """dynamo's graph is exported on its fake DTensors, DTensor's conversions kept whole; the
     inner backends (eager, AOTAutograd, inductor) run it and differentiate through them."""
     for rank in run("backend_mlp", tmp_path):
-        for inner, result in rank.items():
-            assert result["out"].dtype == torch.bfloat16, inner
-            assert torch.equal(result["out"], result["ref"]), inner
-            for name, grad in result["grads"].items():
-                assert torch.equal(grad, result["ref_grads"][name]), (inner, name)
-            for function in ("dtensor_from_local", "dtensor_redistribute", "dtensor_to_local"):
-                assert function in result["code"], (inner, function)
-            assert "all_reduce" not in result["code"], inner
+        _assert_mlp_as_autocast(rank)
 
 
 def test_backend_trains_the_sequence_parallel_lm_as_compile_does(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.capture.capture_error import CaptureError
-from amp_graph.capture.model_capture import capture_for_policy
+from amp_graph.capture.model_capture import capture_for_policy, carry_dynamo_records
 from amp_graph.policy import Policy
 
 
@@ -50,13 +50,8 @@ def capture_dtensor_graph(
             f"{len(new_placeholders)} inputs where dynamo gives {len(placeholders)}; use "
             "amp_graph.compile(model, policy, dtype), which captures tensor-parallel models."
         )
-    for old, new in zip(placeholders, new_placeholders, strict=True):
-        for key in ("grapharg", "example_value"):
-            if key in old.meta:
-                new.meta[key] = old.meta[key]
-        new._rename(old.name)
+    carry_dynamo_records(gm, traced)
     _return_a_tuple(traced)
-    traced.meta.update(getattr(gm, "meta", {}))
     return traced
 
 

@@ -466,6 +466,17 @@ def capture_graph(
     with fake_mode:
         traced = make_fx(run, pre_dispatch=True)(*values)
     strip_aliases(traced, aliases)
+    carry_dynamo_records(gm, traced)
+    mark_named(traced, baked, TRACED_NOOP_CAST)
+    traced.recompile()
+    return traced
+
+
+def carry_dynamo_records(gm: fx.GraphModule, traced: fx.GraphModule) -> None:
+    """Give ``traced`` (a retrace of dynamo's ``gm``) dynamo's placeholder names and what
+    dynamo recorded about each input (``grapharg``, ``example_value``), placeholder by
+    placeholder in order, and ``gm``'s ``meta``. The caller recompiles ``traced``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     new_placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     for old, new in zip(placeholders, new_placeholders, strict=False):
         for key in ("grapharg", "example_value"):
@@ -473,10 +484,7 @@ def capture_graph(
                 new.meta[key] = old.meta[key]
         if hasattr(new, "_rename"):  # dynamo's names (l_x_) read better than arg0_1
             new._rename(old.name)
-    mark_named(traced, baked, TRACED_NOOP_CAST)
-    traced.recompile()
     traced.meta.update(getattr(gm, "meta", {}))
-    return traced
 
 
 # functorch's transforms as dynamo inlines them (torch.vmap, torch.func.grad/jvp, and

@@ -137,11 +137,7 @@ class AmpGraphBackend:
             compiled = self._rewrite_and_compile(
                 aten_gm, example_inputs, inner_kwargs, request, start
             )
-        if (
-            not ambient
-            and not policy.casts_nothing
-            and (baked := baked_dtype_nodes(self._graphs[-1]))
-        ):
+        if not ambient and not policy.casts_nothing and (baked := baked_dtype_nodes(aten_gm)):
             self._warn_once(
                 "baked dtypes",
                 baked_dtypes_warning(_graph_owner(gm), baked, policy.name, dtype, device_type),
@@ -223,14 +219,11 @@ class AmpGraphBackend:
         try:
             policy.validate_for(self._seen_paths, self._seen_nodes)
         except ValueError as error:
-            if str(error) not in self._warned:
-                self._warned.add(str(error))
-                log.warning(
-                    "%s (checked against the %d graph(s) dynamo has captured so far; "
-                    "a later graph may still match)",
-                    error,
-                    len(self._graphs),
-                )
+            self._warn_once(
+                str(error),
+                f"{error} (checked against the {len(self._graphs)} graph(s) dynamo has "
+                "captured so far; a later graph may still match)",
+            )
 
 
 def _check_ambient_dtype(device_type: str, policy: Policy, dtype: torch.dtype) -> None:

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.passes import AMP, Role
-from amp_graph.passes.meta import TRACED_NOOP_CAST, VAL, short
-from amp_graph.policy import Rule
-
-_LOW = (torch.float16, torch.bfloat16)
+from amp_graph.passes import AMP
+from amp_graph.passes.insert_casts import is_cast_node
+from amp_graph.passes.meta import LOW_PRECISION, TRACED_NOOP_CAST, VAL, short
+from amp_graph.policy import Rule, base_name
+from amp_graph.policy.python_ops import ONE_DTYPE_OPS
 
 
 def baked_dtype_nodes(gm: fx.GraphModule) -> list[str]:
@@ -47,8 +47,9 @@ def baked_dtype_nodes(gm: fx.GraphModule) -> list[str]:
         baked_cast = node.meta.get(TRACED_NOOP_CAST) and _converts_low_to_float32(node)
         promoted = (
             amp.rule is Rule.PROMOTE
-            and "one floating dtype" in amp.detail
-            and any(_is_inserted_cast(arg) for arg in node.all_input_nodes)
+            and amp.aten is not None
+            and base_name(amp.aten) in ONE_DTYPE_OPS
+            and any(is_cast_node(arg) for arg in node.all_input_nodes)
         )
         if baked_cast or promoted:
             found.append(node.name)
@@ -62,14 +63,9 @@ def _converts_low_to_float32(node: fx.Node) -> bool:
     return (
         isinstance(before, torch.Tensor)
         and isinstance(after, torch.Tensor)
-        and before.dtype in _LOW
+        and before.dtype in LOW_PRECISION
         and after.dtype == torch.float32
     )
-
-
-def _is_inserted_cast(node: fx.Node) -> bool:
-    amp = node.meta.get(AMP)
-    return amp is not None and amp.role is Role.CAST
 
 
 def baked_dtypes_warning(
