@@ -74,16 +74,11 @@ class LM(nn.Module):
         return self.output(self.norm(x))
 
 
-# torch 2.15's export drops the mask of a vocabulary-parallel embedding's partial output
-# (amp_graph says so, naming the way out): there the LM's embedding is column-parallel
-VOCAB_PARALLEL_CAPTURES = torch.torch_version.TorchVersion(torch.__version__) < (2, 15)
-
-
 def parallel_lm(
     mesh: Any,
     loss_parallel: bool = False,
     dp_mesh: Any = None,
-    vocab_parallel: bool = VOCAB_PARALLEL_CAPTURES,
+    vocab_parallel: bool = True,
 ) -> LM:
     """torchtitan's plan for its Llama, on :class:`LM`; with ``dp_mesh``, FSDP2 over it.
     ``vocab_parallel``: the embedding row-parallel (torchtitan's), else column-parallel."""

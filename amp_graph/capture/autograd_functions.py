@@ -454,11 +454,10 @@ def _not_captured(owner: str, cls: type, error: BaseException) -> str:
         return (
             f"amp_graph could not capture {owner}: DTensor's {_TORCH_FUNCTION_NAMES[name]} "
             f"failed on the capture's fake tensors ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). Known case: on torch "
-            "2.15, the masked partial output of a vocabulary-parallel embedding "
-            "(RowwiseParallel on an nn.Embedding) loses its mask under torch.export. Shard "
-            "the embedding with ColwiseParallel (along its embedding dimension) or keep it "
-            "replicated; on torch 2.13 it captures as it is."
+            f"{str(error).splitlines()[0] if str(error) else ''}). DTensor's rules and the "
+            "tracer disagree on this placement: report it (with the parallelize_module plan) "
+            "to amp_graph. Meanwhile run this module under torch.autocast, or give it a "
+            "plan whose outputs are Shard or Replicate placements."
         )
     return (
         f"amp_graph could not capture {owner}: the custom autograd Function {name} failed "

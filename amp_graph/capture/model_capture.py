@@ -64,6 +64,7 @@ from amp_graph.capture.fsdp_units import (
     planned_for,
 )
 from amp_graph.capture.host_random import HostGenerators, host_draws, host_draws_message
+from amp_graph.capture.masked_partials import masked_partials_kept
 from amp_graph.capture.planned_dtypes import (
     capture_under_policy,
     half_model_view,
@@ -264,6 +265,8 @@ def capture_module(
                 capture_autocast(device_type, autocast_dtype),
                 functions if keep_functions else contextlib.nullcontext(),
                 planned,
+                # above the policy's mode: it sees a snapshot's detach first
+                masked_partials_kept(model, (args, kwargs)),
                 half,
                 # export builds a GraphModule after each of its own passes, generating and
                 # compiling Python code for each (6 times on torch 2.13); none of it is run,
