@@ -209,6 +209,38 @@ def test_bad_arguments_are_refused() -> None:
         AmpGraphPrecision(modules=["nett"]).compile_modules(_model())
 
 
+def test_a_child_compiled_by_torch_compile_is_refused() -> None:
+    """nn.Module.compile() runs the child through torch.compile with no autocast under the
+    plugin: float32, which the plugin used to take for compiled and leave without a word."""
+    model = _model()
+    model.net.compile()
+    with pytest.raises(ValueError, match=r"child 'net' \(Sequential\).*nn\.Module\.compile"):
+        AmpGraphPrecision(dtype=torch.bfloat16).compile_modules(model)
+    # compiled by amp_graph (the plugin's own, or amp_graph's wrapper): left as it is
+    model = _model()
+    plugin = AmpGraphPrecision(dtype=torch.bfloat16)
+    plugin.compile_modules(model)
+    call = model.net._compiled_call_impl
+    plugin.compile_modules(model)
+    assert model.net._compiled_call_impl is call
+
+
+class WithOwnScale(Regressor):
+    """A parameter of the LightningModule itself, used in training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def test_parameters_of_the_lightning_module_itself_are_named_at_warning() -> None:
+    with pytest.warns(UserWarning, match=r"WithOwnScale holds parameters of its own \(scale\)"):
+        AmpGraphPrecision(dtype=torch.bfloat16).compile_modules(WithOwnScale())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AmpGraphPrecision(dtype=torch.bfloat16).compile_modules(_model())
+
+
 def test_lightning_stays_optional() -> None:
     code = (
         "import sys, amp_graph; assert 'lightning' not in sys.modules, 'imported lightning'\n"

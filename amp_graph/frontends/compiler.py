@@ -198,8 +198,9 @@ class CompiledModule(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """The model's attribute where the wrapper has none (``config``, ``generate``).
-        ``generate`` runs within :func:`graph_forward`: the model's calls of itself run the
-        graph, and those with a KV cache decode under torch.autocast (not in float32)."""
+        The model's own methods (``generate``, a ``predict``) run within
+        :func:`graph_forward`: the model's calls of itself run the graph, and those with a KV
+        cache decode under torch.autocast (not in float32)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -207,15 +208,15 @@ class CompiledModule(nn.Module):
             if model is None or name.startswith("__"):
                 raise
             value = getattr(model, name)
-            if name != "generate" or not callable(value):
+            if not (inspect.ismethod(value) and value.__self__ is model):
                 return value
 
             @functools.wraps(value)
-            def generate(*args: Any, **kwargs: Any) -> Any:
+            def through_the_graph(*args: Any, **kwargs: Any) -> Any:
                 with graph_forward(self):
                     return value(*args, **kwargs)
 
-            return generate
+            return through_the_graph
 
     # ---- the graphs --------------------------------------------------------------------
 

@@ -138,7 +138,11 @@ def graph_forward(compiled: Any) -> Iterator[None]:
     A model whose ``forward`` is set on the instance by something else (another wrapper) is
     left as it is, with a WARNING that its method runs its own code in float32."""
     model = compiled.model
-    if "forward" in model.__dict__:
+    installed = model.__dict__.get("forward")
+    if isinstance(installed, InplaceForward) and installed.compiled is compiled:
+        yield  # a method of the model reached through the wrapper within another: installed
+        return
+    if installed is not None:
         log.warning(
             "amp_graph: %s.forward is set on the instance by something else, so the methods "
             "of the model reached through the compiled wrapper (generate) run the model's "

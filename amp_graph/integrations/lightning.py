@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,22 @@ def _compiled_module_of(module: nn.Module) -> nn.Module:
     return module if call is None else call.compiled
 
 
-def _is_compiled(module: nn.Module) -> bool:
-    return isinstance(module, CompiledModule) or module._compiled_call_impl is not None
+def _is_compiled(module: nn.Module, name: str) -> bool:
+    """The child already runs through amp_graph (compiled by this plugin or by the user).
+    A child compiled by ``nn.Module.compile()`` runs through torch.compile at a backend the
+    plugin cannot see, without the torch.autocast it turns off: refused."""
+    if isinstance(module, CompiledModule) or isinstance(module._compiled_call_impl, _CompiledCall):
+        return True
+    if module._compiled_call_impl is not None:
+        raise ValueError(
+            f"AmpGraphPrecision: child {name!r} ({type(module).__name__}) was compiled with "
+            "nn.Module.compile() (torch.compile). The plugin runs no torch.autocast, so it "
+            "would compute in float32 unless its backend is amp_graph's. Drop the .compile() "
+            "and let the plugin compile the child, or leave it out with "
+            "AmpGraphPrecision(modules=[...]) if you compiled it with "
+            "backend=amp_graph.backend(...)."
+        )
+    return False
 
 
 class AmpGraphPrecision(Precision):
@@ -128,7 +143,8 @@ class AmpGraphPrecision(Precision):
             gradients) is a step; validation runs the graphs as they are.
 
     Raises:
-        ValueError: a dtype other than float16/bfloat16, or an unknown name in ``modules``.
+        ValueError: a dtype other than float16/bfloat16, an unknown name in ``modules``, or
+            a child compiled by ``nn.Module.compile()`` (it would run in float32).
         MisconfigurationException: a scaler with bfloat16; the LBFGS optimizer.
     """
 
@@ -162,6 +178,7 @@ class AmpGraphPrecision(Precision):
             )
         self.monitor_options = None if monitor is None else dict(monitor)
         self.monitors: dict[str, Monitor] = {}
+        self._warned_own_parameters = False
         self.scaler: GradScaler | None = None
         self.guard: NonFiniteGuard | None = None
         if dtype is torch.float16:
@@ -191,7 +208,8 @@ class AmpGraphPrecision(Precision):
 
     def compile_modules(self, module: nn.Module) -> None:
         """Compile ``module``'s children in place (see the module doc). Children already
-        compiled are left as they are."""
+        compiled by amp_graph are left as they are; one compiled by ``nn.Module.compile()``
+        is refused. Parameters the module holds itself get a WARNING (float32)."""
         children = dict(module.named_children())
         if self.modules is None:
             names = [n for n, c in children.items() if any(True for _ in c.parameters())]
@@ -203,8 +221,9 @@ class AmpGraphPrecision(Precision):
                     f"{unknown[0]!r}; its children are {sorted(children)}"
                 )
             names = self.modules
+        self._warn_own_parameters(module)
         for name in names:
-            if not _is_compiled(children[name]):
+            if not _is_compiled(children[name], name):
                 compile_in_place(children[name], self.policy, self.dtype)
             if self.monitor_options is not None and name not in self.monitors:
                 options = dict(self.monitor_options)
@@ -212,6 +231,19 @@ class AmpGraphPrecision(Precision):
                     options["log_dir"] = Path(options["log_dir"]) / name
                 target = _compiled_module_of(children[name])
                 self.monitors[name] = monitor(target, scaler=self.scaler, **options)
+
+    def _warn_own_parameters(self, module: nn.Module) -> None:
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own and not self._warned_own_parameters:
+            self._warned_own_parameters = True
+            warnings.warn(
+                f"AmpGraphPrecision: {type(module).__name__} holds parameters of its own "
+                f"({', '.join(own[:4])}{', ...' if len(own) > 4 else ''}). The plugin compiles "
+                "its children and runs no torch.autocast, so what training_step computes "
+                "with these outside the children runs in float32. Move them into a child "
+                "module to have them compiled too.",
+                stacklevel=3,
+            )
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """No torch.autocast: the compiled graphs carry their casts."""
