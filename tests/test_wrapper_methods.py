@@ -34,12 +34,17 @@ class Classifier(nn.Module):
         return 4
 
 
-def test_methods_calling_the_model_run_its_graph_as_under_autocast() -> None:
+def _classifier_input_and_autocast_prediction() -> tuple[Classifier, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = Classifier()
     x = torch.randn(5, 8)
     with torch.autocast("cpu", torch.bfloat16):
         expected = model.predict(x)
+    return model, x, expected
+
+
+def test_methods_calling_the_model_run_its_graph_as_under_autocast() -> None:
+    model, x, expected = _classifier_input_and_autocast_prediction()
     in_float32 = model.predict(x)
     compiled = amp_graph.compile(model, "autocast", torch.bfloat16)
     for method in ("predict", "predict_by_forward"):
@@ -56,10 +61,6 @@ def test_methods_calling_the_model_run_its_graph_as_under_autocast() -> None:
 
 def test_a_method_of_a_compiled_in_place_model_is_its_own() -> None:
     """compile_ sets the forward on the instance: the model's methods run the graph already."""
-    torch.manual_seed(0)
-    model = Classifier()
-    x = torch.randn(5, 8)
-    with torch.autocast("cpu", torch.bfloat16):
-        expected = model.predict(x)
+    model, x, expected = _classifier_input_and_autocast_prediction()
     amp_graph.compile_(model, "autocast", torch.bfloat16)
     assert torch.equal(model.predict(x), expected)
