@@ -5,7 +5,8 @@
 allocating a mask). :func:`load_cpu_extension` compiles it with
 :func:`torch.utils.cpp_extension.load` the first time a monitor measures a CPU tensor (about
 half a minute; needs a C++ compiler and ``pip install ninja``), cached in
-``TORCH_EXTENSIONS_DIR`` under a name keyed by the torch build. Where it cannot be built,
+``TORCH_EXTENSIONS_DIR`` under a name keyed by the torch build (a build killed midway cannot
+hang the next one: :mod:`amp_graph.ops.extension_build`). Where it cannot be built,
 or ``AMP_GRAPH_DISABLE_CPU_EXT=1`` is set, the statistics are computed with torch ops: the
 same numbers, more passes over memory.
 """
@@ -20,6 +21,7 @@ import threading
 import torch
 
 from .cuda_extension import CSRC_DIR, ExtensionStatus, torch_cxx_standard
+from .extension_build import load_built
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +68,10 @@ def load_cpu_extension() -> bool:
             _status = ExtensionStatus("disabled", f"{DISABLE_ENV} is set")
             return False
         try:
-            from torch.utils import cpp_extension
-
             capability = torch.backends.cpu.get_cpu_capability()
             name = extension_name(torch.__version__, capability)
-            cpp_extension.load(
-                name=name,
+            load_built(
+                name,
                 sources=[str(CSRC_DIR / source) for source in SOURCES],
                 extra_cflags=["-O3", f"-std={torch_cxx_standard()}", *vector_flags(capability)],
                 is_python_module=False,

@@ -155,8 +155,9 @@ def load_extension() -> bool:
 
     Loading registers the ops' ``CUDA`` kernels with the dispatcher (``TORCH_LIBRARY_IMPL`` in
     ``csrc/binding.cpp``); from then on CUDA calls go straight to C++. Thread-safe; concurrent
-    processes (one per rank) are serialized by cpp_extension's lock file in the build
-    directory. A failure is logged once as a warning and not retried in this process.
+    processes (one per rank) are serialized by an OS lock on the build directory, which a
+    killed build cannot leave held (:mod:`amp_graph.ops.extension_build`). A failure is logged
+    once as a warning and not retried in this process.
     """
     global _status, _module
     if _status.state != "not-tried":
@@ -172,10 +173,11 @@ def load_extension() -> bool:
             _status = ExtensionStatus("unavailable", "no CUDA device")
             return False
         try:
-            from torch.utils import cpp_extension
+            from .extension_build import load_built
 
-            module = cpp_extension.load(
-                **load_arguments(visible_archs()), verbose=logger.isEnabledFor(logging.DEBUG)
+            arguments = load_arguments(visible_archs())
+            module = load_built(
+                str(arguments.pop("name")), **arguments, verbose=logger.isEnabledFor(logging.DEBUG)
             )
         except Exception as error:  # compiler, ninja or loader errors all mean "use torch ops"
             _status = ExtensionStatus("failed", f"{type(error).__name__}: {error}")
