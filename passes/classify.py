@@ -1,4 +1,4 @@
-"""Pass 1, classify: give every node its policy rule and record what decided it.
+"""classify: give every node its policy rule and record what decided it.
 
 Reads: the captured aten graph, ``node.meta["nn_module_stack"]`` (written by the
 capture), the policy. Writes: ``node.meta["amp"]`` (an :class:`AmpInfo` with ``role``,
@@ -12,8 +12,10 @@ graph itself is not changed.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -27,6 +29,8 @@ from . import schema
 from .meta import AMP, KEPT_FUNCTION, AmpInfo, Role, model_root
 from .regions import REGION, AutocastRegion
 from .result import PassResult
+
+log = logging.getLogger(__name__)
 
 # Norms that update running statistics in place (a BatchNorm module is captured as
 # aten.batch_norm): a cast would update a copy. Their kernels take low-precision
@@ -52,7 +56,7 @@ def module_stack(
             continue  # the root itself (export records it)
         if isinstance(mtype, str):  # export and some torch versions record the type's name
             if path not in known:
-                known[path] = _submodule_type(root, path) or nn.Module
+                known[path] = _submodule_type(root, path, mtype)
             mtype = known[path]
         paths.append(path)
         types.append(mtype)
@@ -105,11 +109,41 @@ def is_model_parameter(node: fx.Node) -> bool:
     return _is_lifted(node, "parameters")
 
 
-def _submodule_type(root: nn.Module, path: str) -> type | None:
+def _submodule_type(root: nn.Module, path: str, recorded: str) -> type:
+    """The type of the module at ``path``: the model's, else the class the graph recorded by
+    name (``torch.nn.modules.linear.Linear``) where it is imported, else ``nn.Module`` with a
+    WARNING, since a ``Policy(module_types=...)`` override then cannot match its ops."""
     try:
         return type(root.get_submodule(path))
     except (AttributeError, TypeError):
-        return None
+        pass
+    named = _imported_module_class(recorded)
+    if named is not None:
+        return named
+    log.warning(
+        "amp_graph: the graph names module %r of type %s, which neither the model nor an "
+        "imported module has; a Policy(module_types=...) override does not reach its ops "
+        "(a module path override does). amp_graph.explain(compiled) shows what each op got.",
+        path,
+        recorded,
+    )
+    return nn.Module
+
+
+def _imported_module_class(name: str) -> type | None:
+    """The nn.Module subclass ``name`` (``pkg.module.Class``, or ``<class '...'>``) names in a
+    module already imported, or None: nothing is imported or run to find it."""
+    name = re.sub(r"^<class '(.*)'>$", r"\1", name.strip())
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        found: Any = sys.modules.get(".".join(parts[:split]))
+        if found is None:
+            continue
+        for attr in parts[split:]:
+            found = getattr(found, attr, None)
+        if isinstance(found, type) and issubclass(found, nn.Module):
+            return found
+    return None
 
 
 def _function_facts(target: Any) -> tuple[str, tuple[Any, ...], tuple[str, ...]]:

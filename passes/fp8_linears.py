@@ -38,6 +38,7 @@ runs the new graph.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -57,6 +58,8 @@ from .classify import is_model_parameter, normalize_module_path
 from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role
 from .result import PassResult
 from .sharing import CastSharing, ShareKey
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 SOURCE = "fp8"
@@ -301,6 +304,7 @@ def fp8_linears(
         )
     rewriter = _Rewriter(gm, config.recipe)
     stats: Counter[str] = Counter({"fp8_linears": 0, "fp8_kept": 0})
+    kept_because: Counter[str] = Counter()
     for node in list(gm.graph.nodes):
         matcher = MATCHERS.get(node.target) if node.op == "call_function" else None
         match = matcher(gm, node) if matcher is not None else None
@@ -315,6 +319,16 @@ def fp8_linears(
         else:
             _record_kept(node, facts, decision.reason)
             stats["fp8_kept"] += 1
+            kept_because[decision.reason] += 1
+    if kept_because and not stats["fp8_linears"]:
+        # fp8 is chosen for speed alone: a policy that converts nothing must say so
+        log.warning(
+            "amp_graph: the fp8 policy converted none of this graph's %d linear-like ops, which "
+            "run at the policy's other dtypes: %s. See amp_graph.explain(model) for each, and "
+            "Fp8Config (module_filter, auto_filter) for the choice.",
+            stats["fp8_kept"],
+            "; ".join(f"{n} x {why}" for why, n in kept_because.most_common(3)),
+        )
     if stats["fp8_linears"]:
         gm.graph.lint()  # the driver recompiles
     return PassResult(gm, modified=stats["fp8_linears"] > 0, stats=dict(stats))

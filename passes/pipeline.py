@@ -6,8 +6,10 @@ runs it before it keeps the graph as captured), not a pass of the list.
 Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes -> low_extremes
 -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
 -> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
-With ``check_each=True`` (the tests use it) the verifier also runs after every pass, so a
-pass that breaks an invariant is caught where it happens.
+With ``check_each=True`` (the tests use it) the verifier also runs after each pass up to
+simplify_casts, so a pass that breaks an invariant is caught where it happens; the passes
+after it change what the verifier checks (an absorbed cast's op takes its input narrow,
+checkpoints move into submodules), and the graph is linted after each of them.
 """
 
 from __future__ import annotations
@@ -163,6 +165,11 @@ def run_passes(
             if check_each and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)
+            elif check_each:
+                # these passes change what verify checks (an absorbed cast's op takes its
+                # input narrow; outlined checkpoints move nodes): the graph is linted, and
+                # the rewrite's own verify ran after simplify_casts
+                gm.graph.lint()
         except Exception as error:
             before = ", ".join(ran) or "none"
             raise PassError(

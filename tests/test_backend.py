@@ -6,6 +6,7 @@ runs in test_backend_inductor.py, DDP in test_backend_ddp.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections import Counter
 
@@ -456,6 +457,25 @@ def test_valid_arguments():
     custom = backend(inner=lambda gm, example_inputs: gm.forward)
     assert callable(custom.inner)
     assert "policy='O1'" in repr(backend())
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_callable_inner_that_gets_no_recompute_hooks_is_told_so(recompute, caplog) -> None:
+    """An inner backend given as a callable may run the graph as it is, where the casts marked
+    to recompute need hooks it does not get: a WARNING, once, with the ways out."""
+    torch.manual_seed(0)
+    policy = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=recompute)
+    as_it_is = backend(policy, BF16, inner=lambda gm, example_inputs: gm.forward)
+    model = torch.compile(models.MLP(), backend=as_it_is)
+    with caplog.at_level(logging.WARNING, logger="amp_graph.frontends.dynamo_backend"):
+        for _ in range(2):
+            model(torch.randn(4, 64)).float().sum().backward()
+    said = [r.getMessage() for r in caplog.records if "no recompute hooks" in r.getMessage()]
+    if recompute:
+        [message] = said
+        assert "inner='eager'" in message and "recompute_casts=False" in message
+    else:
+        assert not said
 
 
 class VmappedHeads(nn.Module):

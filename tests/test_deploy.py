@@ -214,7 +214,9 @@ def test_pt2_and_aoti_round_trip_with_a_dynamic_batch(name, tmp_path):
 # the ConvNet under O1: a float16 convolution into a batch norm with float32 parameters,
 # which torch.onnx's optimizer would fold into an ill-typed Conv (onnx_target.onnx_program)
 @pytest.mark.parametrize(("name", "policy"), [("gpt2", "O2"), ("convnet_bn", "O1")])
-def test_onnx_runs_float16_with_low_initializers_and_no_weight_casts(name, policy, tmp_path):
+def test_onnx_runs_float16_with_low_initializers_and_no_weight_casts(
+    name, policy, tmp_path, caplog
+):
     pytest.importorskip("onnxruntime")
     onnx = pytest.importorskip("onnx")
     from amp_graph.deploy.onnx_target import onnx_stats
@@ -224,7 +226,8 @@ def test_onnx_runs_float16_with_low_initializers_and_no_weight_casts(name, polic
     program = amp_graph.export(
         model, (), {key: example}, policy=policy, dtype=FP16, dynamic_shapes=_dynamic(spec)
     )
-    path = deploy.save(program, tmp_path / "model.onnx", "onnx")
+    with caplog.at_level("WARNING", logger="amp_graph.deploy.onnx_target"):
+        path = deploy.save(program, tmp_path / "model.onnx", "onnx")
     proto = onnx.load(str(path))
     initializers = {i.name: i.data_type for i in proto.graph.initializer}
     stored = amp_graph.export_info(program).stored_low
@@ -244,6 +247,11 @@ def test_onnx_runs_float16_with_low_initializers_and_no_weight_casts(name, polic
     ]
     assert not cast_of_weight  # weights are stored float16, not float32 plus a Cast
     assert stats.casts <= amp_graph.export_info(program).casts
+    # the CPU runtime's own float32 computing is said at save, where it was only counted
+    said = [r.getMessage() for r in caplog.records if "in float32" in r.getMessage()]
+    assert len(said) == (stats.runtime_casts > stats.casts)
+    if said:
+        assert f"{stats.runtime_casts - stats.casts} more casts" in said[0]
     run = deploy.load(path, "onnx")
     for value in (example, bigger):
         (want,) = _leaves(_compiled_eval(model, policy, FP16, {key: value}))

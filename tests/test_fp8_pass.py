@@ -241,3 +241,21 @@ def test_a_module_filter_needs_the_model():
     gm = export(models.MLP(), torch.randn(4, 1, 8, 8))
     with pytest.raises(ValueError, match="pass the user's model as root="):
         fp8_linears(gm, Fp8Config(module_filter=lambda m, p: True))
+
+
+def test_a_policy_that_converts_no_linear_says_so_with_the_reasons(caplog) -> None:
+    """fp8 is chosen for speed alone: every linear kept (here, dims no float8 matmul takes)
+    is a WARNING naming why, where a count in the stats was all there was."""
+    odd = nn.Sequential(nn.Linear(10, 6), nn.ReLU(), nn.Linear(6, 3))
+    with caplog.at_level("WARNING", logger="amp_graph.passes.fp8_linears"):
+        result = fp8_linears(export(odd, torch.randn(4, 10)), root=odd)
+    assert result.stats == {"fp8_linears": 0, "fp8_kept": 2}
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "converted none of this graph's 2 linear-like ops" in said
+    assert "not a multiple of 16" in said
+
+    caplog.clear()
+    fits = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 10))
+    with caplog.at_level("WARNING", logger="amp_graph.passes.fp8_linears"):
+        assert fp8_linears(export(fits, torch.randn(4, 32)), root=fits).stats["fp8_linears"]
+    assert not caplog.records  # one converted (the other kept) is what the policy expects

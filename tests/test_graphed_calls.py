@@ -193,3 +193,69 @@ def test_why_the_backward_hands_out_copies() -> None:
         for xs in x:
             compiled(xs).square().sum().backward()
     torch.testing.assert_close(layer.weight.grad, expected)
+
+
+def _warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and r.name == "amp_graph.frontends.graphed_calls"
+    ]
+
+
+def test_calls_without_grad_run_uncaptured_and_say_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """cuda_graph=True was asked for: an evaluation loop that never gets it is told, once."""
+    compiled = amp_graph.compile(Net(), "O1", torch.bfloat16)
+    compiled._graphed = GraphedCalls("Net", capture=rerun_capture)
+    with caplog.at_level("WARNING"), torch.no_grad():
+        for _ in range(3):
+            compiled(torch.randn(4, 16))
+    assert compiled._graphed.captures == 0
+    [said] = _warnings_of(caplog)
+    assert "Net: a call without grad runs uncaptured" in said and "reduce-overhead" in said
+
+
+def test_a_graph_that_needs_no_gradient_runs_uncaptured_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """capture_forward_backward returns None where no output needs a gradient (a frozen
+    model, inputs without requires_grad): the stand-in returns what it would."""
+    model = Net().requires_grad_(False)
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    compiled._graphed = GraphedCalls("Net", capture=lambda *args: None)
+    with caplog.at_level("WARNING"):
+        for rows in (4, 6, 4):
+            compiled(torch.randn(rows, 16))
+    [said] = _warnings_of(caplog)
+    assert "no output of the graph needs a gradient" in said and "runs uncaptured" in said
+
+
+def test_a_graph_returning_host_values_runs_uncaptured_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def with_a_host_value(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return x + 1, x.size(0)
+
+    gm = torch.fx.symbolic_trace(with_a_host_value)  # size(0): a node with no tensor value
+    graphed = GraphedCalls("f", capture=rerun_capture)
+    x = torch.randn(3, 2, requires_grad=True)
+    with caplog.at_level("WARNING"):
+        assert graphed.call(gm, [x], lambda: []) is None
+        assert graphed.call(gm, [x], lambda: []) is None
+    [said] = _warnings_of(caplog)
+    assert "values it computes on the host" in said and "Return tensors" in said
+
+
+def test_the_first_graph_dropped_is_a_warning_the_next_ones_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    compiled = amp_graph.compile(Net(), "O1", torch.bfloat16)
+    compiled._graphed = GraphedCalls("Net", max_graphs=2, capture=rerun_capture)
+    with caplog.at_level("INFO", logger="amp_graph.frontends.graphed_calls"):
+        for rows in (4, 6, 8, 10):
+            compiled(torch.randn(rows, 16))["logits"].sum().backward()
+    drops = [r for r in caplog.records if "dropped the least recently used" in r.getMessage()]
+    assert [r.levelname for r in drops] == ["WARNING", "INFO"]
+    assert "Raise max_graphs" in drops[0].getMessage()

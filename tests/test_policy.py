@@ -260,3 +260,37 @@ def test_changes_nothing_is_o0_without_overrides_or_fp8() -> None:
     assert not o0.override(ops={"linear": "allow"}).changes_nothing
     assert not dataclasses.replace(o0, fp8=Policy.preset("fp8").fp8).changes_nothing
     assert not Policy.preset("O1").changes_nothing
+
+
+def _node_inside(path: str, recorded_type: str) -> tuple[torch.fx.Node, torch.fx.GraphModule]:
+    """A graph whose one op records, as export does, an enclosing module by path and type
+    name, in a root that has no module at that path."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    op = graph.call_function(torch.ops.aten.relu.default, (x,))
+    op.meta["nn_module_stack"] = {"m": (path, recorded_type)}
+    graph.output(op)
+    return op, torch.fx.GraphModule(nn.Module(), graph)
+
+
+def test_a_module_the_model_lacks_gets_its_recorded_class_where_it_is_imported(caplog) -> None:
+    from amp_graph.passes.classify import module_stack
+
+    op, gm = _node_inside("encoder.fc", "torch.nn.modules.linear.Linear")
+    with caplog.at_level("WARNING", logger="amp_graph.passes.classify"):
+        paths, types = module_stack(op, gm)
+    assert paths == ("", "encoder.fc") and types[1] is nn.Linear  # module_types can match it
+    assert not caplog.records
+    op, gm = _node_inside("encoder.fc", "<class 'torch.nn.modules.linear.Linear'>")
+    assert module_stack(op, gm)[1][1] is nn.Linear
+
+
+def test_a_module_found_nowhere_is_a_warning_that_module_types_miss_it(caplog) -> None:
+    from amp_graph.passes.classify import module_stack
+
+    op, gm = _node_inside("encoder.fc", "some_library_never_imported.layers.FusedDense")
+    with caplog.at_level("WARNING", logger="amp_graph.passes.classify"):
+        types = module_stack(op, gm)[1]
+    assert types[1] is nn.Module
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "'encoder.fc'" in said and "FusedDense" in said and "module_types" in said

@@ -262,3 +262,19 @@ def test_the_measurement_on_cuda() -> None:
     assert cost.device == f"cuda:{torch.cuda.current_device()}"
     assert cost.per_cast_ns > 1e3 and cost.copy_bytes_per_ns > 50  # a launch; HBM
     assert recompute_cost.measured_cost(torch.device("cuda")) is cost
+
+
+def test_the_timings_wait_for_the_device_they_measure(monkeypatch) -> None:
+    """recompute_casts='auto' times casts; on an accelerator that means waiting for its queue
+    (on XPU and MPS it did not: launches alone were timed, and every recompute looked free)."""
+    from amp_graph.ops.recompute_cost import synchronizer
+
+    waited: list[str] = []
+    for name in ("xpu", "mps"):
+        monkeypatch.setattr(getattr(torch, name), "synchronize", lambda n=name: waited.append(n))
+        synchronizer(torch.device(name))()
+    assert waited == ["xpu", "mps"]
+    synchronizer(torch.device("cpu"))()  # nothing to wait for
+    monkeypatch.delattr(torch.mps, "synchronize")
+    with pytest.raises(RuntimeError, match=r"no torch\.mps\.synchronize.*recompute_casts=True"):
+        synchronizer(torch.device("mps"))

@@ -31,11 +31,23 @@ INFO_KEY = "amp_graph.json"
 def write_onnx(program: ExportedProgram, path: Path, info: str, *, check: bool) -> None:
     """``program`` as one ONNX file (weights inside) with ``info`` in its metadata; with
     ``check``, opened by onnxruntime's CPU provider (a :class:`TargetError` where it cannot
-    run it)."""
+    run it; a WARNING where it runs some low-precision ops in float32)."""
     onnx_program(program).save(str(path), external_data=False)
     _add_onnx_info(path, info)
     if check:
-        _onnx_session(path)
+        file_casts = _casts(_require_onnx().load(str(path), load_external_data=False))
+        added = _runtime_casts(path) - file_casts  # opening it is the check
+        if added > 0:
+            log.warning(
+                "amp_graph: onnxruntime's CPU provider runs %s with %d more casts than the "
+                "file has: it computes the low-precision ops it has no kernel for (float16 "
+                "MatMul on x86, for one) in float32, and casts around them. The file keeps "
+                "them low for runtimes that have the kernels (onnxruntime's CUDA provider); "
+                "for low-precision speed on this CPU use format 'pt2' or 'aoti' "
+                "(amp_graph.deploy.onnx_target.onnx_stats(path).runtime_casts counts them).",
+                path,
+                added,
+            )
 
 
 def onnx_metadata(path: str | Path) -> dict[str, str]:

@@ -96,6 +96,26 @@ def drop_string_annotations(gm: fx.GraphModule) -> None:
             node.type = None
 
 
+TIMED_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")  # what recompute_cost can time
+_said_untimed: set[str] = set()
+
+
+def _recompute_cost_on(device_type: str) -> RecomputeCost | None:
+    """The measured cost behind recompute_casts="auto", or None (every cast recomputed, as
+    with True) on a device type it cannot time, said once at WARNING."""
+    if device_type in TIMED_DEVICE_TYPES:
+        return measured_cost(device_type)
+    if device_type not in _said_untimed:
+        _said_untimed.add(device_type)
+        log.warning(
+            "amp_graph: recompute_casts='auto' cannot time casts on %s; every cast is "
+            "recomputed, as with recompute_casts=True. Set Policy(recompute_casts=True or "
+            "False) to choose.",
+            device_type,
+        )
+    return None
+
+
 def rewrite(
     gm: fx.GraphModule,
     policy: Policy,
@@ -115,7 +135,7 @@ def rewrite(
     passes (``record.original`` None: an export, which no diff reads).
     ``recompute_hooks``: the graph runs as it is, its recomputed casts through
     :mod:`amp_graph.ops.recompute_ops` 's saved-tensor hooks, so ``recompute_casts="auto"``
-    weighs their cost, measured on the device, a CPU or CUDA (False: AOTAutograd compiles
+    weighs their cost, measured on the device (CPU, CUDA, XPU, MPS; False: AOTAutograd compiles
     the graph, and its partitioner recomputes them at no host cost).
     """
     drop_string_annotations(gm)
@@ -123,9 +143,9 @@ def rewrite(
     inlined = inline_regions(gm)  # the captured form the passes and diffs read: blocks flat
     inlined_seconds = time.perf_counter() - start
     original = (copy_graph(gm), gm) if keep_original else None
-    cost = None  # (on another device type than these two: every cast, as before "auto")
-    if recompute_hooks and policy.recompute_casts == "auto" and device_type in ("cpu", "cuda"):
-        cost = measured_cost(device_type)
+    cost = None
+    if recompute_hooks and policy.recompute_casts == "auto":
+        cost = _recompute_cost_on(device_type)
     result = run_passes(gm, policy, dtype, check_each=check_each_pass, recompute_cost=cost)
     stats = {**inlined.stats, **result.stats}
     timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
@@ -463,7 +483,8 @@ def compile(
         example_inputs / example_kwargs: the forward's arguments. Given, the model is
             captured now; otherwise at the first call, from that call's inputs. Either way
             they are used as fake tensors, so every dtype is exact and nothing is computed.
-        check_each_pass: run the verifier after every pass (slower; the tests use it).
+        check_each_pass: run the verifier after each dtype pass and lint the graph after
+            the others (slower; the tests use it: :func:`amp_graph.passes.run_passes`).
         cuda_graph: replay each graph's forward and backward as CUDA graphs, for a loop of
             your own (:mod:`amp_graph.frontends.graphed_calls`): per input signature, the
             first call with grad enabled warms up and captures both; later calls replay

@@ -173,6 +173,18 @@ class AmpGraphBackend:
         self._graphs.append(aten_gm)
         self._check_overrides(policy, aten_gm)
         log.info("%s", _summary(aten_gm, record, len(self._graphs)))
+        if callable(self.inner) and record.stats.get("casts_recomputed", 0):
+            self._warn_once(
+                "callable inner",
+                f"amp_graph.backend: the graph marks {record.stats['casts_recomputed']} casts "
+                "to recompute in the backward, and an inner backend given as a callable gets "
+                "no recompute hooks: if it runs the graph as it is, those low-precision copies "
+                "stay alive to the backward (recompute_casts saves nothing). Through "
+                "AOTAutograd its partitioner decides instead, and this does not apply. Use "
+                "inner='eager' (hooks) or 'aot_eager'/'inductor', wrap what your callable "
+                "returns in amp_graph.ops.recompute_ops.recording, or set "
+                "Policy(recompute_casts=False).",
+            )
         return self._compile_inner(handed, example_inputs, inner_kwargs)
 
     def _compile_inner(
@@ -268,7 +280,8 @@ def backend(
         inner: what compiles the rewritten graphs: ``"inductor"``, ``"eager"``,
             ``"aot_eager"``, another registered dynamo backend name, or a backend callable
             ``(gm, example_inputs) -> callable``.
-        check_each_pass: run the verifier after every pass (slower; for tests).
+        check_each_pass: run the verifier after each dtype pass and lint the graph after
+            the others (slower; for tests: :func:`amp_graph.passes.run_passes`).
 
     Returns:
         An :class:`AmpGraphBackend`; ``torch.compile(model, backend=amp_graph.backend())``.

@@ -12,8 +12,11 @@ training loop needs beside it:
 * the warm-up leaves no trace: buffers the graph writes (BatchNorm's statistics) and the CUDA
   RNG state are put back after it, so that a step computes what the uncaptured graph would;
 * calls it does not capture run the graph uncaptured: without grad (evaluation), a monitor's
-  logging steps, a graph none of whose outputs needs a gradient;
-* graphs in a bounded least-recently-used cache sharing one memory pool, a log line each;
+  logging steps, a graph none of whose outputs needs a gradient, one that returns values it
+  computes on the host. Each reason but the monitor's (its logging steps are few, by design)
+  is said once at WARNING, with the way out: the user asked for CUDA graphs;
+* graphs in a bounded least-recently-used cache sharing one memory pool, a log line each; the
+  first graph dropped (its signature will warm up and capture again) is a WARNING;
 * refusals at the first call, before anything runs: tensors not on a CUDA device, DTensor
   (FSDP2) parameters.
 
@@ -119,6 +122,7 @@ class LeastRecentlyUsed(Generic[V]):
     def __init__(self, owner: str, limit: int, logger: logging.Logger = log) -> None:
         self.owner, self.limit, self.log = owner, limit, logger
         self._items: OrderedDict[Any, V] = OrderedDict()
+        self._dropped_before = False
 
     def __contains__(self, key: Any) -> bool:
         return key in self._items
@@ -141,8 +145,15 @@ class LeastRecentlyUsed(Generic[V]):
         while len(self._items) > self.limit:
             old, _ = self._items.popitem(last=False)
             dropped.append(old)
-            self.log.info(
-                "%s: dropped the least recently used CUDA graph (max_graphs=%d)",
+            # the first drop is a WARNING: from here on, returning signatures warm up and
+            # capture again, which can cost more than the graphs save
+            level = logging.INFO if self._dropped_before else logging.WARNING
+            self._dropped_before = True
+            self.log.log(
+                level,
+                "%s: dropped the least recently used CUDA graph (max_graphs=%d): more input "
+                "signatures than graphs held, so a dropped one warms up and captures again when "
+                "it returns. Raise max_graphs, or pad the inputs to fewer sizes.",
                 self.owner,
                 self.limit,
             )
@@ -264,6 +275,7 @@ class GraphedCalls:
         self._graphs = LeastRecentlyUsed(name, max_graphs)
         self.captures = 0
         self.replays = 0
+        self._said: set[str] = set()
 
     @property
     def graphs(self) -> int:
@@ -276,6 +288,12 @@ class GraphedCalls:
         uncaptured (no grad). ``modules`` gives the model's (name, tensor) pairs for the
         device check at the first capture."""
         if not torch.is_grad_enabled():
+            self._say_once(
+                "no-grad",
+                "%s: a call without grad runs uncaptured: cuda_graph=True captures a training "
+                "call's forward and backward. For inference, use torch.compile(model, "
+                "backend='amp_graph', mode='reduce-overhead').",
+            )
             return None
         key = (id(gm), signature_of(leaves))
         if key in self._graphs:
@@ -293,7 +311,12 @@ class GraphedCalls:
     ) -> Callable[..., Any] | None:
         named = [*modules(), *((f"input {i}", x) for i, x in enumerate(leaves) if _is_t(x))]
         if not _tensor_outputs_only(gm):
-            log.info("%s: the graph returns values it computes on the host: uncaptured", self.name)
+            self._say_once(
+                "host-outputs",
+                "%s: the graph returns values it computes on the host (a Python number from "
+                "a tensor, .item(), .tolist()), which a CUDA graph cannot replay: it runs "
+                "uncaptured. Return tensors, or compile without cuda_graph=True.",
+            )
             self._graphs.put(key, None)
             return None
         bound = _Bound(gm, leaves)
@@ -304,7 +327,13 @@ class GraphedCalls:
             replay = self._capture(bound, tensors, self._pool, self.warmup, named)
         if replay is None:
             self._graphs.put(key, None)
-            log.info("%s: no output needs a gradient: runs uncaptured", self.name)
+            self._say_once(
+                "no-gradient",
+                "%s: no output of the graph needs a gradient (frozen parameters, inputs "
+                "without requires_grad): it runs uncaptured, as cuda_graph=True captures "
+                "forward and backward. For a forward alone, use torch.compile(model, "
+                "backend='amp_graph', mode='reduce-overhead').",
+            )
             return None
         self.captures += 1
         self._graphs.put(key, replay)
@@ -317,6 +346,12 @@ class GraphedCalls:
             self._graphs.limit,
         )
         return replay
+
+    def _say_once(self, reason: str, message: str) -> None:
+        """A WARNING the first time this module's calls run uncaptured for ``reason``."""
+        if reason not in self._said:
+            self._said.add(reason)
+            log.warning(message, self.name)
 
 
 def _is_t(x: Any) -> bool:

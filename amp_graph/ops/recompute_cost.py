@@ -127,13 +127,29 @@ def _program(weights: list[torch.Tensor], x: torch.Tensor, recompute: bool, hook
     y.float().sum().backward()
 
 
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work, for the timings: nothing on the CPU,
+    ``torch.<type>.synchronize`` on an accelerator (CUDA, XPU, MPS: their kernels run
+    asynchronously, and timing only their launches would make every recompute look free)."""
+    if device.type == "cpu":
+        return lambda: None
+    module = getattr(torch, device.type, None)
+    synchronize = getattr(module, "synchronize", None)
+    if synchronize is None:
+        raise RuntimeError(
+            f"amp_graph recompute_casts='auto' times the casts on {device}, and torch has no "
+            f"torch.{device.type}.synchronize to wait for them; set Policy(recompute_casts=True "
+            "or False) on this device"
+        )
+    if device.type == "cuda":
+        return functools.partial(synchronize, device)
+    return synchronize
+
+
 @functools.cache
 def _measure(device: str) -> RecomputeCost:
     where = torch.device(device)
-
-    def sync() -> None:
-        if where.type == "cuda":
-            torch.cuda.synchronize(where)
+    sync = synchronizer(where)
 
     weights = [torch.ones(_WIDTH, _WIDTH, device=where).requires_grad_() for _ in range(_LAYERS)]
     x = torch.ones(4, _WIDTH, device=where, dtype=torch.bfloat16)
