@@ -1,4 +1,4 @@
-"""Pass 3, assign_dtypes: decide what every node computes in and what it returns.
+"""assign_dtypes: decide what every node computes in and what it returns.
 
 This is torch.autocast's per-op logic, run once over the graph instead of at every call:
 

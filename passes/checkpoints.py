@@ -1,4 +1,4 @@
-"""Last pass, outline_checkpoints: the model's activation checkpoints, recomputed in backward.
+"""outline_checkpoints: the model's activation checkpoints, recomputed in backward.
 
 ``torch.export`` traces through ``torch.utils.checkpoint.checkpoint(block, x,
 use_reentrant=False)`` (and HF's ``gradient_checkpointing_enable()``): the block's ops are

@@ -1,4 +1,4 @@
-"""Pass 4, insert_casts: materialize the plan as cast nodes.
+"""insert_casts: materialize the plan as cast nodes.
 
 For every node with a ``compute_dtype``, each floating tensor input whose dtype differs
 gets a cast right before the node, one per (consumer, input) as torch.autocast does at

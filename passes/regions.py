@@ -1,5 +1,6 @@
-"""Pass 0, inline_regions: the model's own ``torch.autocast`` and ``torch.no_grad`` regions,
-made flat and recorded on the nodes they enclose.
+"""inline_regions (run on a captured graph before the passes): the model's own
+``torch.autocast`` and ``torch.no_grad`` regions, made flat and recorded on the nodes they
+enclose.
 
 ``torch.export`` records a ``with torch.autocast(...)`` block of the model as a
 ``wrap_with_autocast`` higher-order op over a submodule, and a ``with torch.no_grad()``

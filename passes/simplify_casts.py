@@ -1,4 +1,4 @@
-"""Pass 5, simplify_casts: remove the casts that change nothing, as a table of rules.
+"""simplify_casts: remove the casts that change nothing, as a table of rules.
 
 Each rule looks at one node and returns the node that should replace it, or ``None`` for
 "no match". The driver applies the table in one walk over the graph, then drops the casts

@@ -1,4 +1,4 @@
-"""Pass 6, verify: the graph is well formed and its dtypes are the plan's.
+"""verify: the graph is well formed and its dtypes are the plan's.
 
 Checks, in order:
 

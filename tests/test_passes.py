@@ -6,9 +6,14 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from conftest import compile_checked
+from torch.utils import _pytree as pytree
+
+import amp_graph
+from amp_graph.capture import capture_module
+from amp_graph.demo import models
 from amp_graph.passes import (
     AMP,
-    SIMPLIFY_RULES,
     AmpInfo,
     PassError,
     Role,
@@ -21,11 +26,6 @@ from amp_graph.passes.classify import classify
 from amp_graph.passes.insert_casts import insert_casts, make_cast
 from amp_graph.passes.simplify_casts import simplify_casts
 from amp_graph.passes.verify import verify
-from conftest import compile_checked
-
-import amp_graph
-from amp_graph.capture import capture_module
-from amp_graph.demo import models
 from amp_graph.policy import Policy, Rule
 
 
@@ -185,12 +185,6 @@ def test_lossless_chain_folds_and_lossy_chain_stays():
     )
 
 
-def test_simplify_rules_are_documented_data():
-    assert len(SIMPLIFY_RULES) >= 4
-    for rule in SIMPLIFY_RULES:
-        assert rule.__doc__ and "->" in rule.__doc__
-
-
 def test_verifier_catches_a_missing_cast_and_a_wrong_plan():
     compiled = compile_checked(QKV(), "O1", example_inputs=(torch.randn(2, 8),)).graph_module
     cast = casts_of(compiled, "layer_norm")[0]
@@ -243,12 +237,18 @@ def test_every_pass_keeps_the_invariants_on_every_model():
         (models.LlamaMLP(), (torch.randn(2, 32),)),
     ]
     for model, example in cases:
+        want = pytree.tree_leaves(model(*example))
         for policy in ("O0", "O1", "O2", "O3", "autocast"):
             for inputs in (example, None):
                 compiled = compile_checked(
                     model, policy, example_inputs=inputs
                 )  # verifies each pass
-                assert compiled(*example) is not None
+                got = pytree.tree_leaves(compiled(*example))
+                assert [g.shape for g in got] == [w.shape for w in want]
+                assert all(torch.isfinite(g).all() for g in got)
+                if policy == "O0":  # float32 throughout: the model's own outputs
+                    for g, w in zip(got, want, strict=True):
+                        torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize(

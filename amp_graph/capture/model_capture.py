@@ -86,7 +86,7 @@ from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
 
-MODEL_ATTR = "model"
+MODEL_ATTR = "model"  # the attribute of a captured GraphModule that holds the user's model
 # gm.meta key: what torch.export said of the captured program beyond its graph (its shape
 # symbols' ranges, its call signature, its verifier), for amp_graph.deploy to make an
 # ExportedProgram of the rewritten graph without tracing it again
@@ -95,12 +95,11 @@ EXPORT_FACTS = "amp_graph.export_facts"
 
 @dataclass(frozen=True)
 class ExportFacts:
+    """The parts of torch.export's ExportedProgram besides its graph, kept to make another."""
+
     range_constraints: dict
     module_call_graph: list
     verifiers: list
-
-
-"""The attribute of a captured GraphModule that holds the user's model itself."""
 
 
 @dataclass

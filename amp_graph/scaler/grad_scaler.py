@@ -523,8 +523,9 @@ class StaticGradScaler(GradScaler):
     """A fixed loss scale that still checks gradients and skips non-finite steps.
 
     Same API as :class:`GradScaler`; :meth:`update` keeps the scale (and counts skipped steps).
-    With a scale of exactly 1 nothing is divided, so float16 gradients are accepted (this is the
-    checker amp_graph.Graph uses where loss scaling does not apply).
+    With a scale of exactly 1 nothing is divided, so float16 gradients are accepted: a pure
+    checker. (amp_graph.Graph, where loss scaling does not apply, checks with its own
+    :class:`amp_graph.scaler.nonfinite_guard.NonFiniteGuard`.)
 
     Example::
 
