@@ -50,9 +50,13 @@ demo: $(DEMO_STAMP)
 demo-full: $(DEMO_STAMP)
 	$(BIN)/python -m amp_graph demo --full
 
-# --durations=20: the slowest tests, so that every CI log names them for its CPU kind
+# --durations=20: the slowest tests, so that every CI log names them for its CPU kind.
+# -n: pytest-xdist workers (tests/conftest.py gives each process one torch thread, so one
+# worker per core); --dist loadfile keeps each file's tests in one process, in their order.
+PYTEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python $(PYTEST)
 
 # HF's own fx tracer (transformers.utils.fx), which transformers 5 removed: a venv inside .venv
 # that sees .venv's packages with transformers 4.46.3 over them, for tests/test_hf_fx_tracer.py
@@ -85,7 +89,7 @@ $(LATEST_VENV)/.installed: pyproject.toml
 test-torch-latest: $(LATEST_VENV)/.installed
 	@$(LATEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__, '(newest in $(TORCH_RANGE))')"
 	@PIP_CONSTRAINT=/dev/null $(LATEST_VENV)/bin/pip index versions torch 2>/dev/null | head -1 || true
-	$(LATEST_VENV)/bin/python -m pytest -q --durations=20
+	$(LATEST_VENV)/bin/python $(PYTEST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
