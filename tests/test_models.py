@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 import torch
+from amp_graph.passes import AMP, Role
 from conftest import PlanReference, compile_checked, skip_where_cpu_lacks_kernels_of
 
 import amp_graph
 from amp_graph.demo import models
-from amp_graph.passes import AMP, Role
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -16,11 +16,11 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 import torch.nn as nn
+from amp_graph.passes import AMP
 from zoo import GPTConfig, NanoGPT
 
 import amp_graph
 from amp_graph.accuracy.shadow import shadow_run
-from amp_graph.passes import AMP
 
 FP16 = torch.float16
 

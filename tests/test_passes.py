@@ -6,12 +6,6 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from conftest import compile_checked
-from torch.utils import _pytree as pytree
-
-import amp_graph
-from amp_graph.capture import capture_module
-from amp_graph.demo import models
 from amp_graph.passes import (
     AMP,
     AmpInfo,
@@ -26,6 +20,12 @@ from amp_graph.passes.classify import classify
 from amp_graph.passes.insert_casts import insert_casts, make_cast
 from amp_graph.passes.simplify_casts import simplify_casts
 from amp_graph.passes.verify import verify
+from conftest import compile_checked
+from torch.utils import _pytree as pytree
+
+import amp_graph
+from amp_graph.capture import capture_module
+from amp_graph.demo import models
 from amp_graph.policy import Policy, Rule
 
 
