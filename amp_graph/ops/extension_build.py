@@ -10,8 +10,9 @@ tensor never returns.
 :func:`load_built` holds an operating-system lock (``fcntl.flock``) around the build instead.
 The kernel releases it when its holder dies, so while amp_graph holds it no live amp_graph
 build can be running, and a baton found then was left by a killed one: it is removed, with a
-warning that says so. Concurrent processes (one per rank) still build once: the second waits
-on the lock, then loads what the first built.
+warning that says so (torch 2.15's own build took the same cure: an OS lock on that file,
+which then stays, harmless; it is left alone there). Concurrent processes (one per rank)
+still build once: the second waits on the lock, then loads what the first built.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def build_directory(name: str) -> Path:
     return Path(root) / name
 
 
+def torch_waits_on_a_baton() -> bool:
+    """Whether this torch's cpp_extension waits while its ``lock`` file exists (its
+    ``FileBaton``: torch 2.13). torch 2.15 holds an OS lock on that file instead, which it
+    leaves in place after each build, harmless there."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 @contextlib.contextmanager
 def exclusive_build(directory: Path) -> Iterator[None]:
     """Hold this machine's build lock on ``directory`` (created if absent); inside, no other
@@ -69,7 +79,7 @@ def exclusive_build(directory: Path) -> Iterator[None]:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             baton = directory / BATON_NAME
-            if baton.exists():
+            if torch_waits_on_a_baton() and baton.exists():
                 logger.warning(
                     "amp_graph: removing %s, the lock file of an extension build that was "
                     "killed before it finished (it would make this build wait forever); "
