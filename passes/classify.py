@@ -26,7 +26,7 @@ import torch.nn as nn
 from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name, python_ops
 
 from . import schema
-from .meta import AMP, KEPT_FUNCTION, AmpInfo, Role, model_root
+from .meta import AMP, KEPT_FUNCTION, NO_MODULE, AmpInfo, Role, model_root
 from .regions import REGION, AutocastRegion
 from .result import PassResult
 
@@ -109,14 +109,11 @@ def is_model_parameter(node: fx.Node) -> bool:
     return _is_lifted(node, "parameters")
 
 
-_EMPTY_STACK_MARKER = "_empty_nn_module_stack"  # torch.export's "_empty_nn_module_stack_from_..."
-
-
 def _submodule_type(root: nn.Module, path: str, recorded: str) -> type:
     """The type of the module at ``path``: the model's, else the class the graph recorded by
     name (``torch.nn.modules.linear.Linear``) where it is imported, else ``nn.Module`` with a
     WARNING, since a ``Policy(module_types=...)`` override then cannot match its ops."""
-    if path.startswith(_EMPTY_STACK_MARKER):
+    if path == NO_MODULE:
         return nn.Module  # no module: torch 2.15's export marks a node it found outside any
     try:
         return type(root.get_submodule(path))

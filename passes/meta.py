@@ -24,6 +24,8 @@ VAL = "val"
 MODEL_ROOT = "amp_graph.model_root"
 """``gm.meta`` key: the attribute of a captured GraphModule that holds the user's model (module
 paths in ``nn_module_stack`` are relative to it)."""
+NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+"""torch.export's stack entry for nodes created outside any module (``torch._export``)."""
 
 CHECKPOINT_REGION = "checkpoint_region"
 """``node.meta`` key: the number of the ``torch.utils.checkpoint`` call computing the node."""

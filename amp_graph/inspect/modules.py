@@ -22,10 +22,7 @@ import re
 import torch.fx as fx
 
 from amp_graph.passes.classify import lifted_source_name, normalize_module_path
-from amp_graph.passes.meta import AMP, MODEL_ROOT, Role, model_root
-
-NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
-"""torch.export's stack entry for nodes created outside any module (``torch._export``)."""
+from amp_graph.passes.meta import AMP, MODEL_ROOT, NO_MODULE, Role, model_root
 
 _STATE_SUFFIX = re.compile(r"(^|\.)_(parameters|buffers)\.[^.]+$")
 
