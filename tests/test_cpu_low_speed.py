@@ -2,8 +2,8 @@
 (amp_graph.frontends.cpu_low_speed).
 
 The decision is tested with the probe's timings given (a test cannot choose the machine it
-runs on), and once on real kernels: oneDNN held to AVX2 in a fresh interpreter computes
-bfloat16 products as an AVX2-only CPU does, by a slow path.
+runs on), and once on real kernels held to AVX2 in a fresh interpreter, where the warning must
+come exactly when the probe measured a slow product.
 """
 
 from __future__ import annotations
@@ -136,17 +136,28 @@ print([str(w.message) for w in caught if "matrix product takes" in str(w.message
 """
 
 
-def test_bfloat16_products_of_an_avx2_only_cpu_warn() -> None:
-    """Real kernels: with oneDNN held to AVX2, as on an AVX2-only CPU, a bfloat16 product
-    takes many times float32's (36x on the EPYC where this was written) and compile warns."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONWARNINGS": ""}
+def test_real_bfloat16_products_held_to_avx2_warn_exactly_when_slow() -> None:
+    """Real kernels, oneDNN and MKL held to AVX2 in a fresh interpreter: compile warns exactly
+    when the probe measured a slow product. On an AVX2-only CPU the product is slow (36x
+    float32's on the EPYC where this was written) and the warning comes; on some AMX Xeons
+    torch still computes it by a fast path under these limits (0.18x seen in CI), and then
+    no warning may come. The decision, not the machine, is what this asserts."""
+    env = {
+        **os.environ,
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "PYTHONWARNINGS": "",
+    }
     run = subprocess.run(
         [sys.executable, "-c", _AVX2_RUN], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr
     ratio, warned = run.stdout.strip().splitlines()
-    assert float(ratio) > cpu_low_speed.SLOWER, ratio
-    assert "bfloat16 matrix product takes" in warned and "policy='O0'" in warned, warned
+    slow = float(ratio) > cpu_low_speed.SLOWER
+    said = "bfloat16 matrix product takes" in warned and "policy='O0'" in warned
+    assert said == slow, (ratio, warned)
+    if slow:
+        assert f"takes {float(ratio):.0f}x float32's time" in warned, (ratio, warned)
 
 
 def test_docstring_example_runs() -> None:
