@@ -230,7 +230,7 @@ class _Instrumenter:
             self._probe(graph, node, sink, node, "output", out.dtype)
 
 
-def _region_graphs(gm: fx.GraphModule) -> list[str]:
+def region_graphs(gm: fx.GraphModule) -> list[str]:
     """The activation-checkpoint regions ``gm`` calls (``passes.checkpoints``' submodules)."""
     return [
         name
@@ -266,7 +266,7 @@ def instrument(
     calls = {node.target: i for i, node in enumerate(nodes) if node.op == "call_module"}
     _Instrumenter("", probes, positions).instrument(copied.graph, selected)
     instrumented = [copied]
-    for name in _region_graphs(gm):
+    for name in region_graphs(gm):
         region = copy_graph_module(getattr(gm, name))
         setattr(region, SINK_ATTR, sink)
         before = len(probes)

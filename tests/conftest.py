@@ -12,7 +12,7 @@ from amp_graph.passes import AMP, Role
 from torch.fx.node import map_aggregate
 
 import amp_graph
-from amp_graph.frontends import compiler
+from amp_graph.frontends import front_door
 from amp_graph.ops.recompute_cost import RecomputeCost
 
 # Tests measure behaviour, not speed: one intra-op thread keeps them fast and repeatable
@@ -105,7 +105,7 @@ PINNED_RECOMPUTE_COSTS = {
 @pytest.fixture(autouse=True)
 def _pinned_recompute_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        compiler,
+        front_door,
         "measured_cost",
         lambda device: PINNED_RECOMPUTE_COSTS[torch.device(device).type],
     )

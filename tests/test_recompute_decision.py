@@ -25,7 +25,7 @@ from amp_graph.passes.recompute_casts import recompute_casts
 from dispatch_helpers import CountOps
 
 import amp_graph
-from amp_graph.frontends import compiler
+from amp_graph.frontends import front_door
 from amp_graph.inspect.held import held_for_backward
 from amp_graph.ops import recompute_cost
 from amp_graph.ops.recompute_cost import RecomputeCost
@@ -57,7 +57,7 @@ def pinned(monkeypatch: pytest.MonkeyPatch, cost: RecomputeCost) -> list[str]:
         asked.append(str(device))
         return cost
 
-    monkeypatch.setattr(compiler, "measured_cost", measured)
+    monkeypatch.setattr(front_door, "measured_cost", measured)
     return asked
 
 
@@ -106,7 +106,7 @@ def test_a_byte_count_decides_without_measuring(monkeypatch) -> None:
     def refuse(device: Any) -> RecomputeCost:
         raise AssertionError("a byte count needs no measurement")
 
-    monkeypatch.setattr(compiler, "measured_cost", refuse)
+    monkeypatch.setattr(front_door, "measured_cost", refuse)
     x = torch.randn(8, 16)
     split = amp_graph.compile(SmallAndLarge(), o1(64 * KIB), BF16, example_inputs=(x,))
     every = amp_graph.compile(SmallAndLarge(), o1(0), BF16, example_inputs=(x,))
@@ -172,7 +172,7 @@ def test_held_bytes_and_gradient_bits_whichever_way_a_cast_is_decided(monkeypatc
 def test_a_small_model_on_this_cpu_keeps_its_copies_and_runs_no_hooks(monkeypatch) -> None:
     """With the cost measured here (the suite pins one elsewhere): a model of kilobytes pays
     no Python for its copies."""
-    monkeypatch.setattr(compiler, "measured_cost", recompute_cost.measured_cost)
+    monkeypatch.setattr(front_door, "measured_cost", recompute_cost.measured_cost)
     model = nn.Sequential(nn.Linear(8, 16), nn.Softmax(-1), nn.Linear(16, 8))
     compiled = amp_graph.compile(model, "O1", BF16, example_inputs=(torch.randn(4, 8),))
     report = amp_graph.report(compiled)

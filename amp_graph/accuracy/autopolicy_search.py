@@ -52,14 +52,9 @@ from amp_graph.accuracy.shadow import (
     tensors_kept,
 )
 from amp_graph.capture import Captured, capture_for_policy
-from amp_graph.frontends.compiler import CompiledModule, _compiled_in_place
+from amp_graph.frontends.compiler import CompiledModule, compiled_in_place
+from amp_graph.frontends.front_door import admit
 from amp_graph.frontends.model_forwards import class_forward
-from amp_graph.frontends.policy_request import (
-    check_request,
-    device_type_of,
-    resolve,
-    validate_module_overrides,
-)
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.meta import DTYPE_READ
 from amp_graph.policy import Policy
@@ -363,7 +358,7 @@ class _Search:
         same bits) or an output that is not finite. There the graph's float32 shadow stays
         the only reference."""
         if self._references is None:
-            own = class_forward if _compiled_in_place(self.model) else None
+            own = class_forward if compiled_in_place(self.model) else None
             devices = [
                 t.device
                 for s in self.samples
@@ -476,10 +471,8 @@ def autopolicy(
             "sample_inputs is a non-empty list of forward arguments, e.g. [(x,), (x2,)]"
         )
     samples = [as_call(s) for s in sample_inputs]
-    check_request(policy, dtype)
-    request = resolve(policy, dtype, device_type_of(model, samples[0]))
+    request = admit(policy, dtype, model, samples[0])
     base, dtype, device_type = request.policy, request.dtype, request.device_type
-    validate_module_overrides(base, [name for name, _ in model.named_modules()])
     tol = default_tol(dtype) if tol is None else float(tol)
     backward = loss_fn is not None if backward is None else backward
     search = _Search(

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from amp_graph.capture.autograd_functions import FunctionCall
-from amp_graph.frontends.compiler import COMPILE_META, CompiledModule, CompileRecord
+from amp_graph.frontends.compiler import CompiledModule
+from amp_graph.frontends.front_door import COMPILE_META, CompileRecord
 from amp_graph.ops.recompute_ops import recomputed_cast, recomputed_quantize
 from amp_graph.passes.meta import AMP, FLOAT8
 from amp_graph.passes.schema import written_storage

@@ -26,16 +26,11 @@ from torch.export import ExportedProgram
 
 from amp_graph.accuracy.autopolicy_search import AutopolicyError, as_call, autopolicy, default_tol
 from amp_graph.accuracy.float32_error import OutputError, output_error
-from amp_graph.capture import capture_for_policy, gc_paused
-from amp_graph.frontends.compiler import CompiledModule, _compiled_in_place, rewrite
+from amp_graph.capture import gc_paused
+from amp_graph.frontends.compiler import CompiledModule, compiled_in_place
+from amp_graph.frontends.front_door import COMPILE_META, admit, capture_and_rewrite
 from amp_graph.frontends.model_forwards import class_forward
-from amp_graph.frontends.policy_request import (
-    check_request,
-    device_type_of,
-    resolve,
-    validate_module_overrides,
-    validate_node_overrides,
-)
+from amp_graph.frontends.policy_request import AmpRequest
 from amp_graph.passes.aten_casts import aten_casts
 from amp_graph.passes.casts_before_views import casts_before_views
 from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL, Role, short
@@ -221,7 +216,7 @@ def export(
         ValueError / NotImplementedError: a policy or dtype that cannot be exported.
         CaptureError: the model could not be captured.
     """
-    in_place = None if isinstance(model, CompiledModule) else _compiled_in_place(model)
+    in_place = None if isinstance(model, CompiledModule) else compiled_in_place(model)
     compiled = model if isinstance(model, CompiledModule) else in_place
     if compiled is not None:
         policy = compiled.policy if policy is None else policy
@@ -233,8 +228,7 @@ def export(
         raise TypeError(f"kwargs is a dict of keyword arguments; got {type(kwargs).__name__}")
     args, kwargs = as_call(args)[0], dict(kwargs or {})
     policy = "O1" if policy is None else policy
-    check_request(policy, dtype)
-    request = resolve(policy, dtype, device_type_of(model, (args, kwargs)))
+    request = admit(policy, dtype, model, (args, kwargs), runs_here=False)
     base, dtype = request.policy, request.dtype
     if base.fp8 is not None:
         raise NotImplementedError(
@@ -242,7 +236,6 @@ def export(
             "linears are amp_graph ops that torch.export.load, AOTInductor and ONNX do not "
             "know. Export with policy='O1'/'O2' and dtype=torch.bfloat16 or torch.float16"
         )
-    validate_module_overrides(base, [name for name, _ in model.named_modules()])
     seconds: dict[str, float] = {}
     # a model compile_ compiled in place is captured through its class's forward
     own_forward = class_forward(model) if in_place is not None else contextlib.nullcontext()
@@ -268,24 +261,21 @@ def export(
         # no backward: nothing to recast in it. Named as the preset, whose tables the
         # islands quote ("in O2's deny table")
         inference = dataclasses.replace(base, recompute_casts=False, name=table_name)
-        start = time.perf_counter()
-        captured = capture_for_policy(
+        captured = capture_and_rewrite(
             model,
             args,
             kwargs,
-            inference,
-            dtype,
-            device_type=request.device_type,
+            AmpRequest(inference, dtype, request.device_type),
+            keep_original=False,  # nothing diffs an export against its capture
             dynamic_shapes=dynamic_shapes,
             code_on_call=True,  # the graph is lifted, never called
             # an inference program has no backward to keep: a Function's forward ops are
             # the program's, each under the policy (and ONNX/AOTI can lower them)
             keep_functions=False,
         )
-        seconds["capture"] = time.perf_counter() - start
         gm = captured.graph_module
-        validate_node_overrides(inference, [n.name for n in gm.graph.nodes])
-        record = rewrite(gm, inference, dtype, request.device_type, keep_original=False)
+        record = gm.meta[COMPILE_META]
+        seconds["capture"] = record.seconds["capture"]
         seconds["passes"] = sum(record.seconds.values()) - record.seconds.get("capture", 0.0)
         start = time.perf_counter()
         islands = _islands(gm, inference)  # the record's, read before the casts become aten's

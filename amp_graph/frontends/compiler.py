@@ -1,11 +1,13 @@
-"""``amp_graph.compile``: capture a model as an FX graph and rewrite it for mixed precision.
+"""``amp_graph.compile`` and ``compile_``: a model captured as an FX graph and rewritten for
+mixed precision, behind the model's own call signature.
 
-Every entry point (``compile``, the ``torch.compile`` backend, ``Graph``) runs the same
-two steps: a capture (:mod:`amp_graph.capture`) that yields an aten-level GraphModule
-with an example value on every placeholder, then :func:`rewrite`, which runs the AMP
-passes on it and records what they did. ``compile`` adds what is specific to it: capture
-at the first call (or at once with ``example_inputs``) and again when the inputs change
-structure, dtype or rank, behind :class:`CompiledModule`.
+The request, the capture and the rewrite are every entry point's
+(:mod:`amp_graph.frontends.front_door`). What is ``compile`` 's own: the capture at the
+first call (or at once with ``example_inputs``) and again when the inputs change structure,
+dtype or rank (:class:`CompiledModule`, over a
+:class:`~amp_graph.frontends.capture_cache.CaptureCache`); ``compile_`` 's forward set on
+the model itself; and reading the graph back (:func:`as_graph_module`,
+:func:`compile_record`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,9 @@ import functools
 import inspect
 import logging
 import re
-import time
 import warnings
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from amp_graph.capture import (
     export_refused,
 )
 from amp_graph.frontends.capture_cache import CaptureCache
-from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
+from amp_graph.frontends.front_door import COMPILE_META, CompileRecord, admit, rewrite
 from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
 from amp_graph.frontends.model_forwards import (
     InplaceForward,
@@ -43,118 +43,13 @@ from amp_graph.frontends.model_forwards import (
     forward_signature,
     graph_forward,
 )
-from amp_graph.frontends.policy_request import (
-    check_request,
-    device_type_of,
-    resolve,
-    validate_module_overrides,
-    validate_node_overrides,
-)
-from amp_graph.ops import recompute_ops
-from amp_graph.ops.recompute_cost import RecomputeCost, measured_cost
-from amp_graph.passes import AMP, Role, inline_regions, run_passes
+from amp_graph.frontends.policy_request import AmpRequest
+from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
-from amp_graph.passes.graph_copy import copy_graph, graph_module_over
 from amp_graph.passes.meta import short
 from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
-
-COMPILE_META = "amp_graph"
-
-
-@dataclass
-class CompileRecord:
-    """What the passes did to one graph, kept on ``graph_module.meta["amp_graph"]``."""
-
-    policy: Policy
-    dtype: torch.dtype
-    device_type: str
-    stats: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    exact: bool = False  # dtypes come from example values (FakeTensor propagation)
-    # the captured graph before the passes, for diffs: a GraphModule, or (graph, root) that
-    # becomes one when first asked for (generating its code costs as much as a pass)
-    _original: Any = field(default=None, repr=False)
-    # what recompute_casts="auto" weighed (None: not asked, or the graph is compiled)
-    recompute_cost: RecomputeCost | None = None
-
-    @property
-    def original(self) -> fx.GraphModule | None:
-        """The graph as captured, before the passes (a GraphModule sharing the model's state)."""
-        if isinstance(self._original, tuple):
-            graph, root = self._original
-            self._original = graph_module_over(root, graph)
-        return self._original
-
-
-def drop_string_annotations(gm: fx.GraphModule) -> None:
-    """Forget annotations that are strings (``from __future__ import annotations``): as
-    globals of the generated code they make the GraphModule unpicklable."""
-    for node in gm.graph.nodes:
-        if isinstance(node.type, str):
-            node.type = None
-
-
-TIMED_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")  # what recompute_cost can time
-_said_untimed: set[str] = set()
-
-
-def _recompute_cost_on(device_type: str) -> RecomputeCost | None:
-    """The measured cost behind recompute_casts="auto", or None (every cast recomputed, as
-    with True) on a device type it cannot time, said once at WARNING."""
-    if device_type in TIMED_DEVICE_TYPES:
-        return measured_cost(device_type)
-    if device_type not in _said_untimed:
-        _said_untimed.add(device_type)
-        log.warning(
-            "amp_graph: recompute_casts='auto' cannot time casts on %s; every cast is "
-            "recomputed, as with recompute_casts=True. Set Policy(recompute_casts=True or "
-            "False) to choose.",
-            device_type,
-        )
-    return None
-
-
-def rewrite(
-    gm: fx.GraphModule,
-    policy: Policy,
-    dtype: torch.dtype,
-    device_type: str,
-    *,
-    check_each_pass: bool = False,
-    seconds: dict[str, float] | None = None,
-    keep_original: bool = True,
-    recompute_hooks: bool = True,
-) -> CompileRecord:
-    """Run the AMP passes on a captured ``gm`` in place and record what they did.
-
-    The one rewrite every entry point runs. ``gm``'s placeholders should carry example
-    values (``meta["val"]``) so that every dtype is exact; ``seconds`` adds the capture's
-    own timings to the record; ``keep_original=False`` keeps no copy of the graph before the
-    passes (``record.original`` None: an export, which no diff reads).
-    ``recompute_hooks``: the graph runs as it is, its recomputed casts through
-    :mod:`amp_graph.ops.recompute_ops` 's saved-tensor hooks, so ``recompute_casts="auto"``
-    weighs their cost, measured on the device (CPU, CUDA, XPU, MPS; False: AOTAutograd compiles
-    the graph, and its partitioner recomputes them at no host cost).
-    """
-    drop_string_annotations(gm)
-    start = time.perf_counter()
-    inlined = inline_regions(gm)  # the captured form the passes and diffs read: blocks flat
-    inlined_seconds = time.perf_counter() - start
-    original = (copy_graph(gm), gm) if keep_original else None
-    cost = None
-    if recompute_hooks and policy.recompute_casts == "auto":
-        cost = _recompute_cost_on(device_type)
-    result = run_passes(gm, policy, dtype, check_each=check_each_pass, recompute_cost=cost)
-    stats = {**inlined.stats, **result.stats}
-    timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
-    exact = bool(result.stats.get("exact_dtypes"))
-    record = CompileRecord(policy, dtype, device_type, stats, timings, exact, original, cost)
-    gm.meta[COMPILE_META] = record
-    if record.stats.get("casts_recomputed"):
-        recompute_ops.install(gm)  # the hooks that keep those casts' sources instead
-    return record
 
 
 def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
@@ -350,12 +245,10 @@ class CompiledModule(nn.Module):
     def _capture_new(self, args: tuple, kwargs: dict, dynamic: bool) -> Captured:
         captured = self._capture_graph(args, kwargs, dynamic)
         gm = captured.graph_module
-        validate_node_overrides(self.policy, [n.name for n in gm.graph.nodes])
+        request = AmpRequest(self.policy, self.dtype, self.device_type)
         record = rewrite(
             gm,
-            self.policy,
-            self.dtype,
-            self.device_type,
+            request,
             check_each_pass=self.check_each_pass,
             seconds={"capture": captured.seconds},
         )
@@ -517,18 +410,15 @@ def compile(
         raise ValueError(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
-    check_request(policy, dtype)
     if not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph is True or False; got {cuda_graph!r}")
-    request = resolve(policy, dtype, device_type_of(model, examples))
-    warn_if_low_matmul_is_slow(request.policy, request.dtype, request.device_type)
+    request = admit(policy, dtype, model, examples)
     if cuda_graph and request.device_type != "cuda":
         raise CudaGraphError(
             f"compile(..., cuda_graph=True): the model is on {request.device_type}, not on a "
             "CUDA device: CUDA graphs capture CUDA work. Move the model to the GPU first, or "
             "leave cuda_graph off."
         )
-    validate_module_overrides(request.policy, [name for name, _ in model.named_modules()])
     compiled = CompiledModule(
         model,
         request.policy,
@@ -629,7 +519,7 @@ def uncompile(model: nn.Module) -> nn.Module:
     return model
 
 
-def _compiled_in_place(model: Any) -> CompiledModule | None:
+def compiled_in_place(model: Any) -> CompiledModule | None:
     """The :class:`CompiledModule` behind a model :func:`compile_` compiled, or None; also
     through wrappers set over its forward with ``functools.wraps`` (accelerate's autocast)."""
     forward = getattr(model, "__dict__", {}).get("forward")  # unwrap(None) is None
@@ -654,14 +544,14 @@ def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
 def unwrap(compiled: Any) -> Any:
     """A :class:`CompiledModule`'s current GraphModule (or that of a model :func:`compile_`
     compiled); anything else as it is."""
-    compiled = _compiled_in_place(compiled) or compiled
+    compiled = compiled_in_place(compiled) or compiled
     return compiled.graph_module if isinstance(compiled, CompiledModule) else compiled
 
 
 def as_graph_module(compiled: Any) -> fx.GraphModule:
     """The rewritten GraphModule behind what ``compile``, ``compile_``, the backend or
     ``Graph`` made."""
-    compiled = _compiled_in_place(compiled) or compiled
+    compiled = compiled_in_place(compiled) or compiled
     if isinstance(compiled, CompiledModule):
         return compiled.graph_module
     if isinstance(compiled, fx.GraphModule) and COMPILE_META in getattr(compiled, "meta", {}):
@@ -686,7 +576,7 @@ __all__ = [
     "compile",
     "compile_",
     "compile_record",
-    "rewrite",
+    "compiled_in_place",
     "uncompile",
     "unwrap",
 ]

@@ -9,10 +9,12 @@ EPYC without AVX512-FP16 float16 ones took 8-54x (BENCHMARKS.md). torch.autocast
 nothing, and the user sees only a slow step.
 
 :func:`low_matmul_speed` times one :data:`PROBE_SIZE`-cubed product in the low dtype and in
-float32, once per process and dtype. :func:`warn_if_low_matmul_is_slow` is called by
-``compile``, the backend and ``Graph`` for a CPU model whose policy computes something low;
-where the low product takes over :data:`SLOWER` times float32's, it warns once, with the
-measured factor and what to do. The plan is kept as asked: the low dtype still halves the
+float32, once per process and dtype. :func:`warn_if_low_matmul_is_slow` is called at every
+entry point whose graph runs in this process (``compile``, the backend, ``Graph``,
+``autopolicy``: :func:`amp_graph.frontends.front_door.admit`) for a CPU model whose policy
+computes something low; where the low product takes over :data:`SLOWER` times float32's, it
+warns once, with the measured factor and what to do, at the user's line (the first frame
+outside amp_graph and torch). The plan is kept as asked: the low dtype still halves the
 bytes. ``amp_graph.export`` does not ask: an exported program runs elsewhere.
 
 >>> low_matmul_speed(torch.float32) is None  # nothing to compare
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 import time
 import warnings
 
@@ -128,7 +132,29 @@ def warn_if_low_matmul_is_slow(policy: Policy, dtype: torch.dtype, device_type: 
     speed = low_matmul_speed(dtype)
     if speed is not None and speed.slow and dtype not in _warned:
         _warned.add(dtype)
-        warnings.warn(slow_low_matmul_message(speed), UserWarning, stacklevel=3)
+        warnings.warn(slow_low_matmul_message(speed), UserWarning, stacklevel=_users_level())
+
+
+def _library_folders() -> tuple[str, ...]:
+    import amp_graph.passes
+
+    folders = (
+        os.path.dirname(os.path.dirname(__file__)),  # amp_graph/
+        os.path.dirname(amp_graph.passes.__file__),  # passes/, installed as amp_graph.passes
+        os.path.dirname(torch.__file__),
+    )
+    return tuple(os.path.join(folder, "") for folder in folders)
+
+
+def _users_level() -> int:
+    """The ``stacklevel`` of the caller's first frame outside amp_graph and torch: the
+    user's line, however deep the entry point called this (1 is the caller of
+    ``warnings.warn``)."""
+    folders = _library_folders()
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(folders):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 _warned: set[torch.dtype] = set()

@@ -6,8 +6,10 @@ hands each graph to a backend together with example inputs. For every graph, thi
 1. attaches an example value to each placeholder (``meta["val"]``: dynamo's own fake
    tensor, else a fake of the example input), so every dtype is proven by FakeTensor
    propagation, exactly as ``amp_graph.compile(..., example_inputs=...)`` does;
-2. runs the same passes as :func:`amp_graph.compile` (:func:`amp_graph.passes.run_passes`);
-3. stores a :class:`~amp_graph.frontends.compiler.CompileRecord` on the graph
+2. runs every entry point's request and rewrite (:mod:`amp_graph.frontends.front_door`),
+   the same passes as :func:`amp_graph.compile`, except that module and node overrides
+   warn instead of raising (a graph is one piece of the model);
+3. stores a :class:`~amp_graph.frontends.front_door.CompileRecord` on the graph
    (``gm.meta["amp_graph"]``), so :func:`amp_graph.report` and :func:`amp_graph.explain`
    work on it, and keeps the graph for :func:`captured_graphs`;
 4. hands a copy of the rewritten graph to the inner backend (inductor by default), which
@@ -43,9 +45,8 @@ import torch.fx as fx
 from amp_graph.capture import capture_graph
 from amp_graph.capture.autograd_functions import AutocastState
 from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
-from amp_graph.frontends.compiler import CompileRecord, rewrite
-from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
-from amp_graph.frontends.policy_request import check_request, device_type_of, resolve
+from amp_graph.frontends.front_door import CompileRecord, admit, rewrite
+from amp_graph.frontends.policy_request import AmpRequest, check_request
 from amp_graph.frontends.traced_dtypes import (
     autocast_off,
     baked_dtype_nodes,
@@ -119,9 +120,9 @@ class AmpGraphBackend:
         inductor (as config patches) and are refused for other inner backends.
         """
         start = time.perf_counter()
-        request = resolve(self.policy, self.dtype, device_type_of(gm, example_inputs))
+        # module paths: dynamo hands the model over graph by graph (_check_overrides warns)
+        request = admit(self.policy, self.dtype, gm, example_inputs, where=None)
         policy, dtype, device_type = request.policy, request.dtype, request.device_type
-        warn_if_low_matmul_is_slow(policy, dtype, device_type)
         # Called under torch.autocast, dynamo traced the dtypes autocast gives: the retrace
         # runs as dynamo traced (ops recorded before autocast's casts); the policy alone
         # decides inside the graph, so autocast is off while it is rewritten, compiled, run.
@@ -149,16 +150,15 @@ class AmpGraphBackend:
         aten_gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         inner_kwargs: dict[str, Any],
-        request: Any,
+        request: AmpRequest,
         start: float,
     ) -> Callable:
-        policy, dtype, device_type = request.policy, request.dtype, request.device_type
+        policy = request.policy
         missing = attach_example_values(aten_gm, example_inputs)
         record = rewrite(
             aten_gm,
-            policy,
-            dtype,
-            device_type,
+            request,
+            check_nodes=False,  # one graph of the model: _check_overrides warns
             check_each_pass=self.check_each_pass,
             seconds={"capture": time.perf_counter() - start},
             # only the eager inner backend runs the graph as it is (AOTAutograd's

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from amp_graph.capture import capture_autocast
-from amp_graph.frontends.policy_request import device_type_of, resolve
+from amp_graph.frontends.front_door import admit
 from amp_graph.passes.meta import short
 from amp_graph.policy import Policy
 
@@ -85,8 +85,11 @@ class InplaceForward(SignedForward):
         does; a WARNING, once, where the policy means more than torch.autocast's lists."""
         model = self.compiled.model
         if self._decode_autocast is None:
-            device_type = device_type_of(model, (args, kwargs))
-            request = resolve(self.compiled.policy, self.compiled.dtype, device_type)
+            # overrides were matched when the model was compiled
+            request = admit(
+                self.compiled.policy, self.compiled.dtype, model, (args, kwargs), where=None
+            )
+            device_type = request.device_type
             low = None if request.policy.casts_nothing else request.dtype
             self._decode_autocast = (device_type, low)
             # torch.autocast's own tables and nothing more: decoding under it is exact

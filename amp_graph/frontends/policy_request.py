@@ -1,20 +1,20 @@
-"""One policy front: what every entry point does with the user's policy, dtype and model.
+"""What a request means: the user's policy, dtype and model, checked and resolved.
 
-``amp_graph.compile``, the ``torch.compile`` backend and ``amp_graph.Graph`` take the same
-request (a policy, a low dtype, a model) and must mean the same thing by it. This module is
-the only place that decides what it means:
+These are the pieces; :func:`amp_graph.frontends.front_door.admit` runs them, in one order,
+for every entry point (``compile``, ``compile_``, the backend, ``Graph``, ``export``,
+``autopolicy``):
 
-* :func:`check_request`: the checks that need no model, run where the user states the request
-  (``compile(...)``, ``backend(...)``, ``graph.config.enable_amp(...)``), so a bad preset
-  name, dtype or fp8 dtype fails at that line;
-* :func:`device_type_of`: the device a model computes on, one rule for all three;
+* :func:`check_request`: the checks that need no model, also run where the user states the
+  request (``backend(...)``, ``graph.config.enable_amp(...)``), so a bad preset name, dtype
+  or fp8 dtype fails at that line;
+* :func:`device_type_of`: the device a model computes on, one rule for all;
 * :func:`resolve`: policy object, low dtype and device type (:class:`AmpRequest`), with fp8's
-  device check;
+  device check and the CPU's missing low-precision kernels;
 * :func:`validate_module_overrides` and :func:`validate_node_overrides`: module paths and node
-  names that match nothing raise ``ValueError`` naming the nearest, at every entry point. The
-  paths are those of the module the entry point captures: the model's own
-  ``named_modules()`` for ``compile``, the Graph's (``model.head`` for ``self.model``) for
-  ``Graph``; the backend only warns (dynamo may split a model over graphs).
+  names that match nothing raise ``ValueError`` naming the nearest. The paths are those of
+  the module the entry point captures: the model's own ``named_modules()`` for ``compile``,
+  the Graph's (``model.head`` for ``self.model``) for ``Graph``; the backend only warns
+  (dynamo may split a model over graphs).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from amp_graph.frontends.compiler import COMPILE_META, unwrap
+from amp_graph.frontends.compiler import unwrap
+from amp_graph.frontends.front_door import COMPILE_META
 
 from .modules import module_types
 from .render import render

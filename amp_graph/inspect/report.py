@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 
 from amp_graph.capture.fsdp_units import FSDP_MIXED_PRECISION
-from amp_graph.frontends.compiler import CompileRecord, compile_record, unwrap
+from amp_graph.frontends.compiler import compile_record, unwrap
+from amp_graph.frontends.front_door import CompileRecord
 from amp_graph.monitoring.selection import is_default, is_quantization
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.passes.recompute_casts import copy_dtype

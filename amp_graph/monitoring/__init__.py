@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from amp_graph.frontends.compiler import CompiledModule, _compiled_in_place
+from amp_graph.frontends.compiler import CompiledModule, compiled_in_place
 
 from .core import CSV_NAME, JSONL_NAME, Monitor
 from .history import History
@@ -91,7 +91,7 @@ def monitor(
             ``scaler.step`` steps, and its LR scheduler: their state before the skipped step
             goes into the bundle.
     """
-    compiled = _compiled_in_place(target) or target
+    compiled = compiled_in_place(target) or target
     is_compiled = isinstance(compiled, CompiledModule)
     if is_compiled and repro_dir is not None:
         _check_compiled_repro(scaler, optimizer, scheduler)

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from amp_graph.ops.tensor_stats import STAT_GROUPS, STATS, StatsSink
 from amp_graph.passes.graph_copy import copy_graph_module
-from amp_graph.passes.instrument import Probe, _region_graphs, computed_order, instrument
+from amp_graph.passes.instrument import Probe, computed_order, instrument, region_graphs
 from amp_graph.passes.meta import model_root
 from amp_graph.policy import nearest
 
@@ -247,7 +247,7 @@ class Monitor:
 
     def _validate(self, gm: fx.GraphModule) -> None:
         names = [n.name for n in gm.graph.nodes]
-        for region in _region_graphs(gm):
+        for region in region_graphs(gm):
             names += [n.name for n in getattr(gm, region).graph.nodes]
         paths = [path for path, _ in model_root(gm).named_modules()]
         self.selection.validate(paths, names)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amp_graph.frontends.compiler import COMPILE_META
+from amp_graph.frontends.front_door import COMPILE_META
 from amp_graph.policy.policy_data import PolicyNotData, policy_as_data
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.frontends.compiler import COMPILE_META
+from amp_graph.frontends.front_door import COMPILE_META
 
 from .repro import (
     META_FILE,

@@ -49,20 +49,12 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture import Captured, capture_for_policy
+from amp_graph.capture import Captured
 from amp_graph.capture.fsdp_units import fsdp_units
 from amp_graph.frontends.capture_cache import CaptureCache
-from amp_graph.frontends.compiler import COMPILE_META, rewrite
-from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
-from amp_graph.frontends.policy_request import (
-    check_request,
-    device_type_of,
-    resolve,
-    validate_module_overrides,
-    validate_node_overrides,
-)
+from amp_graph.frontends.front_door import COMPILE_META, admit, capture_and_rewrite
+from amp_graph.frontends.policy_request import check_request
 from amp_graph.monitoring.core import Monitor
-from amp_graph.ops import recompute_ops
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.policy import Policy, nearest
 from amp_graph.scaler import GradScaler, NonFiniteGuard
@@ -516,41 +508,30 @@ class Graph:
             root.add_module(name, module)
         return root
 
-    def _policy(self, root: _Root, device: str) -> tuple[Policy, torch.dtype]:
-        policy = self.config.policy if self.config.amp else "O0"
-        request = resolve(policy, self.config.dtype, device)
-        warn_if_low_matmul_is_slow(request.policy, request.dtype, device)
-        validate_module_overrides(
-            request.policy, [name for name, _ in root.named_modules()], where="graph"
-        )
-        return request.policy, request.dtype
-
     def _capture(self, root: _Root, args: tuple, dynamic: bool) -> Captured:
         params = list(inspect.signature(self.build).parameters)
         if len(params) != len(args):
             raise TypeError(
                 f"build takes {len(params)} inputs; the graph was called with {len(args)}"
             )
-        device = device_type_of(root, args)
-        policy, dtype = self._policy(root, device)
-        if policy.master_weights and self.training and self._master is None:
-            _refuse_masters_of_sharded(root, policy)
-            self._master = MasterWeights.create(self._modules, self._optimizers, dtype)
+        policy = self.config.policy if self.config.amp else "O0"
+        request = admit(policy, self.config.dtype, root, args, where="graph")
+        if request.policy.master_weights and self.training and self._master is None:
+            _refuse_masters_of_sharded(root, request.policy)
+            self._master = MasterWeights.create(self._modules, self._optimizers, request.dtype)
         # The graph reads the Graph's modules as its own attributes (self.model.fc.weight),
         # unless a module's name would shadow a GraphModule attribute (then self.root.model).
         names = set(dict(root.named_children()))
         attr = "root" if names & set(dir(fx.GraphModule)) else None
-        captured = capture_for_policy(
-            root, args, {}, policy, dtype, device_type=device, dynamic=dynamic, model_attr=attr
-        )
-        validate_node_overrides(policy, [n.name for n in captured.graph_module.graph.nodes])
-        rewrite(
-            captured.graph_module,
-            policy,
-            dtype,
-            device,
-            seconds={"capture": captured.seconds},
-            recompute_hooks=not self.config.compile,  # compiled: its partitioner recomputes
+        captured = capture_and_rewrite(
+            root,
+            args,
+            {},
+            request,
+            dynamic=dynamic,
+            model_attr=attr,
+            # compiled: AOTAutograd's partitioner decides what backward keeps, no hooks
+            recompute_hooks=not self.config.compile,
         )
         if self._master is not None:
             # a parameter read only in float32 gains nothing stored low, and is rounded
@@ -619,7 +600,6 @@ class Graph:
         self._start_replayer(build, scaler)
         step = build_step_graph(step_root, build, plan)
         if self.config.compile:
-            recompute_ops.uninstall(build)  # AOTAutograd's partitioner decides what is kept
             step.build = torch.compile(build, **self.config.compile_options)
         return step
 
