@@ -21,7 +21,8 @@ from amp_graph.monitoring import History, Monitor, monitor
 from amp_graph.policy import KEEP_FP32, PRESETS, Policy, Rule
 from amp_graph.scaler import GradScaler, StaticGradScaler
 from amp_graph.training.fsdp_plan import FSDPPlan, plan_fsdp
-from amp_graph.training.nn_graph import Graph, GraphConfig
+from amp_graph.training.graph_config import GraphConfig
+from amp_graph.training.nn_graph import Graph
 
 __version__ = "0.1.0"
 

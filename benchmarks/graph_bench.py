@@ -268,8 +268,10 @@ def gemm_split(step: Callable, inputs: tuple, steps: int = 10) -> tuple[float, f
 
 def param_grad_bytes(model: torch.nn.Module, graph: Graph | None) -> int:
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-    if graph is not None and graph._master is not None:
-        tensors += [t for _, _, m in graph._master.pairs for t in (m, m.grad) if t is not None]
+    if graph is not None and graph._builder.master is not None:
+        tensors += [
+            t for _, _, m in graph._builder.master.pairs for t in (m, m.grad) if t is not None
+        ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -289,7 +289,7 @@ def test_replayed_steps_equal_uncaptured_ones_bit_for_bit() -> None:
     assert _same(list(model.parameters()), list(ref_model.parameters()))
     assert torch.equal(opt.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"])
     assert graph.skipped_steps == ref.skipped_steps == 1
-    events = graph._replayer.device.events
+    events = graph._builder.replayer.device.events
     # per signature: 2 warm-ups, a capture, then a replay per call (the capture's included);
     # 8 rows: calls 0-5 and 11-13; 16 rows: calls 6-10; the last smaller batch: a warm-up
     assert [e for e in events if e != "check"] == (
@@ -298,7 +298,7 @@ def test_replayed_steps_equal_uncaptured_ones_bit_for_bit() -> None:
         + ["replay"] * 3  # 8 rows again: no new capture
         + ["warmup"]  # 5 rows
     )  # fmt: skip
-    assert graph._replayer.captures == 2 and graph._replayer.replays == 10
+    assert graph._builder.replayer.captures == 2 and graph._builder.replayer.replays == 10
     step = graph.step_graph.code
     assert "zero_grad_in_place" in step and "lr_step" not in step
 
@@ -320,7 +320,7 @@ def test_graphs_are_bounded_and_each_capture_logs_a_line(caplog: pytest.LogCaptu
     # 8, 16, 12 captured; 12 evicts 8, which must warm up and be captured again
     assert len(captured) == 4 and len(dropped) == 2
     assert "input sizes [(16, 16), (16,)]" in captured[1]
-    assert graph._replayer.graphs == 2
+    assert graph._builder.replayer.graphs == 2
     _, ref_model, _, ref_losses = _run(Step, "cpu", rows, set(), captured=False)
     assert _same(losses, ref_losses)
     assert _same(list(model.parameters()), list(ref_model.parameters()))
@@ -345,10 +345,10 @@ def test_a_smaller_batch_is_padded_to_a_captured_graph_when_asked() -> None:
     graph, model, _, out = _run(
         LogitsStep, "cpu", rows, set(), warmup_steps=1, pad_batches=(0, -100)
     )
-    events = [e for e in graph._replayer.device.events if e != "check"]
+    events = [e for e in graph._builder.replayer.device.events if e != "check"]
     # 5 and 3 rows replay the 8-row graph, padded; 12 rows (more) warm up as a batch of its own
     assert events == ["warmup", "capture"] + ["replay"] * 6 + ["warmup"]
-    assert graph._replayer.captures == 1
+    assert graph._builder.replayer.captures == 1
     assert [tuple(logits.shape) for _, logits in out] == [(n, 4) for n in rows]
     # the padded rows counted for nothing: the same losses and weights as unpadded steps
     # (close, not bit-equal: products over 8 rows instead of 5 may round in another order)
@@ -358,7 +358,7 @@ def test_a_smaller_batch_is_padded_to_a_captured_graph_when_asked() -> None:
 
 def test_without_pad_batches_a_smaller_batch_runs_eagerly() -> None:
     graph, *_ = _run(RerunStep, "cpu", [8] * 3 + [5], set(), warmup_steps=1)
-    assert [e for e in graph._replayer.device.events if e != "check"][-1] == "warmup"
+    assert [e for e in graph._builder.replayer.device.events if e != "check"][-1] == "warmup"
 
 
 @pytest.mark.parametrize(
@@ -435,13 +435,13 @@ def test_a_monitors_logging_steps_are_a_captured_graph_of_their_own() -> None:
     assert _same(got, ref)
     assert rows == ref_rows and len(rows) > 0  # every statistic of every logging step
     assert any(r["nonfinite"] for r in rows if r["step"] == 9)  # the overflowing step's
-    events = [e for e in graph._replayer.device.events if e != "check"]
+    events = [e for e in graph._builder.replayer.device.events if e != "check"]
     # logging steps 0, 3, 6, 9 (9 overflows) run the monitor's graph, the others the step
     # graph; each warms up once, is captured at its second call, then replayed
     log0, step12 = ["warmup"], ["warmup", "capture", "replay"]
     log3, replays = ["capture", "replay"], ["replay"] * 2
     assert events == log0 + step12 + log3 + replays + ["replay"] + replays + ["replay"] + replays
-    assert graph._replayer.captures == 2
+    assert graph._builder.replayer.captures == 2
     assert graph.config.monitor.history.steps == [0, 3, 6, 9]
     # the captured logging graph writes into one buffer, copied out to each step's own
     (made,) = graph.config.monitor._instrumented.values()
@@ -458,7 +458,10 @@ def test_loading_a_state_dict_releases_the_graphs_memory_pool() -> None:
     for _ in range(3):
         graph(*batch(gen, 8))
     graph.load_state_dict(graph.state_dict())
-    assert graph._replayer.device.events[-1] == "release" and graph._replayer.graphs == 0
+    assert (
+        graph._builder.replayer.device.events[-1] == "release"
+        and graph._builder.replayer.graphs == 0
+    )
 
 
 class Overflowing(RerunStep):
@@ -478,7 +481,9 @@ def test_a_repro_bundle_of_a_replayed_skipped_step_replays_bit_for_bit(tmp_path)
     gen = torch.Generator().manual_seed(6)
     for i in range(7):
         graph(*batch(gen, 8, inf=i == 5))  # step 5 is replayed, and skipped
-    assert graph._replayer.replays == 5 and graph.skipped_steps == 1  # step 0 logs, 1 warms up
+    assert (
+        graph._builder.replayer.replays == 5 and graph.skipped_steps == 1
+    )  # step 0 logs, 1 warms up
     assert monitor.repro_path == tmp_path / "step_5"
     result = amp_graph.replay(monitor.repro_path, Overflowing(captured=False))
     assert result.skipped and result.reproduced, result.mismatches
@@ -523,7 +528,9 @@ def test_captured_steps_equal_uncaptured_ones_on_the_gpu(policy: str, dtype: tor
     ref = _cuda_run(False, policy, dtype, ROWS)
     assert _same(got[1:], ref[1:])
     graph = got[0]
-    assert graph._replayer.captures == 2 and graph.skipped_steps == ref[0].skipped_steps == 2
+    assert (
+        graph._builder.replayer.captures == 2 and graph.skipped_steps == ref[0].skipped_steps == 2
+    )
 
 
 class Featured(Step):
@@ -559,8 +566,8 @@ def test_dropout_accumulation_and_monitor_steps_replay_bit_for_bit(feature: str)
     graph = got[0]
     # the monitor's logging steps (0, 4, 8: two warm-ups, then captured) are a graph of
     # their own, and their statistics equal the uncaptured steps'
-    assert graph._replayer.captures == (2 if feature == "monitor" else 1)
-    assert graph._replayer.replays > 0
+    assert graph._builder.replayer.captures == (2 if feature == "monitor" else 1)
+    assert graph._builder.replayer.replays > 0
     if feature == "monitor":
         rows = graph.config.monitor.history.rows
         assert rows == ref[0].config.monitor.history.rows
@@ -579,7 +586,7 @@ def test_a_padded_last_batch_replays_the_captured_graph_on_the_gpu() -> None:
 
     graph, got = run(warmup_steps=2, pad_batches=(0.0, -100))
     _, ref = run(captured=False)
-    assert graph._replayer.captures == 1 and graph._replayer.replays == 6
+    assert graph._builder.replayer.captures == 1 and graph._builder.replayer.replays == 6
     torch.testing.assert_close(got, ref)
 
 
@@ -610,6 +617,6 @@ def test_replays_make_no_host_synchronization(monitored: bool) -> None:
             graph(x, y)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert graph._replayer.replays == (6 if monitored else 8)
+    assert graph._builder.replayer.replays == (6 if monitored else 8)
     if monitored:
         assert graph.config.monitor.history.steps == [0, 2, 4, 6, 8]

@@ -43,12 +43,12 @@ FRONT_DOOR = "amp_graph/frontends/front_door.py"
 # fails at that line: backend(...) and config.enable_amp(...)
 STATED_AT = {
     ("amp_graph/frontends/dynamo_backend.py", "backend"),
-    ("amp_graph/training/nn_graph.py", "enable_amp"),
+    ("amp_graph/training/graph_config.py", "enable_amp"),
 }
 ENTRY_POINTS = {
     ("amp_graph/frontends/compiler.py", "compile"),
     ("amp_graph/frontends/dynamo_backend.py", "__call__"),
-    ("amp_graph/training/nn_graph.py", "_capture"),
+    ("amp_graph/training/step_builder.py", "_capture"),
     ("amp_graph/deploy/program.py", "export"),
     ("amp_graph/accuracy/autopolicy_search.py", "autopolicy"),
 }
@@ -207,3 +207,19 @@ def test_node_overrides_are_matched_unless_the_graph_is_one_piece() -> None:
     gm, request = _recomputing_graph(misspelled)
     record = front_door.rewrite(gm, request, check_nodes=False)  # the backend's graphs
     assert "adddmm" in record.policy.nodes
+
+
+def test_graph_is_a_facade_over_its_step_builder() -> None:
+    """Graph is what users read (registration, config, build, calling, state): at most 300
+    lines, and no capture of its own: the step builder goes through the front door."""
+    source = (ROOT / "amp_graph/training/nn_graph.py").read_text()
+    tree = ast.parse(source)
+    (graph,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Graph"]
+    assert graph.end_lineno - graph.lineno + 1 <= 300
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not {m for m in imported if m.startswith(("amp_graph.capture", "amp_graph.frontends"))}
+    methods = {n.name for n in graph.body if isinstance(n, ast.FunctionDef)}
+    assert {"add_optimizer", "set_grad_scaler", "build", "__call__", "state_dict"} <= methods
+    assert not methods & {"_capture", "_root", "_step_graph", "_start_replayer"}

@@ -248,7 +248,7 @@ def test_o2_stores_low_precision_params_with_fp32_masters_in_sync():
     g = GPTGraph()
     idx = torch.randint(0, 64, (2, 16))
     g(idx, idx)
-    master = g._master
+    master = g._builder.master
     assert master is not None and master.pairs
     for name, low, fp32 in master.pairs:
         assert low.dtype == BF16 and fp32.dtype == torch.float32
@@ -352,9 +352,9 @@ def test_changed_input_structure_retraces():
     g(torch.randn(4, 64))
     g(torch.randn(7, 64))  # new sizes: one capture with symbolic sizes, for all sizes
     g(torch.randn(9, 64))
-    assert len(g._cache.captures) == 2
+    assert len(g._builder.cache.captures) == 2
     g(torch.randn(4, 64, dtype=torch.float64).float().half())
-    assert len(g._cache.captures) == 3
+    assert len(g._builder.cache.captures) == 3
 
 
 def test_bad_input_errors():

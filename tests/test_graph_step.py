@@ -263,7 +263,7 @@ def test_o2_accumulates_micro_batch_gradients_in_float32(grad_dtype, monkeypatch
         for total, low, p in zip(fp32_sums, bf16_sums, reference.parameters(), strict=True):
             total += p.grad.float()
             low += p.grad
-    masters = [master for _, _, master in g._master.pairs]
+    masters = [master for _, _, master in g._builder.master.pairs]
     assert all(m.grad.dtype == torch.float32 for m in masters)
     for master, total in zip(masters, fp32_sums, strict=True):
         assert torch.equal(master.grad, total)

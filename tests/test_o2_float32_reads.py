@@ -57,7 +57,7 @@ def test_parameters_read_only_in_float32_stay_float32_and_graph_matches_compile(
     assert torch.equal(out, reference)
     assert model.logit_scale.dtype == torch.float32 and model.A_log.dtype == torch.float32
     assert model.proj.weight.dtype == BF16 and model.head.weight.dtype == BF16
-    low = {name for name, _, _ in graph._master.pairs}
+    low = {name for name, _, _ in graph._builder.master.pairs}
     assert low == {"model.proj.weight", "model.proj.bias", "model.head.weight", "model.head.bias"}
     # the optimizer steps them themselves, with state of their own
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -372,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
 def parameter_bytes(model: nn.Module, graph: amp_graph.Graph | None) -> int:
     """Bytes of the parameters and gradients after a step, plus O2's float32 masters and theirs."""
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-    if graph is not None and graph._master is not None:
-        tensors += [t for _, _, m in graph._master.pairs for t in (m, m.grad) if t is not None]
+    if graph is not None and graph._builder.master is not None:
+        tensors += [
+            t for _, _, m in graph._builder.master.pairs for t in (m, m.grad) if t is not None
+        ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -14,6 +14,7 @@ writes them and re-derives the low-precision copies, so the two never drift apar
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -106,6 +107,29 @@ class MasterWeights:
         return self._by_model.get(id(param))
 
     @torch.no_grad()
+    def module_state(self, module: nn.Module) -> dict[str, Any]:
+        """``module.state_dict()`` with each low copy's entry replaced by its float32 master:
+        a checkpoint holds the masters, not their rounding."""
+        state = module.state_dict()
+        for key in list(state):
+            master = self.master_of(operator.attrgetter(key)(module))
+            if master is not None:
+                state[key] = master.detach()
+        return state
+
+    def load_module_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        """Undo :meth:`module_state`: each master takes its saved float32 value, its low copy
+        that value rounded, the rest loads as ``module.load_state_dict`` does."""
+        state = dict(state)
+        for key, value in list(state.items()):
+            param = operator.attrgetter(key)(module)
+            master = self.master_of(param)
+            if master is not None:
+                with torch.no_grad():
+                    master.copy_(value)
+                state[key] = value.to(param.dtype)
+        module.load_state_dict(state)
+
     def grads_to_master(self) -> None:
         """Hand the float32 gradients accumulated on the model's parameters to the masters."""
         for _, model, master in self.pairs:
