@@ -57,7 +57,7 @@ def call_alone(setup: graph_bench.Setup, repeats: int) -> tuple[float, float, bo
 
 def without_fused_step(graph: graph_bench.StepGraph) -> graph_bench.StepGraph:
     """The Graph as it was before FusedStep: its step nodes call optimizer.step()."""
-    build_step = graph._step_graph
+    build_step = graph._builder._step_graph
 
     def torch_steps(captured: object) -> torch.fx.GraphModule:
         step = build_step(captured)
@@ -66,7 +66,7 @@ def without_fused_step(graph: graph_bench.StepGraph) -> graph_bench.StepGraph:
                 setattr(step, name, None)
         return step
 
-    graph._step_graph = torch_steps
+    graph._builder._step_graph = torch_steps
     return graph
 
 

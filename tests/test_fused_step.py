@@ -246,14 +246,14 @@ def _graph(model, fused_steps: bool, dtype: torch.dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     g = TrainGraph(model, opt, dtype=dtype, scaler=scaler)
     if not fused_steps:
-        build_step = g._step_graph
+        build_step = g._builder._step_graph
 
         def torch_steps(captured):
             step = build_step(captured)
             step.fused_step_0 = None  # the step node then calls optimizer.step()
             return step
 
-        g._step_graph = torch_steps
+        g._builder._step_graph = torch_steps
     return g
 
 
