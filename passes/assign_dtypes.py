@@ -48,6 +48,7 @@ from .meta import (
     AMP,
     CAPTURE_PLAN,
     FSDP_GATHERED_DTYPE,
+    LOW_PRECISION,
     NOT_TENSOR,
     UNKNOWN,
     VAL,
@@ -414,7 +415,7 @@ def assign_dtypes(
     >>> [n.meta["amp"].compute_dtype for n in gm.graph.nodes if n.name == "softmax"]
     [torch.float32]
     """
-    if low_dtype not in (torch.float16, torch.bfloat16):
+    if low_dtype not in LOW_PRECISION:
         raise ValueError(f"low_dtype is torch.float16 or torch.bfloat16, not {low_dtype}")
     _Planner(gm, low_dtype, cast_inputs).plan_graph()
     exact = all(n.meta[AMP].exact for n in gm.graph.nodes if n.op == "placeholder")

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .meta import AMP, Role
+from .meta import AMP, LOW_PRECISION, Role
 from .result import PassResult
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _replaced(value: Any, low: torch.dtype) -> Any:
@@ -45,7 +44,7 @@ def low_extremes(gm: fx.GraphModule) -> PassResult:
         if node.op != "call_function" or amp is None or amp.role is not Role.OP:
             continue
         low = amp.out_dtype
-        if low not in _LOW:
+        if low not in LOW_PRECISION:
             continue
         args = tuple(_replaced(a, low) for a in node.args)
         kwargs = {k: _replaced(v, low) for k, v in node.kwargs.items()}

@@ -114,8 +114,10 @@ NOT_TENSOR: Any = Marker("NOT_TENSOR")
 
 DtypeFact = Any  # torch.dtype | UNKNOWN | NOT_TENSOR | tuple/list of DtypeFact
 
+# The one definition of the low-precision pair and of what amp_graph casts between: the
+# capture, the passes and the front door all read these.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+CASTABLE = (*LOW_PRECISION, torch.float32)
 """torch.autocast casts floating tensors except float64; integers and bools never."""
 
 

@@ -6,7 +6,8 @@ runs it before it keeps the graph as captured), not a pass of the list.
 Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes -> low_extremes
 -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
 -> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
-With ``check_each=True`` (the tests use it) the verifier also runs after each pass up to
+With ``check_each_pass=True`` (the tests use it; ``compile``, the backend and ``Graph``
+take the same flag) the verifier also runs after each pass up to
 simplify_casts, so a pass that breaks an invariant is caught where it happens; the passes
 after it change what the verifier checks (an absorbed cast's op takes its input narrow,
 checkpoints move into submodules), and the graph is linted after each of them.
@@ -61,11 +62,11 @@ class PipelineResult:
 def amp_passes(
     policy: Policy,
     low_dtype: torch.dtype,
-    full_verify: bool = False,
+    check_each_pass: bool = False,
     recompute_cost: RecomputeCost | None = None,
 ) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
     """The pass list, bound to a policy and a dtype. The final verify always lints and checks
-    that every planned input has its planned dtype; ``full_verify`` also re-propagates every
+    that every planned input has its planned dtype; ``check_each_pass`` also re-propagates every
     dtype through the rewritten graph (as costly again as assign_dtypes: the tests use it).
     ``recompute_cost``: what recomputing a cast costs where the graph runs, for
     ``Policy(recompute_casts="auto")`` (None: nothing, as where AOTAutograd compiles it)."""
@@ -79,7 +80,7 @@ def amp_passes(
     passes.append(("low_extremes", low_extremes))
     passes.append(("insert_casts", insert_casts))
     passes.append(("simplify_casts", simplify_casts))
-    passes.append(("verify", lambda gm: verify(gm, propagate=full_verify)))
+    passes.append(("verify", lambda gm: verify(gm, propagate=check_each_pass)))
     # after verify, which checks each op's inputs against the plan: an absorbed cast's op
     # receives its input narrow, and widens it itself
     passes.append(("absorb_casts", absorb_casts))
@@ -141,7 +142,7 @@ def run_passes(
     policy: Policy,
     low_dtype: torch.dtype,
     *,
-    check_each: bool = False,
+    check_each_pass: bool = False,
     recompute_cost: RecomputeCost | None = None,
 ) -> PipelineResult:
     """Run the AMP passes on ``gm`` (captured and flat, :func:`require_captured_graph`) in
@@ -149,7 +150,7 @@ def run_passes(
     require_captured_graph(gm)
     result = PipelineResult(gm)
     ran: list[str] = []
-    for name, run in amp_passes(policy, low_dtype, check_each, recompute_cost):
+    for name, run in amp_passes(policy, low_dtype, check_each_pass, recompute_cost):
         start = time.perf_counter()
         try:
             out = run(gm)
@@ -162,10 +163,10 @@ def run_passes(
                 "outline_checkpoints",
                 "recompute_casts",
             )
-            if check_each and name not in skip:
+            if check_each_pass and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)
-            elif check_each:
+            elif check_each_pass:
                 # these passes change what verify checks (an absorbed cast's op takes its
                 # input narrow; outlined checkpoints move nodes): the graph is linted, and
                 # the rewrite's own verify ran after simplify_casts

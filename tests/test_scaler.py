@@ -372,7 +372,7 @@ def test_synchronizations_per_iteration(make_optimizer, syncs_per_step: int) -> 
     overflowing ones included.
 
     The one extra read per streak of skips is the warning naming the non-finite gradients.
-    Exempt: reads of ``scaler._monitor._status_host``, the host mirror of the counters behind the
+    Exempt: reads of ``scaler._skips._status_host``, the host mirror of the counters behind the
     consecutive-skip warning. On CUDA it is pinned memory filled by a non-blocking copy and read
     only after ``event.query()`` says the copy landed, so it never waits (the CUDA test below
     checks that with ``torch.cuda.set_sync_debug_mode``); on CPU it is a plain host read.
@@ -382,7 +382,7 @@ def test_synchronizations_per_iteration(make_optimizer, syncs_per_step: int) -> 
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2, warn_after_skipped_steps=2)
     data = make_data(6)
     for i, (x, y) in enumerate(data):
-        with SyncCounter(ignore=lambda t: t is scaler._monitor._status_host) as counter:
+        with SyncCounter(ignore=lambda t: t is scaler._skips._status_host) as counter:
             _iteration(model, opt, scaler, x, y, poison=i in (1, 2, 3))
         # Iteration 2 completes a streak of 2 skips: the warning reads the grads to name them.
         warning = ["tolist"] if i == 2 else []

@@ -43,10 +43,10 @@ from amp_graph.capture.autograd_functions import FunctionCall
 from amp_graph.frontends.compiler import CompiledModule
 from amp_graph.frontends.front_door import COMPILE_META, CompileRecord
 from amp_graph.ops.recompute_ops import recomputed_cast, recomputed_quantize
-from amp_graph.passes.meta import AMP, FLOAT8
+from amp_graph.passes.meta import AMP, FLOAT8, LOW_PRECISION
 from amp_graph.passes.schema import written_storage
 
-LOW_FLOATS = frozenset({torch.float16, torch.bfloat16}) | FLOAT8
+LOW_FLOATS = frozenset(LOW_PRECISION) | FLOAT8
 
 
 @functools.cache

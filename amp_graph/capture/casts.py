@@ -26,10 +26,9 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from amp_graph.passes.meta import CASTABLE, LOW_PRECISION
 from amp_graph.policy import Policy
 
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
-_LOW = (torch.float16, torch.bfloat16)
 
 # `x.dtype` reaches a torch-function mode as this descriptor's __get__ (a new bound
 # method-wrapper on each access: compare the descriptor)
@@ -119,13 +118,13 @@ class CompositePromoteMode(TorchFunctionMode):
             dtype = func(*args, **kwargs)
             if self.planned_dtype is not None and args and isinstance(args[0], torch.Tensor):
                 dtype = self.planned_dtype(args[0])
-            if dtype in _LOW:
+            if dtype in LOW_PRECISION:
                 self.dtype_reads.update(n.name for n in traced_nodes(list(args), self.tracer))
             return dtype
         if _composite_promote(func, self.policy):
             leaves, spec = pytree.tree_flatten((args, kwargs))
             floating = {
-                v.dtype for v in leaves if isinstance(v, torch.Tensor) and v.dtype in _CASTABLE
+                v.dtype for v in leaves if isinstance(v, torch.Tensor) and v.dtype in CASTABLE
             }
             if len(floating) > 1:
                 wide = promoted(sorted(floating, key=str))
@@ -319,7 +318,7 @@ def mark_named(gm: fx.GraphModule, names: set[str], key: str) -> None:
 
 
 def promoted(dtypes: list[torch.dtype]) -> torch.dtype | None:
-    floating = [d for d in dtypes if d in _CASTABLE]
+    floating = [d for d in dtypes if d in CASTABLE]
     if not floating:
         return None
     out = floating[0]

@@ -57,6 +57,7 @@ from amp_graph.passes.classify import classify_node
 from amp_graph.passes.float32_islands import Float32Islands, effective_rule, track_islands
 from amp_graph.passes.meta import (
     CAPTURE_PLAN,
+    CASTABLE,
     CHECKPOINT_REGION,
     NOT_TENSOR,
     UNKNOWN,
@@ -70,8 +71,6 @@ from amp_graph.policy import OpFacts, Policy, Rule, python_ops
 
 log = logging.getLogger(__name__)
 
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
-_LOW = (torch.float16, torch.bfloat16)
 # Not recorded for reuse: under the capture's casts, torch 2.11's CPU kernels for these give
 # LSTM's h and c an extra dimension in bf16 (2.13's do not); a fake run of the op is right.
 _RECURRENT = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
@@ -215,7 +214,7 @@ class PolicyDtypeMode(TorchDispatchMode):
         while traced. A value the tracer does not hold (a constant), or one the plan does
         not know, keeps its own."""
         nodes = traced_nodes([value], self.tracer)
-        if len(nodes) != 1 or value.dtype not in _CASTABLE:
+        if len(nodes) != 1 or value.dtype not in CASTABLE:
             return value.dtype
         (node,) = nodes
         if node not in self.planned:
@@ -477,8 +476,8 @@ def _casts(
         i
         for i, dtype in targets.items()
         if isinstance(dtype, torch.dtype)
-        and dtype in _CASTABLE
-        and leaves[i].dtype in _CASTABLE
+        and dtype in CASTABLE
+        and leaves[i].dtype in CASTABLE
         and leaves[i].dtype != dtype
         and i not in written
     ]

@@ -543,14 +543,15 @@ def _check_fits_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def unwrap(compiled: Any) -> Any:
     """A :class:`CompiledModule`'s current GraphModule (or that of a model :func:`compile_`
-    compiled); anything else as it is."""
+    compiled); anything else as it is: for tools that also take a graph amp_graph did not
+    make (``draw``, ``diff``). Where it must be amp_graph's, :func:`as_graph_module`."""
     compiled = compiled_in_place(compiled) or compiled
     return compiled.graph_module if isinstance(compiled, CompiledModule) else compiled
 
 
 def as_graph_module(compiled: Any) -> fx.GraphModule:
     """The rewritten GraphModule behind what ``compile``, ``compile_``, the backend or
-    ``Graph`` made."""
+    ``Graph`` made; a TypeError for anything else (:func:`unwrap` passes it through)."""
     compiled = compiled_in_place(compiled) or compiled
     if isinstance(compiled, CompiledModule):
         return compiled.graph_module

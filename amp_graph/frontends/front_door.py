@@ -173,7 +173,9 @@ def rewrite(
     cost = None
     if recompute_hooks and policy.recompute_casts == "auto":
         cost = _recompute_cost_on(request.device_type)
-    result = run_passes(gm, policy, request.dtype, check_each=check_each_pass, recompute_cost=cost)
+    result = run_passes(
+        gm, policy, request.dtype, check_each_pass=check_each_pass, recompute_cost=cost
+    )
     stats = {**inlined.stats, **result.stats}
     timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
     exact = bool(result.stats.get("exact_dtypes"))

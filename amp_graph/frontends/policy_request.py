@@ -28,9 +28,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from amp_graph.passes.meta import LOW_PRECISION
 from amp_graph.policy import PRESETS, Policy, resolve_policy
 
-LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def default_dtype(device_type: str) -> torch.dtype:
 
 def check_dtype(dtype: Any) -> torch.dtype:
     """``dtype`` if it is a low-precision compute dtype; a ValueError saying what to pass else."""
-    if dtype in LOW_PRECISION_DTYPES:
+    if dtype in LOW_PRECISION:
         return dtype
     hint = ""
     if dtype == torch.float32:
@@ -141,7 +141,6 @@ def validate_node_overrides(policy: Policy, node_names: Iterable[str]) -> None:
 
 
 __all__ = [
-    "LOW_PRECISION_DTYPES",
     "AmpRequest",
     "check_dtype",
     "check_request",

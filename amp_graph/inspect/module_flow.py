@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.frontends.compiler import compile_record, unwrap
+from amp_graph.frontends.compiler import as_graph_module
 from amp_graph.passes.absorb_casts import copies_input
 from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, short, tensor_facts
 
@@ -317,8 +317,7 @@ def dataflow(compiled: fx.GraphModule, depth: int | None = None) -> DataFlow:
     >>> flow.total.forward_casts, flow.total.forward_bytes, flow.total.backward_bytes
     (3, 168, 120)
     """
-    compiled = unwrap(compiled)
-    compile_record(compiled)
+    compiled = as_graph_module(compiled)
     types = module_types(compiled)
     rows: dict[str, ModuleFlow] = {}
 

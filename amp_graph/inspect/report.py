@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.capture.fsdp_units import FSDP_MIXED_PRECISION
-from amp_graph.frontends.compiler import compile_record, unwrap
+from amp_graph.frontends.compiler import as_graph_module, compile_record
 from amp_graph.frontends.front_door import CompileRecord
 from amp_graph.monitoring.selection import is_default, is_quantization
 from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
@@ -307,7 +307,7 @@ def report(compiled: Any) -> Report:
     >>> r.row("linear").out, r.casts_kept
     ('bf16', 3)
     """
-    compiled = unwrap(compiled)
+    compiled = as_graph_module(compiled)
     record: CompileRecord = compile_record(compiled)
     modules = node_modules(compiled)
     rows = [_row(n, modules[n.name]) for n in compiled.graph.nodes]
@@ -428,8 +428,7 @@ def explain(compiled: Any, node_name: str) -> Explanation:
     >>> print(amp_graph.explain(c, "softmax").splitlines()[0])
     'softmax' (aten.softmax.int in module '1') returns fp32.
     """
-    compiled = unwrap(compiled)
-    compile_record(compiled)
+    compiled = as_graph_module(compiled)
     modules = node_modules(compiled)
     node = _find(compiled, node_name, modules)
     amp: AmpInfo = node.meta[AMP]

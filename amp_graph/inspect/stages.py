@@ -13,7 +13,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from amp_graph.frontends.compiler import compile_record, unwrap
+from amp_graph.frontends.compiler import compile_record
 from amp_graph.passes import AMP
 from amp_graph.passes.assign_dtypes import FakeRunError, assign_dtypes
 from amp_graph.passes.classify import classify
@@ -52,7 +52,7 @@ def annotate(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _original(compiled: fx.GraphModule) -> fx.GraphModule:
-    record = compile_record(unwrap(compiled))
+    record = compile_record(compiled)
     if record.original is None:
         raise ValueError(
             "this compiled module kept no copy of its captured graph "
@@ -80,7 +80,7 @@ def before_simplification(compiled: fx.GraphModule) -> fx.GraphModule:
     """The graph after ``insert_casts`` and before ``simplify_casts``: one cast per
     (consumer, input), as torch.autocast casts at every call. Diff it with the compiled
     module to see what cast simplification removed."""
-    record = compile_record(unwrap(compiled))
+    record = compile_record(compiled)
     gm = copy_graph_module(_original(compiled))
     for name, run in amp_passes(record.policy, record.dtype):
         if name == "simplify_casts":

@@ -124,9 +124,9 @@ class GradScaler:
         if self._enabled:
             self._scale_state.validate()
         self._check = GradientCheck(process_group)
-        self._monitor = SkipMonitor(warn_after_skipped_steps)
+        self._skips = SkipMonitor(warn_after_skipped_steps)
         if named_parameters is not None:
-            self._monitor.register(named_parameters)
+            self._skips.register(named_parameters)
         self._optimizer_states: dict[int, _OptimizerState] = {}
         self._last_optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._last_step_taken: torch.Tensor | None = None
@@ -364,7 +364,7 @@ class GradScaler:
                 )
             found = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
             self._scale_state.update(found)
-            self._monitor.poll(scale, trackers, self.nonfinite_grads)
+            self._skips.poll(scale, trackers, self.nonfinite_grads)
         self._last_optimizers = [s.optimizer for s in self._optimizer_states.values()]
         self._optimizer_states = {}
 
@@ -372,7 +372,7 @@ class GradScaler:
 
     def register_parameter_names(self, named_parameters: NamedParameters) -> None:
         """Name parameters for :meth:`nonfinite_grads` (a module or ``(name, param)`` pairs)."""
-        self._monitor.register(named_parameters)
+        self._skips.register(named_parameters)
 
     def nonfinite_grads(self) -> list[str]:
         """Names of the parameters whose ``.grad`` holds inf or nan right now.
@@ -383,7 +383,7 @@ class GradScaler:
         ``optimizer[k].param_groups[g][i] (shape, dtype)``. Synchronizes once per device.
         """
         refs = [s.optimizer for s in self._optimizer_states.values()] or self._last_optimizers
-        return self._monitor.nonfinite_grads([o for o in (r() for r in refs) if o is not None])
+        return self._skips.nonfinite_grads([o for o in (r() for r in refs) if o is not None])
 
     @property
     def skipped_steps(self) -> int:
