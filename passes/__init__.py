@@ -35,18 +35,18 @@ integer, bool and float64 values are never cast; a cast chain is folded only if 
 
 from .assign_dtypes import propagate_dtypes
 from .checkpoints import outline_checkpoints
-from .meta import AMP, CHECKPOINT_REGION, UNKNOWN, AmpInfo, Role
+from .meta import AMP, CHECKPOINT_REGION, REGION, UNKNOWN, AmpInfo, Role
 from .pipeline import PassError, PipelineResult, run_passes
-from .regions import REGION, AutocastRegion, inline_regions
+from .regions import AutocastRegion, inline_regions
 from .result import PassResult
-from .simplify_casts import RULES as SIMPLIFY_RULES
+from .simplify_casts import CAST_RULES
 from .verify import VerificationError
 
 __all__ = [
     "AMP",
+    "CAST_RULES",
     "CHECKPOINT_REGION",
     "REGION",
-    "SIMPLIFY_RULES",
     "UNKNOWN",
     "AmpInfo",
     "AutocastRegion",

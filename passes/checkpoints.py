@@ -3,7 +3,7 @@
 ``torch.export`` traces through ``torch.utils.checkpoint.checkpoint(block, x,
 use_reentrant=False)`` (and HF's ``gradient_checkpointing_enable()``): the block's ops are
 recorded as plain forward code, and nothing would be recomputed. The capture marks them
-(``meta["checkpoint_region"]``, one number per checkpoint call); this pass gives them back
+(``meta["amp_graph.checkpoint_region"]``, one number per checkpoint call); this pass gives them back
 their meaning: each region becomes a submodule ``checkpoint_<k>`` of the graph, called as
 ``torch.utils.checkpoint.checkpoint(self.checkpoint_<k>, *inputs, use_reentrant=False)``.
 Autograd then saves only the region's inputs, and runs the region again in backward.
@@ -18,7 +18,7 @@ nothing of the model itself, so the graph keeps sharing (and seeing replacements
 model's tensors. Dropout inside a region replays its mask (checkpoint's
 ``preserve_rng_state``).
 
-Reads: ``meta["checkpoint_region"]``, ``meta["amp"]``. Writes: the submodules, one
+Reads: ``meta["amp_graph.checkpoint_region"]``, ``meta["amp"]``. Writes: the submodules, one
 ``checkpoint`` call per region and a ``getitem`` per output it yields, each with
 ``meta["amp"]`` and ``meta["val"]``; the region's nodes move, with their meta, into the
 submodule's graph. Guarantees: every value outside a region is computed as before; a region

@@ -26,8 +26,8 @@ import torch.nn as nn
 from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name, python_ops
 
 from . import schema
-from .meta import AMP, KEPT_FUNCTION, NO_MODULE, AmpInfo, Role, model_root
-from .regions import REGION, AutocastRegion
+from .meta import AMP, KEPT_FUNCTION, NO_MODULE, REGION, AmpInfo, Role, model_root
+from .regions import AutocastRegion
 from .result import PassResult
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ def classify_node(
 
     ``gm`` is the module the node's module paths are relative to (the captured
     GraphModule, or the user's model while it is being captured); ``region`` the model's
-    own autocast block around the node (default: ``meta["autocast_region"]``);
+    own autocast block around the node (default: ``meta["amp_graph.autocast_region"]``);
     ``known_types`` as for :func:`module_stack`.
     """
     if node.op != "call_function":

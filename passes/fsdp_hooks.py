@@ -37,7 +37,7 @@ eager, and needs only the hook handles (``FSDPState._pre_forward_hook_handle``).
 
 Reads: ``gm.meta["amp_graph.fsdp_units"]``, ``meta["nn_module_stack"]``, ``meta["amp"]``
 (parameters: ``role=PARAM``). Writes: the hook calls and their element picks, with
-``meta["amp"]`` and ``meta["val"]``; ``meta["fsdp_unit"]`` on each parameter read of a
+``meta["amp"]`` and ``meta["val"]``; ``meta["amp_graph.fsdp_unit"]`` on each parameter read of a
 unit (:func:`hoist_parameter_casts` leaves their casts in place: outside the region the
 parameter is a shard). Without FSDP units the graph is left as it is.
 """

@@ -6,7 +6,7 @@ pass takes them out of the graph: they become the items of one new input,
 ``low_precision_weights``, which :class:`amp_graph.Graph`'s step graph computes once.
 
 Reads: inserted cast nodes (``role=CAST``, either form) of ``get_attr`` parameters and buffers
-(``role=PARAM``), except those of FSDP2 units' parameters (``meta["fsdp_unit"]``: a shard
+(``role=PARAM``), except those of FSDP2 units' parameters (``meta["amp_graph.fsdp_unit"]``: a shard
 until the unit's pre-forward hook runs). Writes: ``getitem`` nodes in their place with
 ``role=PARAM``; removes the casts and the parameter reads left unused. Guarantees: every
 consumer receives the same value as before (the same cast of the same parameter, made

@@ -19,15 +19,30 @@ from amp_graph.policy import Rule
 AMP = "amp"
 VAL = "val"
 
-# The keys below are written by the capture (amp_graph.capture) and read by the passes: the
-# IR's contract lives here, so that neither side imports the other for a name.
+# Every meta key amp_graph writes is defined here and named "amp_graph.*" (``meta["amp"]``,
+# the passes' own, and torch's ``meta["val"]`` aside). Most are written by the capture
+# (amp_graph.capture) and read by the passes: the IR's contract lives here, so that neither
+# side imports the other for a name.
+COMPILE_META = "amp_graph"
+"""``gm.meta`` key: the :class:`~amp_graph.frontends.front_door.CompileRecord`, what the
+passes did to the graph (written by the front door's ``rewrite``)."""
+EXPORT_FACTS = "amp_graph.export_facts"
+"""``gm.meta`` key: what torch.export said of the captured program beyond its graph (its shape
+symbols' ranges, its call signature, its verifier), for amp_graph.deploy to make an
+ExportedProgram of the rewritten graph without tracing it again."""
+FSDP_MIXED_PRECISION = "amp_graph.fsdp_mixed_precision"
+"""``gm.meta`` key: each FSDP2 unit's ``MixedPrecisionPolicy``, in words, where any unit has
+one (:func:`amp_graph.capture.fsdp_units.mixed_precision`)."""
+REGION = "amp_graph.autocast_region"
+"""``node.meta`` key: the model's own ``torch.autocast`` / ``no_grad`` block a node ran in
+(:class:`~amp_graph.passes.regions.AutocastRegion`), written by ``inline_regions``."""
 MODEL_ROOT = "amp_graph.model_root"
 """``gm.meta`` key: the attribute of a captured GraphModule that holds the user's model (module
 paths in ``nn_module_stack`` are relative to it)."""
 NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
 """torch.export's stack entry for nodes created outside any module (``torch._export``)."""
 
-CHECKPOINT_REGION = "checkpoint_region"
+CHECKPOINT_REGION = "amp_graph.checkpoint_region"
 """``node.meta`` key: the number of the ``torch.utils.checkpoint`` call computing the node."""
 
 DTYPE_READ = "amp_graph.dtype_read"
@@ -63,7 +78,7 @@ FSDP_PLANNED = "amp_graph.fsdp_planned"
 ``amp_graph.plan_fsdp`` planned that all-gather for (``"O1, bf16"``), where it did. Written by
 the capture."""
 
-FSDP_UNIT = "fsdp_unit"
+FSDP_UNIT = "amp_graph.fsdp_unit"
 """``node.meta`` key on a parameter read: the path of the FSDP2 unit that shards it."""
 
 KEPT_FUNCTION = "amp_graph.kept_function"

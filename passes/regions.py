@@ -8,7 +8,7 @@ block as ``wrap_with_set_grad_enabled``; tracing with ``make_fx`` (the backend) 
 same blocks as flat ``_enter_autocast`` / ``_exit_autocast`` markers. This pass turns all of
 them into one representation the other passes can read:
 
-* every node inside an autocast block gets ``meta["autocast_region"]``, an
+* every node inside an autocast block gets ``meta["amp_graph.autocast_region"]``, an
   :class:`AutocastRegion` (device type, dtype, enabled) of the innermost block; the block
   itself disappears, so at run time no autocast state is entered: classify decides those
   nodes by torch.autocast's semantics (nothing is cast inside ``enabled=False``; a nested
@@ -19,7 +19,7 @@ them into one representation the other passes can read:
 It also drops ``aten._assert_tensor_metadata`` nodes: they assert the dtypes seen at
 capture, which the AMP passes change on purpose.
 
-Reads: higher-order-op submodules and markers. Writes: ``meta["autocast_region"]``;
+Reads: higher-order-op submodules and markers. Writes: ``meta["amp_graph.autocast_region"]``;
 removes the region ops, their submodules and the dtype assertions. Guarantees: every other
 node computes what it computed before, in the same order.
 """
@@ -32,9 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .meta import REGION
 from .result import PassResult
-
-REGION = "autocast_region"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .meta import AMP, Role, is_lossless
 from .result import PassResult
 from .sharing import CastSharing, ShareKey, written_values
 
-Rule = Callable[[fx.Node, "_Context"], fx.Node | None]
+CastRule = Callable[[fx.Node, "_Context"], fx.Node | None]  # not the policy's Rule
 
 
 class _Context:
@@ -122,7 +122,7 @@ def one_node_per_parameter(node: fx.Node, ctx: _Context) -> fx.Node | None:
     return None if first is node else first
 
 
-RULES: tuple[Rule, ...] = (
+CAST_RULES: tuple[CastRule, ...] = (
     one_node_per_parameter,
     cast_to_own_dtype,
     fold_lossless_chain,
@@ -138,7 +138,7 @@ def _remove_dead_casts(graph: fx.Graph) -> None:
 
 
 def simplify_casts(gm: fx.GraphModule) -> PassResult:
-    """Apply :data:`RULES` in one walk (their fixpoint, see the module docstring), then drop
+    """Apply :data:`CAST_RULES` in one walk (their fixpoint, see the module docstring), then drop
     unused casts.
 
     ``stats["casts_removed"]`` counts the casts that are gone.
@@ -147,7 +147,7 @@ def simplify_casts(gm: fx.GraphModule) -> PassResult:
     before = sum(is_cast_node(n) for n in graph.nodes)
     ctx = _Context(gm)
     for node in list(graph.nodes):
-        for rule in RULES:
+        for rule in CAST_RULES:
             replacement = rule(node, ctx)
             if replacement is not None and replacement is not node:
                 node.replace_all_uses_with(replacement)

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from amp_graph.passes.meta import short
+from amp_graph.passes.meta import FSDP_MIXED_PRECISION, short
 
 
 def fsdp_module_type() -> type | None:
@@ -141,10 +141,6 @@ def planned_for(model: nn.Module) -> dict[str, str]:
     """Parameter name -> what :data:`PLANNED_FOR` says, for the parameters of the units that
     ``plan_fsdp`` gave the low all-gather."""
     return _per_parameter(model, lambda unit: unit.__dict__.get(PLANNED_FOR))
-
-
-FSDP_MIXED_PRECISION = "amp_graph.fsdp_mixed_precision"
-"""``gm.meta`` key: :func:`mixed_precision` of the captured model, where any unit has one."""
 
 
 def mixed_precision(model: nn.Module) -> dict[str, str]:

@@ -73,6 +73,7 @@ from amp_graph.capture.planned_dtypes import (
 )
 from amp_graph.passes.fsdp_hooks import stack_unit
 from amp_graph.passes.meta import (
+    EXPORT_FACTS,
     CHECKPOINT_REGION,
     DTYPE_READ,
     FSDP_GATHERED_DTYPE,
@@ -87,10 +88,6 @@ from amp_graph.policy import Policy
 log = logging.getLogger(__name__)
 
 MODEL_ATTR = "model"  # the attribute of a captured GraphModule that holds the user's model
-# gm.meta key: what torch.export said of the captured program beyond its graph (its shape
-# symbols' ranges, its call signature, its verifier), for amp_graph.deploy to make an
-# ExportedProgram of the rewritten graph without tracing it again
-EXPORT_FACTS = "amp_graph.export_facts"
 
 
 @dataclass(frozen=True)

@@ -384,8 +384,8 @@ def mark_capture_plans(
 
 
 def mark_checkpoint_regions(gm: fx.GraphModule, regions: dict[str, int]) -> None:
-    """Write each checkpointed node's region to ``meta["checkpoint_region"]`` (by name: the
-    exported graph keeps the tracer's node names).
+    """Write each checkpointed node's region to ``meta[CHECKPOINT_REGION]`` (by name:
+    the exported graph keeps the tracer's node names).
 
     A call recorded between a region's first and last marked node ran inside that
     checkpoint (export records in execution order) and is marked too: some calls run no

@@ -47,11 +47,10 @@ from amp_graph.ops import recompute_ops
 from amp_graph.ops.recompute_cost import RecomputeCost, measured_cost
 from amp_graph.passes import inline_regions, run_passes
 from amp_graph.passes.graph_copy import copy_graph, graph_module_over
+from amp_graph.passes.meta import COMPILE_META
 from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
-
-COMPILE_META = "amp_graph"  # gm.meta key of the CompileRecord
 
 
 @dataclass

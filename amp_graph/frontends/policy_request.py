@@ -32,7 +32,6 @@ from amp_graph.passes.meta import LOW_PRECISION
 from amp_graph.policy import PRESETS, Policy, resolve_policy
 
 
-
 @dataclass(frozen=True)
 class AmpRequest:
     """A resolved request: the policy object, the low dtype it computes in, the device type."""

@@ -12,11 +12,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.capture.fsdp_units import FSDP_MIXED_PRECISION
 from amp_graph.frontends.compiler import as_graph_module, compile_record
 from amp_graph.frontends.front_door import CompileRecord
 from amp_graph.monitoring.selection import is_default, is_quantization
-from amp_graph.passes.meta import AMP, FSDP_UNIT, AmpInfo, Role, short
+from amp_graph.passes.meta import AMP, FSDP_MIXED_PRECISION, FSDP_UNIT, AmpInfo, Role, short
 from amp_graph.passes.recompute_casts import copy_dtype
 from amp_graph.policy import Rule, nearest
 from amp_graph.training.fsdp_plan import read_only_low
