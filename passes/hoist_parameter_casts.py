@@ -27,7 +27,7 @@ import torch.fx as fx
 from amp_graph.policy import Rule
 
 from .meta import AMP, FSDP_UNIT, AmpInfo, Role, short
-from .recompute_casts import is_inserted_cast
+from .meta import is_dtype_cast
 from .result import PassResult
 from .sharing import CastSharing, key_before_graph, written_values
 
@@ -36,7 +36,7 @@ def _is_parameter_cast(node: fx.Node) -> bool:
     """An inserted cast of a ``get_attr`` parameter or buffer, outside any FSDP2 unit (its
     parameter is a shard outside the unit's region: it is cast there)."""
     return (
-        is_inserted_cast(node)
+        is_dtype_cast(node)
         and isinstance(node.args[0], fx.Node)
         and node.args[0].op == "get_attr"
         and node.args[0].meta[AMP].role is Role.PARAM

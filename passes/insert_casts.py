@@ -25,11 +25,6 @@ from .meta import AMP, AmpInfo, Role, cast_fact, is_castable, short, tensor_fact
 from .result import PassResult
 
 
-def is_cast_node(node: fx.Node) -> bool:
-    amp = node.meta.get(AMP)
-    return amp is not None and amp.role is Role.CAST
-
-
 def make_cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, consumer: str) -> fx.Node:
     """Create a cast node of ``value`` to ``dtype`` at the graph's insertion point."""
     source: AmpInfo = value.meta[AMP]

@@ -33,7 +33,7 @@ from amp_graph.ops.tensor_stats import STATS, StatsSink, record_grad_stats, reco
 
 from .graph_copy import copy_graph_module
 from .meta import AMP, VAL, AmpInfo, Role, short
-from .recompute_casts import is_inserted_cast
+from .meta import is_dtype_cast
 
 SINK_ATTR = "amp_monitor"
 
@@ -96,7 +96,7 @@ def _floating(value: object) -> bool:
 def _dtype_of(node: fx.Node) -> torch.dtype | None:
     """The floating dtype of ``node``'s value, or None. amp_graph's casts carry no example
     value: theirs is the dtype they cast to."""
-    if is_inserted_cast(node):
+    if is_dtype_cast(node):
         source = node.args[0]
         floating = isinstance(source, fx.Node) and _floating(source.meta.get(VAL))
         return node.args[1] if floating else None
@@ -109,7 +109,7 @@ def _dtype_of(node: fx.Node) -> torch.dtype | None:
 
 def _reads_parameter(node: fx.Node) -> bool:
     """Whether ``node`` is a parameter or buffer, or amp_graph's cast of one."""
-    while is_inserted_cast(node) and isinstance(node.args[0], fx.Node):
+    while is_dtype_cast(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     amp = node.meta.get(AMP)
     return amp is not None and amp.role is Role.PARAM
@@ -211,7 +211,7 @@ class _Instrumenter:
                 if arg_name in fp8:
                     quantized, scale_name = fp8[arg_name]
                     scale, run_dtype = named[scale_name], _dtype_of(named[quantized])
-                elif is_inserted_cast(arg):
+                elif is_dtype_cast(arg):
                     measured = arg.args[0]
                 assert run_dtype is not None
                 self._probe(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph.ops.recompute_ops import recomputed_cast
 from amp_graph.policy import Rule
 
 AMP = "amp"
@@ -182,6 +183,22 @@ class AmpInfo:
             cast_for=(consumer,),
             **fields,
         )
+
+
+def has_cast_role(node: fx.Node) -> bool:
+    """A node the plan made a cast (``Role.CAST``), in any form: ``x.to(dtype)``, a
+    recomputed cast or quantize, or the aten copy an export lowers it to."""
+    amp = node.meta.get(AMP)
+    return amp is not None and amp.role is Role.CAST
+
+
+def is_dtype_cast(node: fx.Node) -> bool:
+    """A cast amp_graph inserted to a dtype, as the pipeline writes it: ``x.to(dtype)`` or
+    :func:`~amp_graph.ops.recompute_ops.recomputed_cast` (not a quantize, not aten's copy)."""
+    return has_cast_role(node) and (node.op, node.target) in (
+        ("call_method", "to"),
+        ("call_function", recomputed_cast),
+    )
 
 
 def info(node: fx.Node) -> AmpInfo:

@@ -75,7 +75,7 @@ from amp_graph.ops.recompute_ops import (
     recomputed_quantize,
 )
 
-from .meta import AMP, FSDP_UNIT, VAL, Role
+from .meta import AMP, FSDP_UNIT, VAL, Role, is_dtype_cast
 from .result import PassResult
 from .sharing import CastSharing
 
@@ -95,16 +95,6 @@ SAVES_RESULT = frozenset(
         "aten::relu",
     }
 )
-
-
-def is_inserted_cast(node: fx.Node) -> bool:
-    """A cast amp_graph inserted, as ``x.to(dtype)`` or as a :func:`recomputed_cast`."""
-    amp = node.meta.get(AMP)
-    return (
-        amp is not None
-        and amp.role is Role.CAST
-        and (node.op, node.target) in (("call_method", "to"), ("call_function", recomputed_cast))
-    )
 
 
 def _kept_by(source: fx.Node) -> str | None:
@@ -166,7 +156,7 @@ def _model_cast_dtype(node: fx.Node) -> torch.dtype | None:
 def _recast_of(node: fx.Node) -> tuple[Any, torch.dtype] | None:
     """(source, dtype) of a cast this pass may decide: one amp_graph inserted
     (``x.to(dtype)``), or one the model wrote that changes only the dtype."""
-    if is_inserted_cast(node) and node.op == "call_method" and not node.kwargs:
+    if is_dtype_cast(node) and node.op == "call_method" and not node.kwargs:
         return node.args[0], node.args[1]
     dtype = _model_cast_dtype(node)
     return None if dtype is None else (node.args[0], dtype)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from .insert_casts import is_cast_node
+from .meta import has_cast_role
 from .meta import AMP, Role, is_lossless
 from .result import PassResult
 from .sharing import CastSharing, ShareKey, written_values
@@ -54,7 +54,7 @@ class _Context:
 
     def visit(self, node: fx.Node) -> None:
         """Step past a node no rule replaced."""
-        if is_cast_node(node):
+        if has_cast_role(node):
             self.read_at[node] = self.sharing.key(_source(node))
         self.sharing.visit(node)
 
@@ -74,7 +74,7 @@ def _known(node: fx.Node) -> torch.dtype | None:
 
 def cast_to_own_dtype(node: fx.Node, ctx: _Context) -> fx.Node | None:
     """x.to(d) where x is already d  ->  x"""
-    if is_cast_node(node) and _known(_source(node)) == _target(node):
+    if has_cast_role(node) and _known(_source(node)) == _target(node):
         return _source(node)
     return None
 
@@ -82,7 +82,7 @@ def cast_to_own_dtype(node: fx.Node, ctx: _Context) -> fx.Node | None:
 def fold_lossless_chain(node: fx.Node, ctx: _Context) -> fx.Node | None:
     """x.to(a).to(b)  ->  x.to(b), when x -> a is lossless; and -> x when b is x's dtype;
     only where passes.sharing lets x read here stand for x read by the inner cast"""
-    if not (is_cast_node(node) and is_cast_node(_source(node))):
+    if not (has_cast_role(node) and has_cast_role(_source(node))):
         return None
     inner = _source(node)
     origin, origin_dtype = _source(inner), _known(_source(inner))
@@ -101,7 +101,7 @@ def one_cast_per_value(node: fx.Node, ctx: _Context) -> fx.Node | None:
     """x.to(d) ... x.to(d)  ->  the first x.to(d) (e.g. Q, K and V projections share one),
     when passes.sharing allows: not across a write into x's storage (the first cast holds
     the old values) nor across a grad-mode change; else this one starts a new group"""
-    if not is_cast_node(node):
+    if not has_cast_role(node):
         return None
     key = (ctx.sharing.key(_source(node)), _target(node))
     first = ctx.first_cast.setdefault(key, node)
@@ -133,7 +133,7 @@ CAST_RULES: tuple[CastRule, ...] = (
 def _remove_dead_casts(graph: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         unused_attr = node.op == "get_attr" and node.meta[AMP].role is Role.PARAM  # never inputs
-        if not node.users and (is_cast_node(node) or unused_attr):
+        if not node.users and (has_cast_role(node) or unused_attr):
             graph.erase_node(node)
 
 
@@ -144,7 +144,7 @@ def simplify_casts(gm: fx.GraphModule) -> PassResult:
     ``stats["casts_removed"]`` counts the casts that are gone.
     """
     graph = gm.graph
-    before = sum(is_cast_node(n) for n in graph.nodes)
+    before = sum(has_cast_role(n) for n in graph.nodes)
     ctx = _Context(gm)
     for node in list(graph.nodes):
         for rule in CAST_RULES:
@@ -156,5 +156,5 @@ def simplify_casts(gm: fx.GraphModule) -> PassResult:
         else:
             ctx.visit(node)
     _remove_dead_casts(graph)
-    after = sum(is_cast_node(n) for n in graph.nodes)
+    after = sum(has_cast_role(n) for n in graph.nodes)
     return PassResult(gm, modified=before != after, stats={"casts_removed": before - after})

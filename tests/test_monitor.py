@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils.checkpoint
-from amp_graph.passes.recompute_casts import is_inserted_cast
+from amp_graph.passes.meta import is_dtype_cast
 from scaler_helpers import SyncCounter
 
 import amp_graph
@@ -226,7 +226,7 @@ def _reference(compiled, probes, inputs, loss_fn) -> dict[tuple[str, str], dict]
             source = node.args[0]
         else:
             source = _operand(node, p.role)
-            if not p.backward and is_inserted_cast(source):
+            if not p.backward and is_dtype_cast(source):
                 source = source.args[0]
         scale = None
         if quantize and p.role != "output":

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.passes import AMP
-from amp_graph.passes.insert_casts import is_cast_node
+from amp_graph.passes.meta import has_cast_role
 from amp_graph.passes.meta import LOW_PRECISION, TRACED_NOOP_CAST, VAL, short
 from amp_graph.policy import Rule, base_name
 from amp_graph.policy.python_ops import ONE_DTYPE_OPS
@@ -49,7 +49,7 @@ def baked_dtype_nodes(gm: fx.GraphModule) -> list[str]:
             amp.rule is Rule.PROMOTE
             and amp.aten is not None
             and base_name(amp.aten) in ONE_DTYPE_OPS
-            and any(is_cast_node(arg) for arg in node.all_input_nodes)
+            and any(has_cast_role(arg) for arg in node.all_input_nodes)
         )
         if baked_cast or promoted:
             found.append(node.name)
