@@ -3,6 +3,7 @@
 #               included; make demo-full is the long run)
 #   make test   same venv, runs the test suite
 #   make test-torch-latest   the suite on the newest torch pyproject admits (a venv of its own)
+#   make docs   the documentation site into site/ (mkdocs-material, offline; a venv of its own)
 # and on a machine with an NVIDIA GPU:
 #   make gpu-check   every CUDA test and the GPU benchmarks (< 10 minutes); writes the figures
 #                    into BENCHMARKS.md's GPU table. Fails at once, saying so, without a GPU.
@@ -21,7 +22,7 @@ STAMP := $(VENV)/.installed
 VENV_READY := $(VENV)/.torch
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-full test test-hf-fx test-torch-latest lint bench install clean gpu-check
+.PHONY: demo demo-full test test-hf-fx test-torch-latest lint bench install clean gpu-check docs
 
 # The venv with torch in it (see the top of this file).
 $(VENV_READY):
@@ -95,6 +96,17 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The docs tools in a venv of their own (no torch: mkdocstrings reads the source, imports
+# nothing), from pyproject's `docs` extra; --strict fails on a broken link or a bad docstring.
+DOCS_VENV := $(VENV)/docs
+$(DOCS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install -q $$($(PYTHON) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))")
+	@touch $@
+
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compile_bench.py
 
@@ -106,4 +118,4 @@ gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

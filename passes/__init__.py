@@ -7,7 +7,7 @@ module of its own).
 Installed as ``amp_graph.passes``. The passes talk through ``node.meta["amp"]``
 (:class:`~passes.meta.AmpInfo`). The graph they take is flat: :func:`inline_regions` makes the
 model's autocast / no_grad blocks flat, each node recording its block, as part of the captured
-form (``amp_graph.frontends.compiler.rewrite`` runs it). Then :func:`run_passes` runs, in order:
+form (``amp_graph.frontends.front_door.rewrite`` runs it). Then :func:`run_passes` runs, in order:
 
 1. :mod:`classify` - each node's policy rule and what decided it;
 2. :mod:`assign_dtypes` - compute dtype and output dtype of every node;

@@ -1,5 +1,5 @@
-"""The architecture is the tree: one folder per layer, imports pointing one way (README, "How
-the code is laid out", whose table is :data:`LAYERS`, row for row).
+"""The architecture is the tree: one folder per layer, imports pointing one way
+(ARCHITECTURE.md, "Layers", whose table is :data:`LAYERS`, row for row).
 
 The test reads every ``import`` in ``amp_graph/`` and ``passes/`` (installed as
 ``amp_graph.passes``) with :mod:`ast`, including imports inside functions and under
@@ -15,7 +15,7 @@ The test reads every ``import`` in ``amp_graph/`` and ``passes/`` (installed as
 * an import cycle, counting the import of a package's ``__init__`` that importing any of its
   modules implies (a package's ``__init__`` may re-export its own modules, nothing more),
 * two modules or packages with one name,
-* README's layer table and :data:`LAYERS` out of step.
+* ARCHITECTURE.md's layer table and :data:`LAYERS` out of step.
 
 The checks are plain functions, each also run on a small made-up input with the fault it
 looks for, so that a check which has stopped seeing anything fails too.
@@ -254,11 +254,15 @@ def shadowed_modules(files: dict[str, Path]) -> list[str]:
     return found
 
 
-def readme_layers(text: str) -> list[tuple[str, set[str]]]:
-    """(layer, the paths its row names) for each row of README's layer table, in order."""
-    if "## How the code is laid out" not in text:
+SECTION = "## Layers"  # ARCHITECTURE.md's heading of the layer table
+
+
+def architecture_layers(text: str) -> list[tuple[str, set[str]]]:
+    """(layer, the paths its row names) for each row of ARCHITECTURE.md's layer table, in
+    order."""
+    if SECTION not in text:
         return []
-    section = text.split("## How the code is laid out", 1)[1].split("\n## ", 1)[0]
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -268,7 +272,7 @@ def readme_layers(text: str) -> list[tuple[str, set[str]]]:
 
 
 def layer_paths(prefixes: tuple[str, ...]) -> set[str]:
-    """The files or folders a layer is, as README's table names them."""
+    """The files or folders a layer is, as ARCHITECTURE.md's table names them."""
     paths = set()
     for prefix in prefixes:
         parts = prefix.split(".")
@@ -284,12 +288,13 @@ def layer_paths(prefixes: tuple[str, ...]) -> set[str]:
 
 
 def table_drift(rows: list[tuple[str, set[str]]], layers=LAYERS) -> list[str]:
-    """What README's table (rows) says that LAYERS does not."""
+    """What ARCHITECTURE.md's table (rows) says that LAYERS does not."""
     expected = [(name, layer_paths(prefixes)) for name, prefixes in layers]
     if [name for name, _ in rows] != [name for name, _ in expected]:
-        return [f"README's layers {[n for n, _ in rows]} != LAYERS {[n for n, _ in expected]}"]
+        names = [n for n, _ in rows]
+        return [f"ARCHITECTURE.md's layers {names} != LAYERS {[n for n, _ in expected]}"]
     return [
-        f"{name}: README names {sorted(paths)}, LAYERS {sorted(want)}"
+        f"{name}: ARCHITECTURE.md names {sorted(paths)}, LAYERS {sorted(want)}"
         for (name, paths), (_, want) in zip(rows, expected, strict=True)
         if paths != want
     ]
@@ -330,8 +335,8 @@ def test_no_package_hides_a_module_of_its_own():
     assert not shadowed, f"rename the module or stop re-exporting the name: {shadowed}"
 
 
-def test_readme_table_is_the_layers():
-    rows = readme_layers((ROOT / "README.md").read_text())
+def test_architecture_table_is_the_layers():
+    rows = architecture_layers((ROOT / "ARCHITECTURE.md").read_text())
     assert len(rows) == len(LAYERS)
     drift = table_drift(rows)
     assert not drift, "\n".join(drift)
@@ -443,20 +448,20 @@ def test_check_finds_a_package_hiding_its_module(tmp_path):
     ]
 
 
-def test_check_finds_readme_table_out_of_step():
-    readme = (
-        "## How the code is laid out\n\n| layer | folder | what |\n| --- | --- | --- |\n"
+def test_check_finds_architecture_table_out_of_step():
+    architecture = (
+        "## Layers\n\n| layer | folder | what |\n| --- | --- | --- |\n"
         "| policy | `amp_graph/policy/` | the policy |\n"
         "| passes | `passes/` | the passes |\n\n## Next\n| x | `y` |\n"
     )
-    rows = readme_layers(readme)
+    rows = architecture_layers(architecture)
     assert rows == [("policy", {"amp_graph/policy/"}), ("passes", {"passes/"})]
     layers = [("policy", ("amp_graph.policy",)), ("passes", ("amp_graph.passes",))]
     assert table_drift(rows, layers) == []
     assert table_drift(rows[::-1], layers) == [
-        "README's layers ['passes', 'policy'] != LAYERS ['policy', 'passes']"
+        "ARCHITECTURE.md's layers ['passes', 'policy'] != LAYERS ['policy', 'passes']"
     ]
     moved = [("policy", {"amp_graph/ops/"}), rows[1]]
     assert table_drift(moved, layers) == [
-        "policy: README names ['amp_graph/ops/'], LAYERS ['amp_graph/policy/']"
+        "policy: ARCHITECTURE.md names ['amp_graph/ops/'], LAYERS ['amp_graph/policy/']"
     ]
