@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-
 from typing import Any
 
 from mkdocs.structure.files import File, Files

@@ -26,8 +26,7 @@ import torch.fx as fx
 
 from amp_graph.policy import Rule
 
-from .meta import AMP, FSDP_UNIT, AmpInfo, Role, short
-from .meta import is_dtype_cast
+from .meta import AMP, FSDP_UNIT, AmpInfo, Role, is_dtype_cast, short
 from .result import PassResult
 from .sharing import CastSharing, key_before_graph, written_values
 

@@ -32,8 +32,7 @@ from amp_graph.ops.recompute_ops import recomputed_quantize
 from amp_graph.ops.tensor_stats import STATS, StatsSink, record_grad_stats, record_stats
 
 from .graph_copy import copy_graph_module
-from .meta import AMP, VAL, AmpInfo, Role, short
-from .meta import is_dtype_cast
+from .meta import AMP, VAL, AmpInfo, Role, is_dtype_cast, short
 
 SINK_ATTR = "amp_monitor"
 

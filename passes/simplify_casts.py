@@ -26,8 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from .meta import has_cast_role
-from .meta import AMP, Role, is_lossless
+from .meta import AMP, Role, has_cast_role, is_lossless
 from .result import PassResult
 from .sharing import CastSharing, ShareKey, written_values
 

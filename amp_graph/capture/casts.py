@@ -29,7 +29,6 @@ from torch.utils import _pytree as pytree
 from amp_graph.passes.meta import CASTABLE, LOW_PRECISION
 from amp_graph.policy import Policy
 
-
 # `x.dtype` reaches a torch-function mode as this descriptor's __get__ (a new bound
 # method-wrapper on each access: compare the descriptor)
 _DTYPE_DESCRIPTOR = torch.Tensor.dtype

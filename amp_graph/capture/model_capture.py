@@ -73,9 +73,9 @@ from amp_graph.capture.planned_dtypes import (
 )
 from amp_graph.passes.fsdp_hooks import stack_unit
 from amp_graph.passes.meta import (
-    EXPORT_FACTS,
     CHECKPOINT_REGION,
     DTYPE_READ,
+    EXPORT_FACTS,
     FSDP_GATHERED_DTYPE,
     FSDP_PLANNED,
     FSDP_UNITS,

@@ -31,8 +31,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.passes import AMP
-from amp_graph.passes.meta import has_cast_role
-from amp_graph.passes.meta import LOW_PRECISION, TRACED_NOOP_CAST, VAL, short
+from amp_graph.passes.meta import LOW_PRECISION, TRACED_NOOP_CAST, VAL, has_cast_role, short
 from amp_graph.policy import Rule, base_name
 from amp_graph.policy.python_ops import ONE_DTYPE_OPS
 
