@@ -389,8 +389,9 @@ def test_bad_input_errors():
     g = TrainGraph(
         model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16, scaler=GradScaler()
     )
-    with pytest.warns(UserWarning, match="does nothing"):
+    with pytest.warns(UserWarning, match="does nothing") as caught:
         g(torch.randn(2, 64), torch.randint(0, 10, (2,)))
+    assert {w.filename for w in caught if "does nothing" in str(w.message)} == {__file__}
 
     g = TrainGraph(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation=4)
     with pytest.raises(ValueError, match="divisible by 4"):

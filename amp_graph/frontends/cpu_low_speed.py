@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 import time
 import warnings
 
 import torch
 
+from amp_graph.frontends.user_frames import users_stacklevel
 from amp_graph.policy import Policy
 
 SLOWER = 4.0
@@ -132,29 +131,7 @@ def warn_if_low_matmul_is_slow(policy: Policy, dtype: torch.dtype, device_type: 
     speed = low_matmul_speed(dtype)
     if speed is not None and speed.slow and dtype not in _warned:
         _warned.add(dtype)
-        warnings.warn(slow_low_matmul_message(speed), UserWarning, stacklevel=_users_level())
-
-
-def _library_folders() -> tuple[str, ...]:
-    import amp_graph.passes
-
-    folders = (
-        os.path.dirname(os.path.dirname(__file__)),  # amp_graph/
-        os.path.dirname(amp_graph.passes.__file__),  # passes/, installed as amp_graph.passes
-        os.path.dirname(torch.__file__),
-    )
-    return tuple(os.path.join(folder, "") for folder in folders)
-
-
-def _users_level() -> int:
-    """The ``stacklevel`` of the caller's first frame outside amp_graph and torch: the
-    user's line, however deep the entry point called this (1 is the caller of
-    ``warnings.warn``)."""
-    folders = _library_folders()
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(folders):
-        level, frame = level + 1, frame.f_back
-    return level
+        warnings.warn(slow_low_matmul_message(speed), UserWarning, stacklevel=users_stacklevel())
 
 
 _warned: set[torch.dtype] = set()

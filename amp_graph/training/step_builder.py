@@ -39,6 +39,7 @@ from amp_graph.capture import Captured
 from amp_graph.capture.fsdp_units import fsdp_units
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.front_door import COMPILE_META, admit, capture_and_rewrite
+from amp_graph.frontends.user_frames import users_stacklevel
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.policy import Policy
 from amp_graph.scaler import GradScaler
@@ -294,7 +295,7 @@ class StepBuilder:
                 f"{self.name}: the GradScaler set with set_grad_scaler does nothing "
                 f"here (AMP {why}): loss scaling is for float16. Steps with inf/nan gradients "
                 "are still skipped.",
-                stacklevel=5,  # the user's call of the Graph
+                stacklevel=users_stacklevel(),
             )
         return scaler if fp16 else None
 
