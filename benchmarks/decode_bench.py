@@ -11,7 +11,9 @@ one process, interleaved round by round (``measure.interleaved_seconds``):
 Measured per variant: the **prefill** (one forward over the prompt without a cache, which
 runs amp_graph's captured graph) and the **per-token decode** time, ``(generate of 1 + N
 tokens - generate of 1 token) / N``, where every call holds a KV cache and amp_graph runs
-the model's own forward under torch.autocast in the policy's dtype (docs/integrations.md).
+its decode graphs, the cache's tensors their inputs and outputs
+(``amp_graph/frontends/cached_decode.py``). ``--cache static`` decodes with a StaticCache
+(``cache_implementation="static"``).
 Reported: medians, and each variant's ratio to ``autocast`` (the median of per-round
 ratios). Target: <= 1.0 on both.
 
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,6 +86,8 @@ def main() -> None:
     def generate(name: str, tokens: int) -> Callable[[], object]:
         model = models[name]
         options = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        if args.cache == "static":
+            options["cache_implementation"] = "static"
 
         def run() -> object:
             with inference(name):
@@ -116,7 +121,8 @@ def main() -> None:
 
     print(
         f"GPT-2 {args.layers} layers x {args.width}, vocab {args.vocab}; prompt "
-        f"{args.batch}x{args.prompt}, {args.new_tokens} new tokens, bf16 on {device}, "
+        f"{args.batch}x{args.prompt}, {args.new_tokens} new tokens, {args.cache} cache, "
+        f"bf16 on {device}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, {args.rounds} rounds"
     )
     print(f"{'variant':<22}{'prefill ms':>12}{'ratio':>8}{'decode ms/token':>18}{'ratio':>8}")

@@ -51,6 +51,7 @@ ENTRY_POINTS = {
     ("amp_graph/training/step_builder.py", "_capture"),
     ("amp_graph/deploy/program.py", "export"),
     ("amp_graph/accuracy/autopolicy_search.py", "autopolicy"),
+    ("amp_graph/frontends/cached_decode.py", "_admitted"),  # calls with a KV cache
 }
 
 

@@ -88,14 +88,16 @@ def test_compile_in_place_keeps_the_model_class_attributes_and_state_dict_keys()
 
 @pytest.mark.parametrize("policy", ["autocast", "O1"])
 def test_generate_with_a_kv_cache_decodes_as_under_torch_autocast(caplog, policy):
-    """HF generate (use_cache=True: every call holds a KV cache) runs the model's own forward
-    under torch.autocast in the policy's dtype: tokens and every step's scores equal those
-    of generate under torch.autocast, bit for bit, and differ from float32's; a policy that
-    means more than torch.autocast's lists is said at WARNING, once."""
+    """HF generate (use_cache=True: every call holds a KV cache) runs decode graphs, the
+    cache's tensors their inputs and outputs: tokens equal those of generate under
+    torch.autocast, and under ``"autocast"`` every step's scores too, bit for bit; O1's
+    (CUDA-derived tables) are within bf16 rounding. Both differ from float32's. Two graphs
+    (the prefill, and one decode step with symbolic sizes) serve every step, and nothing is
+    said at WARNING."""
     model = _gpt2().eval()
     prompt = _ids()[:, :4]
     generate = dict(
-        max_new_tokens=4,
+        max_new_tokens=6,
         do_sample=False,
         use_cache=True,
         output_scores=True,
@@ -105,20 +107,20 @@ def test_generate_with_a_kv_cache_decodes_as_under_torch_autocast(caplog, policy
     with torch.autocast("cpu", torch.bfloat16):
         expected = model.generate(prompt, **generate)
     amp_graph.compile_(model, policy, torch.bfloat16, example_kwargs={"input_ids": prompt})
-    with caplog.at_level(logging.INFO, logger="amp_graph.frontends.model_forwards"):
+    with caplog.at_level(logging.INFO, logger="amp_graph"):
         got = model.generate(prompt, **generate)
         model.generate(prompt, **generate)
     assert torch.equal(got.sequences, expected.sequences)
     for ours, theirs, fp32 in zip(got.scores, expected.scores, in_float32.scores, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        if policy == "autocast":
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-2)
         assert not torch.equal(ours, fp32)  # mixed precision, not the float32 model
-    warnings = [r for r in caplog.records if "KV cache" in r.getMessage()]
-    if policy == "autocast":
-        assert not warnings
-    else:
-        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-        assert "torch.autocast('cpu', bf16)" in warnings[0].getMessage()
-    assert len(model.forward.compiled.graph_modules) == 1  # nothing captured for decoding
+    assert not [r for r in caplog.records if r.name.startswith("amp_graph") and r.levelno >= 30]
+    compiled = model.forward.compiled
+    assert len(compiled.graph_modules) == 1  # the forward, captured with example_kwargs
+    assert len(compiled.decoder.graph_modules) == 2  # prefill, decode: any length
 
 
 def test_trainer_with_default_arguments_trains_and_saves_a_loadable_checkpoint(tmp_path):
@@ -181,7 +183,7 @@ def test_wrapper_shows_config_generate_and_save_pretrained_of_the_model(tmp_path
 def test_the_wrappers_generate_decodes_as_under_torch_autocast_not_in_float32(caplog, use_cache):
     """``amp_graph.compile(model).generate``: the model's own generate, whose calls of the
     model run the graph (without a cache: one capture per shape, then symbolic sizes) or,
-    with a KV cache, its forward under torch.autocast. It decoded in float32 before."""
+    with a KV cache, the decode graphs. It decoded in float32 before."""
     model = _gpt2().eval()
     prompt = _ids()[:, :4]
     generate = dict(max_new_tokens=4, do_sample=False, use_cache=use_cache)
@@ -199,6 +201,7 @@ def test_the_wrappers_generate_decodes_as_under_torch_autocast_not_in_float32(ca
         assert not torch.equal(ours, fp32)  # mixed precision, not the float32 model
     assert "forward" not in model.__dict__  # the model is as it was after generate
     assert bool(compiled.graph_modules) is not use_cache  # without a cache: the graph ran
+    assert bool(compiled.decoder.graph_modules) is use_cache
     assert not [r for r in caplog.records if r.name.startswith("amp_graph") and r.levelno >= 30]
 
 
@@ -222,6 +225,11 @@ def test_the_wrappers_generate_over_a_model_wrapped_by_another_library_warns(cap
     ids=["beam-search", "static-cache"],
 )
 def test_beam_search_and_a_static_cache_decode_as_under_torch_autocast(options):
+    """Beam search reorders the cache between the graphs' calls: bit for bit with autocast.
+    A static cache is one graph whose writes (``index_copy_``) land in the user's tensors;
+    its graph attends over the whole cache, masked, as HF's code does under torch.compile and
+    export, where eager slices it to the filled length: the same tokens, scores within bf16
+    rounding."""
     model = _gpt2().eval()
     prompt = _ids()[:, :4]
     generate = dict(max_new_tokens=4, do_sample=False, use_cache=True, **options)
@@ -231,5 +239,7 @@ def test_beam_search_and_a_static_cache_decode_as_under_torch_autocast(options):
     amp_graph.compile_(model, "autocast", torch.bfloat16, example_kwargs={"input_ids": prompt})
     got = model.generate(prompt, **generate)
     assert torch.equal(got.sequences, expected.sequences)
+    exact = "num_beams" in options
     for ours, theirs in zip(got.scores, expected.scores, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0 if exact else 1e-2)
+    assert len(model.forward.compiled.decoder.graph_modules) == 2

@@ -71,6 +71,7 @@ from amp_graph.capture.planned_dtypes import (
     mark_capture_plans,
     mark_checkpoint_regions,
 )
+from amp_graph.capture.symbolic_sizes import auto_dynamic_shapes, dim_marks_kept
 from amp_graph.passes.fsdp_hooks import stack_unit
 from amp_graph.passes.meta import (
     CHECKPOINT_REGION,
@@ -229,7 +230,7 @@ def capture_module(
     """
     start = time.perf_counter()
     if dynamic_shapes is None and dynamic:
-        dynamic_shapes = _auto_dynamic_shapes(model, args, kwargs)
+        dynamic_shapes = auto_dynamic_shapes(model, args, kwargs)
     low = low_dtype or autocast_dtype or torch.bfloat16
     casts_nothing = autocast_dtype is None and (policy is None or policy.changes_nothing)
 
@@ -257,6 +258,7 @@ def capture_module(
         try:
             with (
                 gc_paused(),
+                dim_marks_kept((args, kwargs)),  # a failed export leaves its marks
                 fsdp as units,
                 capture_autocast(device_type, autocast_dtype),
                 functions if keep_functions else contextlib.nullcontext(),
@@ -515,27 +517,6 @@ def _refuse_functorch_transforms(gm: fx.GraphModule) -> None:
                 "torch.export, or keep the transform out of the compiled region "
                 "(torch.compiler.disable on the function that calls it)."
             )
-
-
-def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """``Dim.AUTO`` for every dim of every tensor input, keyed as export wants: by the
-    forward's parameter names (a tuple when there are no keyword arguments)."""
-    import inspect
-
-    from torch.export import Dim
-
-    def spec(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {d: Dim.AUTO for d in range(value.dim())} or None
-        return None
-
-    def specs(tree: Any) -> Any:
-        return pytree.tree_map(spec, tree, is_leaf=lambda v: isinstance(v, torch.Tensor))
-
-    if not kwargs:
-        return specs(tuple(args))
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return {name: specs(value) for name, value in bound.arguments.items()}
 
 
 def _shape_guard(gm: fx.GraphModule, program: Any) -> ShapeGuard:

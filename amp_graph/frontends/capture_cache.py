@@ -65,11 +65,21 @@ class CaptureCache:
     capture with symbolic sizes, which then serves every size it accepts (a model that
     needs static sizes gets one graph per size).
 
-    ``capture(args, kwargs, dynamic)`` makes a :class:`Captured`.
+    ``capture(args, kwargs, dynamic)`` makes a :class:`Captured`. ``symbolic_first``: the
+    first capture of a signature tries symbolic sizes already (inputs whose sizes change at
+    every call: a growing KV cache).
     """
 
-    def __init__(self, capture: CaptureFn, modules: Sequence[nn.Module], what: str) -> None:
+    def __init__(
+        self,
+        capture: CaptureFn,
+        modules: Sequence[nn.Module],
+        what: str,
+        *,
+        symbolic_first: bool = False,
+    ) -> None:
         self._capture_fn, self._modules, self._what = capture, modules, what
+        self._symbolic_first = symbolic_first
         self._signatures: dict[tuple, _Signature] = {}
         self.captures: list[Captured] = []
         self._last: tuple[tuple, Captured] | None = None  # the last call of plain tensors
@@ -104,7 +114,7 @@ class CaptureCache:
         signature = self._signatures.setdefault(key, _Signature())
         if self.captures:
             log.info("amp_graph: new input signature or sizes for %s; capturing again", self._what)
-        if signature.static and not signature.tried_dynamic:
+        if (signature.static or self._symbolic_first) and not signature.tried_dynamic:
             signature.tried_dynamic = True  # sizes vary: one graph with symbolic sizes
             captured = None
             try:

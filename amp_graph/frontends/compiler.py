@@ -33,6 +33,7 @@ from amp_graph.capture import (
     capture_for_policy,
     export_refused,
 )
+from amp_graph.frontends.cached_decode import CachedDecoder
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.front_door import COMPILE_META, CompileRecord, admit, rewrite
 from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
@@ -84,10 +85,10 @@ class CompiledModule(nn.Module):
     As torch.compile's ``OptimizedModule``: ``inspect.signature(compiled.forward)`` is the
     model's, and attributes the wrapper lacks are the model's (``compiled.config``,
     ``compiled.save_pretrained``); those methods run the model's own code, except that
-    ``compiled.generate``'s calls of the model run the graph, and its KV-cache calls decode
-    under torch.autocast, as with :func:`amp_graph.compile_`. ``state_dict()`` keys carry the
-    ``_orig_mod.`` prefix, as torch.compile's do: to keep the model's class and keys, compile
-    in place with :func:`amp_graph.compile_`.
+    ``compiled.generate``'s calls of the model run the graph, and its KV-cache calls the
+    decode graphs (:attr:`decoder`), as with :func:`amp_graph.compile_`. ``state_dict()``
+    keys carry the ``_orig_mod.`` prefix, as torch.compile's do: to keep the model's class
+    and keys, compile in place with :func:`amp_graph.compile_`.
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class CompiledModule(nn.Module):
         self.policy, self.dtype, self.device_type = policy, dtype, device_type
         self.check_each_pass, self._warned_autocast = check_each_pass, False
         self._cache = self._new_cache()
+        self.decoder = CachedDecoder(self)  # the calls with a KV cache
         self._last: Captured | None = None
         self._monitor: Any = None  # an amp_graph.monitoring.Monitor picks each call's graph
         self._in_place = False  # set by compile_: capture the class's forward
@@ -115,7 +117,7 @@ class CompiledModule(nn.Module):
         """The model's attribute where the wrapper has none (``config``, ``generate``).
         The model's own methods (``generate``, a ``predict``) run within
         :func:`graph_forward`: the model's calls of itself run the graph, and those with a KV
-        cache decode under torch.autocast (not in float32)."""
+        cache the decode graphs (not the model in float32)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -186,6 +188,7 @@ class CompiledModule(nn.Module):
         (they hold fake values and shape symbols tied to this process)."""
         state = self.__dict__.copy()
         state["_cache"], state["_last"], state["_monitor"] = self._new_cache(), None, None
+        state["decoder"] = CachedDecoder(self)
         if self._graphed is not None:
             state["_graphed"] = GraphedCalls(self._graphed.name)
         return state
@@ -460,11 +463,11 @@ def compile_(
 
     The graph is set as an instance attribute ``forward`` (nothing global is patched); the
     capture still traces the class's forward. ``inspect.signature(model.forward)`` is the
-    model's. Calls that decode with a KV cache (``past_key_values`` given or
-    ``use_cache=True``, as HF ``generate`` makes) run the model's own forward eagerly under
-    torch.autocast in the policy's dtype (a WARNING, once, for a policy that means more than
-    torch.autocast's lists); for training, HF models want ``config.use_cache = False`` (a
-    cache object is not a graph output). :func:`uncompile` undoes it;
+    model's. Calls that decode with a KV cache (``cache`` / ``past_key_values`` given or
+    ``use_cache=True``, as HF ``generate`` makes) run graphs whose inputs and outputs are the
+    cache's tensors (:mod:`amp_graph.frontends.cached_decode`; a cache that cannot be one
+    graph's decodes under torch.autocast, said at WARNING); for training, HF models want
+    ``config.use_cache = False``. :func:`uncompile` undoes it;
     :func:`as_graph_module` reads the graph.
 
     Args and Raises: as :func:`compile`; also ``ValueError`` for a model whose ``forward`` is

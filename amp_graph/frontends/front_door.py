@@ -195,13 +195,15 @@ def capture_and_rewrite(
     *,
     keep_original: bool = True,
     recompute_hooks: bool = True,
+    check_nodes: bool = True,
     check_each_pass: bool = False,
     **capture_options: Any,
 ) -> Captured:
     """Steps 2 and 3 for an ``nn.Module``: capture ``module(*args, **kwargs)`` under the
     request's policy (``capture_options``: :func:`amp_graph.capture.capture_module` 's
     ``dynamic``, ``dynamic_shapes``, ``model_attr``, ``code_on_call``, ``keep_functions``),
-    then :func:`rewrite` it, the capture's time in its record."""
+    then :func:`rewrite` it, the capture's time in its record (``check_nodes`` and the rest:
+    :func:`rewrite` 's)."""
     captured = capture_for_policy(
         module,
         args,
@@ -214,6 +216,7 @@ def capture_and_rewrite(
     rewrite(
         captured.graph_module,
         request,
+        check_nodes=check_nodes,
         check_each_pass=check_each_pass,
         seconds={"capture": captured.seconds},
         keep_original=keep_original,

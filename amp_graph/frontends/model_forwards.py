@@ -1,16 +1,15 @@
 """The ``forward``s amp_graph sets on a model's instance (one job: which code a call of the
-model runs, and under which autocast).
+model runs).
 
 * :class:`SignedForward`: the wrapper's ``forward``; it runs the graph and shows the model's
   signature.
 * :class:`InplaceForward`: what :func:`~amp_graph.compile_` sets as ``model.forward``. It runs
-  the graph, except for calls that decode with a KV cache, which run the class's forward
-  under torch.autocast in the policy's dtype (a cache object is state one graph cannot take
-  or return).
+  the graph; calls that decode with a KV cache run the decode graphs
+  (:mod:`amp_graph.frontends.cached_decode`).
 * :func:`class_forward`: while active, the class's own forward again (for a capture).
 * :func:`graph_forward`: while active, a :class:`~amp_graph.frontends.compiler.CompiledModule`'s
   model calls itself as if compiled in place, so that its own methods that call it
-  (HF ``generate``) run the graph and decode under autocast, not in float32.
+  (HF ``generate``) run the graph and the decode graphs, not the model in float32.
 
 Nothing global is patched: each sets or removes one instance attribute.
 """
@@ -18,19 +17,14 @@ Nothing global is patched: each sets or removes one instance attribute.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 import torch.nn as nn
 
-from amp_graph.capture import capture_autocast
-from amp_graph.frontends.front_door import admit
-from amp_graph.passes.meta import short
-from amp_graph.policy import Policy
+from amp_graph.frontends.cached_decode import cache_kwarg
 
 log = logging.getLogger(__name__)
 
@@ -65,54 +59,19 @@ def forward_signature(model: nn.Module) -> inspect.Signature | None:
 
 class InplaceForward(SignedForward):
     """The ``forward`` :func:`compile_` sets on a model: runs the model's graph, except for
-    calls that decode with a KV cache (``past_key_values`` given, or ``use_cache=True``), which
-    run the class's own forward eagerly under torch.autocast in the policy's dtype: a cache
-    object is state a graph cannot take or return (HF ``generate`` makes these calls)."""
+    calls that decode with a KV cache (a cache given, or ``use_cache=True``: HF ``generate``
+    makes these calls), which run the compiled model's
+    :class:`~amp_graph.frontends.cached_decode.CachedDecoder`: graphs with the cache's
+    tensors as inputs and outputs."""
 
     def __init__(self, compiled: Any, signature: inspect.Signature | None) -> None:
         super().__init__(compiled._call, signature)
         self.compiled = compiled
-        self._decode_autocast: tuple[str, torch.dtype | None] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
-            return self._decode(args, kwargs)
+        if cache_kwarg(kwargs) is not None or kwargs.get("use_cache"):
+            return self.compiled.decoder(args, kwargs)
         return self.run(*args, **kwargs)
-
-    def _decode(self, args: tuple, kwargs: dict) -> Any:
-        """A call with a KV cache: the class's forward under torch.autocast in the policy's
-        dtype (none for O0), so that decoding computes in mixed precision as torch.autocast's
-        does; a WARNING, once, where the policy means more than torch.autocast's lists."""
-        model = self.compiled.model
-        if self._decode_autocast is None:
-            # overrides were matched when the model was compiled
-            request = admit(
-                self.compiled.policy, self.compiled.dtype, model, (args, kwargs), where=None
-            )
-            device_type = request.device_type
-            low = None if request.policy.casts_nothing else request.dtype
-            self._decode_autocast = (device_type, low)
-            # torch.autocast's own tables and nothing more: decoding under it is exact
-            autocast_policy = Policy.preset("autocast", device_type)
-            exact = request.policy == dataclasses.replace(
-                autocast_policy, missing_kernels=request.policy.missing_kernels
-            )
-            if not exact and low is not None:
-                log.warning(
-                    "amp_graph: %s called with a KV cache (use_cache / past_key_values, as "
-                    "HF generate calls it) runs its own forward eagerly under "
-                    "torch.autocast(%r, %s): torch.autocast's decisions, not all of policy "
-                    "%s's (its own tables, overrides, O2/O3's low-precision model). A cache "
-                    "object is state one graph cannot take or return; policy='autocast' "
-                    "decodes exactly as captured",
-                    type(model).__name__,
-                    device_type,
-                    short(low),
-                    request.policy.name,
-                )
-        device_type, low = self._decode_autocast
-        with capture_autocast(device_type, low):
-            return type(model).forward(model, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -135,7 +94,7 @@ def class_forward(model: nn.Module) -> Iterator[None]:
 def graph_forward(compiled: Any) -> Iterator[None]:
     """While active, ``compiled``'s model (a :class:`CompiledModule`'s) runs as if
     :func:`~amp_graph.compile_` had compiled it: its calls of itself run ``compiled``'s graph,
-    and those with a KV cache decode under torch.autocast. The captures made meanwhile trace
+    and those with a KV cache run its decode graphs. The captures made meanwhile trace
     the class's forward, as the wrapper's do.
 
     A model whose ``forward`` is set on the instance by something else (another wrapper) is

@@ -1,0 +1,258 @@
+"""Decoding with a KV cache as graphs (amp_graph/frontends/cached_decode.py): the cache's
+tensors are a graph's inputs and outputs, so every op of the prefill and of each step gets
+the policy's dtype, whatever the policy; torch.autocast is the oracle where the policy is
+its lists. A cache whose step one graph cannot hold decodes under torch.autocast, said once
+at WARNING with the reason."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from amp_graph.passes import AMP
+from amp_graph.passes.classify import normalize_module_path
+
+import amp_graph
+from amp_graph.capture import CaptureError, capture_module
+from amp_graph.frontends.cached_decode import cache_layout
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100
+BF16 = torch.bfloat16
+# the ops whose dtype a policy decides and a decode step runs: products, norms, attention
+DECIDED = {"addmm", "mm", "linear", "bmm", "layer_norm", "scaled_dot_product_attention"}
+
+
+def _gpt2() -> transformers.GPT2LMHeadModel:
+    config = transformers.GPT2Config(
+        n_positions=32, n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, use_cache=False
+    )
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _prompt(batch: int = 2, length: int = 4) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+GENERATE = dict(
+    max_new_tokens=6,
+    do_sample=False,
+    use_cache=True,
+    output_scores=True,
+    return_dict_in_generate=True,
+)
+
+
+def _decisions(gm: torch.fx.GraphModule) -> Counter:
+    """(innermost module path, op, dtype) of every decided op of ``gm``."""
+    found: Counter = Counter()
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if node.op != "call_function" or name not in DECIDED:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        path = normalize_module_path(str(list(stack.values())[-1][0])) if stack else ""
+        found[(path, name, node.meta[AMP].out_dtype)] += 1
+    return found
+
+
+@pytest.mark.parametrize("family", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_generate_under_the_autocast_policy_is_bitwise_torch_autocast(family):
+    model = family()
+    prompt = _prompt()
+    with torch.autocast("cpu", BF16):
+        expected = model.generate(prompt, **GENERATE)
+    amp_graph.compile_(model, "autocast", BF16)
+    got = model.generate(prompt, **GENERATE)
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert len(model.forward.compiled.decoder.graph_modules) == 2
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["O1", "O2", "O3", amp_graph.Policy.preset("O1").override(modules={"transformer.h.1": "fp32"})],
+    ids=["O1", "O2", "O3", "O1-block-fp32"],
+)
+def test_each_decode_step_computes_at_the_dtypes_the_policy_gives_the_forward(policy):
+    """The decode graph's products, norms and attention have the forward graph's dtypes,
+    module by module (O3's norms low, an fp32 block's products float32), which
+    torch.autocast's lists alone would not give."""
+    model = _gpt2()
+    prompt = _prompt()
+    compiled = amp_graph.compile(model, policy, BF16)
+    forward = _decisions(compiled.capture(input_ids=prompt))
+    compiled.generate(prompt, **GENERATE)
+    prefill, step = compiled.decoder.graph_modules
+    for gm in (prefill, step):
+        assert set(_decisions(gm)) == set(forward)
+    dtypes = {(path, op): dtype for path, op, dtype in forward}
+    name = policy if isinstance(policy, str) else "block-fp32"
+    assert dtypes[("transformer.h.0.mlp.c_fc", "addmm")] is BF16
+    assert dtypes[("transformer.h.0.ln_1", "layer_norm")] is (
+        BF16 if name == "O3" else torch.float32
+    )
+    if name == "block-fp32":
+        assert dtypes[("transformer.h.1.mlp.c_fc", "addmm")] is torch.float32
+
+
+class CountingLayer(transformers.cache_utils.DynamicLayer):
+    """A cache layer whose Python state changes at every step (as a sliding window's
+    counter does): one graph would bake it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.updates = 0
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        self.updates += 1
+        return super().update(keys, values, *args, **kwargs)
+
+
+def _counting_cache(layers: int = 2) -> transformers.DynamicCache:
+    cache = transformers.DynamicCache()
+    cache.layers = [CountingLayer() for _ in range(layers)]
+    return cache
+
+
+def test_a_cache_whose_python_state_changes_each_step_decodes_under_autocast_warning_once(
+    caplog,
+):
+    """The prefill fills the layers for the first time (one graph); the steps after it
+    change a filled layer's counter, so they run the class's forward under torch.autocast."""
+    model = _gpt2()
+    prompt = _prompt()
+    steps = [prompt, prompt[:, :1], prompt[:, 1:2]]
+    amp_graph.compile_(model, "O1", BF16)
+
+    def run(prefill, decode) -> list[torch.Tensor]:
+        cache = _counting_cache()
+        logits = [prefill(input_ids=steps[0], cache=cache, use_cache=True).logits]
+        logits += [decode(input_ids=ids, cache=cache, use_cache=True).logits for ids in steps[1:]]
+        assert [layer.updates for layer in cache.layers] == [3, 3]  # the counter kept counting
+        return logits
+
+    def autocast_eager(**kwargs):
+        with torch.autocast("cpu", BF16):
+            return type(model).forward(model, **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="amp_graph"):
+        got = run(model, model)
+        run(model, model)
+    expected = run(model, autocast_eager)
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    [warning] = [r.getMessage() for r in caplog.records if r.name.startswith("amp_graph")]
+    assert "CountingLayer (layer 0 of the DynamicCache) changes its Python state updates" in warning
+    assert "torch.autocast('cpu', bf16)" in warning and "policy O1" in warning
+    assert len(model.forward.compiled.decoder.graph_modules) == 1  # the prefill's alone
+
+
+def test_a_static_cache_is_written_in_place_in_the_users_tensors():
+    model = _gpt2()
+    prompt = _prompt()
+    amp_graph.compile_(model, "autocast", BF16)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=12)
+    model(input_ids=prompt, cache=cache, use_cache=True, cache_position=torch.arange(4))
+    layer = cache.layers[0]
+    keys, filled = layer.keys, layer.keys[:, :, :4].clone()
+    pointer = keys.data_ptr()
+    for position in (4, 5):
+        ids = prompt[:, position - 4 : position - 3]
+        at = torch.tensor([position])
+        model(input_ids=ids, cache=cache, use_cache=True, cache_position=at)
+    assert layer.keys is keys and keys.data_ptr() == pointer  # the user's tensor, written
+    assert int(layer.cumulative_length) == 6
+    assert torch.equal(keys[:, :, :4], filled) and keys[:, :, 4:6].abs().sum() > 0
+    assert not keys[:, :, 6:].any()
+    assert len(model.forward.compiled.decoder.graph_modules) == 2
+
+
+def test_use_cache_without_a_cache_returns_the_cache_the_model_made():
+    """HF makes a DynamicCache inside forward: the graph returns its tensors and the call
+    gets a cache object of that class back, which the next call decodes with."""
+    model = _gpt2()
+    prompt = _prompt()
+    with torch.autocast("cpu", BF16):
+        first = model(input_ids=prompt, use_cache=True)
+        second = model(input_ids=prompt[:, :1], cache=first.cache, use_cache=True)
+    amp_graph.compile_(model, "autocast", BF16)
+    ours = model(input_ids=prompt, use_cache=True)
+    assert type(ours.cache) is transformers.DynamicCache and ours.cache is not first.cache
+    assert ours.cache.layers[0].keys.dtype == BF16 and ours.cache.get_seq_length() == 4
+    then = model(input_ids=prompt[:, :1], cache=ours.cache, use_cache=True)
+    assert then.cache is ours.cache and ours.cache.get_seq_length() == 5
+    torch.testing.assert_close(ours.logits, first.logits, rtol=0, atol=0)
+    torch.testing.assert_close(then.logits, second.logits, rtol=0, atol=0)
+
+
+def test_node_overrides_stay_out_of_decode_graphs_said_at_warning(caplog):
+    model = _gpt2()
+    prompt = _prompt()
+    compiled = amp_graph.compile(model, "O1", BF16)
+    name = next(
+        n.name
+        for n in compiled.capture(input_ids=prompt).graph.nodes
+        if n.op == "call_function" and "addmm" in n.name
+    )
+    policy = amp_graph.Policy.preset("O1").override(nodes={name: "fp32"})
+    compiled = amp_graph.compile(model, policy, BF16)
+    with caplog.at_level(logging.WARNING, logger="amp_graph"):
+        compiled.generate(prompt, max_new_tokens=2, do_sample=False, use_cache=True)
+    [warning] = [r.getMessage() for r in caplog.records if r.name.startswith("amp_graph")]
+    assert name in warning and "not applied to its decode graphs" in warning
+    assert "modules=" in warning
+
+
+def test_the_layout_of_a_cache_names_what_one_graph_cannot_take():
+    cache = transformers.DynamicCache()
+    assert cache_layout(cache).tensors == ()
+    cache.stream = object()
+    with pytest.raises(Exception, match=r"DynamicCache.stream is a object"):
+        cache_layout(cache)
+
+
+def test_a_failed_capture_with_symbolic_sizes_leaves_no_size_marks_on_the_inputs():
+    """torch.export marks each input for Dim.AUTO and clears the marks only on success: left
+    on the user's tensors, they made the static capture after a failed symbolic one
+    symbolic too."""
+
+    class Refuses(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 2:  # a guard on a symbolic size, then a failure in the trace
+                raise CaptureError("refused")
+            return x * 2
+
+    x = torch.randn(4, 3)
+    with pytest.raises(CaptureError):
+        capture_module(Refuses(), (x,), {}, device_type="cpu", autocast_dtype=None, dynamic=True)
+    assert not [name for name in vars(x) if "dynamo" in name]
+    captured = capture_module(
+        Refuses().eval(), (torch.randn(2, 3),), {}, device_type="cpu", autocast_dtype=None
+    )
+    assert all(
+        isinstance(s, int)
+        for s in captured.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].shape
+    )
