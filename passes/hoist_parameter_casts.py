@@ -43,7 +43,7 @@ def _is_parameter_cast(node: fx.Node) -> bool:
     )
 
 
-def _hoistable(gm: fx.GraphModule) -> list[fx.Node]:
+def hoistable_parameter_casts(gm: fx.GraphModule) -> list[fx.Node]:
     """The parameter casts that one cast made before the graph, and read by every run of
     it, may replace: the sharing rule of :mod:`passes.sharing`."""
     written = written_values(gm)
@@ -69,9 +69,9 @@ def hoist_parameter_casts(gm: fx.GraphModule) -> tuple[PassResult, list[tuple[st
     Guarantees: every consumer receives the same value as before (the same cast of the same
     parameter, made earlier); autograd still flows through each cast into the float32
     ``.grad`` of its parameter; casts of what the graph writes in place, and casts made
-    under ``no_grad``, are left in place (:func:`_hoistable`).
+    under ``no_grad``, are left in place (:func:`hoistable_parameter_casts`).
     """
-    casts = _hoistable(gm)
+    casts = hoistable_parameter_casts(gm)
     if not casts:
         return PassResult(gm, modified=False, stats={"casts_hoisted": 0}), []
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
@@ -109,4 +109,4 @@ def hoist_parameter_casts(gm: fx.GraphModule) -> tuple[PassResult, list[tuple[st
     return PassResult(gm, modified=True, stats={"casts_hoisted": len(hoisted)}), hoisted
 
 
-__all__ = ["hoist_parameter_casts"]
+__all__ = ["hoist_parameter_casts", "hoistable_parameter_casts"]

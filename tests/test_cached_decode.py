@@ -256,3 +256,128 @@ def test_a_failed_capture_with_symbolic_sizes_leaves_no_size_marks_on_the_inputs
         isinstance(s, int)
         for s in captured.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].shape
     )
+
+
+class _CastCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten casts a call makes, by the shape of what they cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.shapes[tuple(args[0].shape)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_casts(model, ids, cache) -> Counter:
+    with _CastCount() as count:
+        model(input_ids=ids, cache=cache, use_cache=True)
+    return count.shapes
+
+
+def test_each_weight_is_cast_once_per_generation_as_under_one_autocast():
+    """The decode graphs' casts of weights are made at the prefill and reused by every step
+    while the cache object lives (torch.autocast around generate keeps its casts so too):
+    a step casts activations alone; a weight changed in place is cast again; the casts go
+    with the cache."""
+    model = _gpt2()
+    prompt = _prompt()
+    # the products' weights: attention (32x96, 32x32), MLP (32x128, 128x32), head (100x32)
+    weights = {(32, 96), (32, 32), (32, 128), (128, 32), (100, 32)}
+    amp_graph.compile_(model, "O1", BF16)
+    with torch.no_grad():
+        warm = transformers.DynamicCache()  # the captures, whose traces would count too
+        for ids in (prompt, prompt[:, :1], prompt[:, 1:2]):
+            model(input_ids=ids, cache=warm, use_cache=True)
+        cache = transformers.DynamicCache()
+        prefill = _step_casts(model, prompt, cache)
+        step = _step_casts(model, prompt[:, :1], cache)
+        assert weights <= set(prefill)
+        assert not set(step) & set(weights)  # no weight cast again
+        model.lm_head.weight.mul_(2)  # tied to wte: an in-place change bumps its version
+        again = _step_casts(model, prompt[:, 1:2], cache)
+        assert again[tuple(model.lm_head.weight.shape)] >= 1
+        assert not (set(again) - {tuple(model.lm_head.weight.shape)}) & set(weights)
+        decoder = model.forward.compiled.decoder
+        assert decoder._casts.held
+        del cache
+        assert decoder._casts.held is None  # the casts are freed with the cache
+
+
+def test_reused_casts_decode_as_torch_autocast_does_step_by_step_and_weights_change():
+    """Bitwise torch.autocast's logits over steps where a weight changes in place between
+    steps (each step its own autocast region, so its casts are fresh: the reused cast of a
+    changed weight must not be stale)."""
+    model = _gpt2()
+    prompt = _prompt()
+    steps = [prompt, prompt[:, :1], prompt[:, 1:2], prompt[:, 2:3]]
+
+    def run(call) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            weight = model.transformer.h[0].mlp.c_fc.weight
+            original = weight.clone()
+            cache, logits = transformers.DynamicCache(), []
+            for index, ids in enumerate(steps):
+                if index == 2:
+                    weight.mul_(0.5)
+                logits.append(call(input_ids=ids, cache=cache, use_cache=True).logits)
+            weight.copy_(original)
+        return logits
+
+    def autocast_eager(**kwargs):
+        with torch.autocast("cpu", BF16):
+            return type(model).forward(model, **kwargs)
+
+    expected = run(autocast_eager)
+    amp_graph.compile_(model, "autocast", BF16)
+    got = run(model)
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_with_gradients_a_decode_call_casts_anew_and_its_gradients_are_torch_autocasts():
+    model = _gpt2()
+    prompt = _prompt()
+
+    def grads(call) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        cache = transformers.DynamicCache()
+        call(input_ids=prompt, cache=cache, use_cache=True)
+        call(input_ids=prompt[:, :1], cache=cache, use_cache=True).logits.float().sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def autocast_eager(**kwargs):
+        with torch.autocast("cpu", BF16):
+            return type(model).forward(model, **kwargs)
+
+    expected = grads(autocast_eager)
+    amp_graph.compile_(model, "autocast", BF16)
+    got = grads(model)
+    assert got.keys() == expected.keys() and len(got) > 10
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_the_wrapper_called_with_a_cache_runs_the_decode_graphs():
+    """``amp_graph.compile(model)(..., cache=...)``, not only ``compile_`` and ``generate``."""
+    model = _gpt2()
+    prompt = _prompt()
+    expected_cache = transformers.DynamicCache()
+    with torch.autocast("cpu", BF16):
+        expected = [
+            model(input_ids=ids, cache=expected_cache, use_cache=True).logits
+            for ids in (prompt, prompt[:, :1])
+        ]
+    compiled = amp_graph.compile(model, "autocast", BF16)
+    cache = transformers.DynamicCache()
+    got = [
+        compiled(input_ids=ids, cache=cache, use_cache=True).logits
+        for ids in (prompt, prompt[:, :1])
+    ]
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert cache.get_seq_length() == 5 and len(compiled.decoder.graph_modules) == 2
+    assert not compiled.graph_modules  # no forward graph was captured for these calls

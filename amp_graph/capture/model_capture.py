@@ -71,7 +71,7 @@ from amp_graph.capture.planned_dtypes import (
     mark_capture_plans,
     mark_checkpoint_regions,
 )
-from amp_graph.capture.symbolic_sizes import auto_dynamic_shapes, dim_marks_kept
+from amp_graph.capture.symbolic_sizes import auto_dims_contained, auto_dynamic_shapes
 from amp_graph.passes.fsdp_hooks import stack_unit
 from amp_graph.passes.meta import (
     CHECKPOINT_REGION,
@@ -258,7 +258,7 @@ def capture_module(
         try:
             with (
                 gc_paused(),
-                dim_marks_kept((args, kwargs)),  # a failed export leaves its marks
+                auto_dims_contained((args, kwargs)),  # its marks and 0/1 notes
                 fsdp as units,
                 capture_autocast(device_type, autocast_dtype),
                 functions if keep_functions else contextlib.nullcontext(),

@@ -19,7 +19,10 @@ O2/O3's low-precision model), as the model's forward does:
 
 The captures are keyed by the cache's layout (its class, each layer's class and Python
 state), then as any capture is (:class:`~amp_graph.frontends.capture_cache.CaptureCache`),
-symbolic sizes first: one graph serves every length of a growing cache. A cache whose step
+symbolic sizes first: one graph serves every length of a growing cache. Each weight is cast
+once per generation, as under one torch.autocast around ``generate``: the graphs' casts of
+parameters are reused while the KV cache object they served lives
+(:mod:`amp_graph.ops.parameter_casts`). A cache whose step
 cannot be one graph decodes under torch.autocast in the policy's dtype, said once at WARNING
 with the reason (:meth:`CachedDecoder._under_autocast`).
 """
@@ -41,7 +44,9 @@ from amp_graph.capture import Captured, CaptureError, capture_autocast
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.front_door import admit, capture_and_rewrite
 from amp_graph.frontends.policy_request import AmpRequest
+from amp_graph.ops.parameter_casts import ParameterCasts
 from amp_graph.passes.meta import short
+from amp_graph.passes.reuse_parameter_casts import reuse_parameter_casts
 from amp_graph.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -55,6 +60,12 @@ _PLAIN = (type(None), bool, int, float, str, torch.device, torch.dtype, type)
 def cache_kwarg(kwargs: dict[str, Any]) -> str | None:
     """The keyword a call passes its KV cache by, if any."""
     return next((name for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+
+
+def decodes_with_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a call decodes with a KV cache: a cache given, or ``use_cache=True`` (HF
+    ``generate`` makes both)."""
+    return cache_kwarg(kwargs) is not None or bool(kwargs.get("use_cache"))
 
 
 class UncapturedCache(Exception):
@@ -271,6 +282,7 @@ class CachedDecoder:
         self._plans: dict[int, StepPlan] = {}
         self._refused: dict[tuple, str] = {}
         self._warned: set[str] = set()
+        self._casts = ParameterCasts()  # the weights' casts, shared by one cache's steps
 
     @property
     def graph_modules(self) -> list:
@@ -352,6 +364,7 @@ class CachedDecoder:
                     model.__dict__["forward"] = installed
             assert forward.plan is not None
             self._plans[id(captured)] = forward.plan
+            reuse_parameter_casts(captured.graph_module, self._casts)
             return captured
 
         what = f"{type(model).__name__} decoding with a KV cache"
@@ -362,11 +375,15 @@ class CachedDecoder:
         device_type = self.compiled.device_type
         if torch.is_autocast_enabled(device_type):
             self.compiled._warn_autocast()
+        self._casts.serve(passed)
         with torch.autocast(device_type, enabled=False):  # the graph decides every dtype
             out_leaves, new = captured.call(leaves)
         out_leaves, tensors = list(out_leaves), iter(new)
+        caches = []
         for write in plan.writes:
             out_leaves[write.leaf] = write.apply(passed, tensors)
+            caches.append(out_leaves[write.leaf])
+        self._casts.keep_for(caches[0] if len(caches) == 1 else None)
         return pytree.tree_unflatten(out_leaves, plan.spec)
 
     def _under_autocast(self, request: AmpRequest, reason: str, args: tuple, kwargs: dict) -> Any:
@@ -407,4 +424,5 @@ __all__ = [
     "UncapturedCache",
     "cache_kwarg",
     "cache_layout",
+    "decodes_with_cache",
 ]

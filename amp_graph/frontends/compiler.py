@@ -33,7 +33,7 @@ from amp_graph.capture import (
     capture_for_policy,
     export_refused,
 )
-from amp_graph.frontends.cached_decode import CachedDecoder
+from amp_graph.frontends.cached_decode import CachedDecoder, decodes_with_cache
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.front_door import COMPILE_META, CompileRecord, admit, rewrite
 from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
@@ -213,6 +213,8 @@ class CompiledModule(nn.Module):
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_exporting():
             raise export_refused(type(self._orig_mod).__name__)
+        if decodes_with_cache(kwargs):
+            return self.decoder(args, kwargs)  # a KV cache: the decode graphs
         captured, leaves = self._captured_for(args, kwargs)
         if torch.is_autocast_enabled(self.device_type):
             self._warn_autocast()

@@ -3,9 +3,9 @@ model runs).
 
 * :class:`SignedForward`: the wrapper's ``forward``; it runs the graph and shows the model's
   signature.
-* :class:`InplaceForward`: what :func:`~amp_graph.compile_` sets as ``model.forward``. It runs
-  the graph; calls that decode with a KV cache run the decode graphs
-  (:mod:`amp_graph.frontends.cached_decode`).
+* :class:`InplaceForward`: what :func:`~amp_graph.compile_` sets as ``model.forward``: the
+  same (calls that decode with a KV cache run the decode graphs,
+  :mod:`amp_graph.frontends.cached_decode`), marked as the compiled model's.
 * :func:`class_forward`: while active, the class's own forward again (for a capture).
 * :func:`graph_forward`: while active, a :class:`~amp_graph.frontends.compiler.CompiledModule`'s
   model calls itself as if compiled in place, so that its own methods that call it
@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.nn as nn
-
-from amp_graph.frontends.cached_decode import cache_kwarg
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +56,14 @@ def forward_signature(model: nn.Module) -> inspect.Signature | None:
 
 
 class InplaceForward(SignedForward):
-    """The ``forward`` :func:`compile_` sets on a model: runs the model's graph, except for
-    calls that decode with a KV cache (a cache given, or ``use_cache=True``: HF ``generate``
-    makes these calls), which run the compiled model's
-    :class:`~amp_graph.frontends.cached_decode.CachedDecoder`: graphs with the cache's
-    tensors as inputs and outputs."""
+    """The ``forward`` :func:`compile_` sets on a model: the compiled model's call (its graph;
+    for calls that decode with a KV cache, as HF ``generate`` makes, its
+    :class:`~amp_graph.frontends.cached_decode.CachedDecoder`), marked with the compiled
+    model it runs."""
 
     def __init__(self, compiled: Any, signature: inspect.Signature | None) -> None:
         super().__init__(compiled._call, signature)
         self.compiled = compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if cache_kwarg(kwargs) is not None or kwargs.get("use_cache"):
-            return self.compiled.decoder(args, kwargs)
-        return self.run(*args, **kwargs)
 
 
 @contextlib.contextmanager
