@@ -12,9 +12,8 @@ Reads: the parameter casts that one cast made before the graph may serve
 writes in place, not inside ``no_grad``). Writes: one ``get_attr`` of ``casts`` (set on
 ``gm`` as ``parameter_casts``) and a ``cast_reused`` node in place of each such cast, with
 its name and metadata. Guarantees: each consumer receives a tensor equal to the cast it
-received before (the same value, bit for bit); where autograd records the cast (grad
-enabled, a parameter that requires grad) it is made anew as before, a recomputed cast
-still recomputed in backward.
+received before (the same value, bit for bit); with grad enabled each cast is made anew
+as before, a recomputed cast still recomputed in backward.
 """
 
 from __future__ import annotations

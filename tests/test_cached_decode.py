@@ -381,3 +381,16 @@ def test_the_wrapper_called_with_a_cache_runs_the_decode_graphs():
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert cache.get_seq_length() == 5 and len(compiled.decoder.graph_modules) == 2
     assert not compiled.graph_modules  # no forward graph was captured for these calls
+
+
+def test_generate_under_inference_mode_is_torch_autocasts():
+    model = _gpt2()
+    prompt = _prompt()
+    with torch.inference_mode(), torch.autocast("cpu", BF16):
+        expected = model.generate(prompt, **GENERATE)
+    amp_graph.compile_(model, "autocast", BF16)
+    with torch.inference_mode():
+        got = model.generate(prompt, **GENERATE)
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

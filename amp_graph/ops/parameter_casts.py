@@ -57,11 +57,12 @@ def cast_reused(
 ) -> torch.Tensor:
     """``param`` cast to ``dtype``: the cast ``casts`` holds while ``param`` is the same tensor
     at the same version and storage, else a new one (kept where ``casts`` holds any).
-    Where autograd records the cast (grad enabled, ``param.requires_grad``) it is made
-    anew, as a graph without reuse makes it (``kept_by``: a
-    :func:`~amp_graph.ops.recompute_ops.recomputed_cast`'s, whose backward casts again)."""
+    With grad enabled it is made anew, as a graph without reuse makes it (``kept_by``: a
+    :func:`~amp_graph.ops.recompute_ops.recomputed_cast`'s, whose backward casts again):
+    autograd records it, and a cast made under ``inference_mode`` could not be saved for
+    backward (a frozen weight's, which ``param.requires_grad`` would not tell)."""
     held = casts.held
-    if held is None or (param.requires_grad and torch.is_grad_enabled()):
+    if held is None or torch.is_grad_enabled():
         return recomputed_cast(param, dtype, kept_by) if kept_by else param.to(dtype)
     key = (id(param), dtype)
     entry = held.get(key)
