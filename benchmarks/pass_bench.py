@@ -6,7 +6,11 @@ The baseline for issue 20's "fast passes" (target: the passes at most 100 us per
 10k-node graph). Each size is compiled ``--repeats`` times from a fresh model (medians).
 
     python benchmarks/pass_bench.py              # 1k, 4k and 10k nodes, 3 repeats
+    python benchmarks/pass_bench.py --layers 44 444   # 1.6k and 16k nodes (issue 57's sizes)
     python benchmarks/pass_bench.py --quick      # small graphs, one repeat (a smoke run)
+
+The last line gives the growth: the passes' time per node on the largest graph over that on
+the smallest (linear passes: 1.0; target <= 1.2).
     python benchmarks/pass_bench.py --first-call # also the first call against torch.compile
 """
 
@@ -84,6 +88,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small graphs, one repeat")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument(
+        "--layers", type=int, nargs="+", default=None, help="GPT depths (about 36 nodes each)"
+    )
+    parser.add_argument(
         "--first-call",
         action="store_true",
         help="also the first call of amp_graph.compile O1 against torch.compile under "
@@ -91,8 +98,9 @@ def main() -> int:
     )
     options = parser.parse_args()
     repeats = options.repeats or (1 if options.quick else 3)
-    sizes = (2, 8) if options.quick else (28, 110, 280)  # about 1k, 4k and 10k nodes
+    sizes = options.layers or ((2, 8) if options.quick else (28, 110, 280))  # 1k, 4k, 10k nodes
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, O1 {DTYPE}")
+    per_node: list[float] = []  # the passes' seconds per node, by size
     for layers in sizes:
         runs = [compile_seconds(layers) for _ in range(repeats)]
         nodes = runs[0][0]
@@ -101,6 +109,7 @@ def main() -> int:
         passes = sum(v for k, v in median.items() if k not in ("capture", "rest of compile"))
         total = sum(median.values())
         rest = median["rest of compile"]
+        per_node.append(passes / nodes)
         print(
             f"\nGPT, {layers} layers: {nodes} captured nodes; compile {total:.2f} s, capture "
             f"{median['capture']:.2f} s ({median['capture'] / total:.0%} of it), passes "
@@ -113,6 +122,11 @@ def main() -> int:
             print(
                 f"  {stage:<22} {seconds:8.3f} {seconds / nodes * 1e6:8.0f} {seconds / total:6.0%}"
             )
+    if len(per_node) > 1:
+        print(
+            f"\ngrowth: the passes' time per node at {sizes[-1]} layers / at {sizes[0]} layers"
+            f" = {per_node[-1] / per_node[0]:.2f} (linear: 1.00; target <= 1.2)"
+        )
     if options.first_call:
         rounds = [
             (first_call_seconds("amp_graph"), first_call_seconds("torch.compile"))

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from amp_graph.capture import Captured, capture_for_policy
+from amp_graph.capture import Captured, capture_for_policy, gc_paused
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import (
     AmpRequest,
@@ -165,16 +165,19 @@ def rewrite(
     if check_nodes:
         validate_node_overrides(policy, [n.name for n in gm.graph.nodes])
     drop_string_annotations(gm)
-    start = time.perf_counter()
-    inlined = inline_regions(gm)  # the captured form the passes and diffs read: blocks flat
-    inlined_seconds = time.perf_counter() - start
-    original = (copy_graph(gm), gm) if keep_original else None
     cost = None
     if recompute_hooks and policy.recompute_casts == "auto":
         cost = _recompute_cost_on(request.device_type)
-    result = run_passes(
-        gm, policy, request.dtype, check_each_pass=check_each_pass, recompute_cost=cost
-    )
+    # the collector off, as during the capture: a full collection walks every live object,
+    # and a large graph's nodes make each pass's share of them grow with the graph
+    with gc_paused():
+        start = time.perf_counter()
+        inlined = inline_regions(gm)  # the captured form the passes and diffs read: flat
+        inlined_seconds = time.perf_counter() - start
+        original = (copy_graph(gm), gm) if keep_original else None
+        result = run_passes(
+            gm, policy, request.dtype, check_each_pass=check_each_pass, recompute_cost=cost
+        )
     stats = {**inlined.stats, **result.stats}
     timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
     exact = bool(result.stats.get("exact_dtypes"))
