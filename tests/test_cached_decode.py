@@ -394,3 +394,52 @@ def test_generate_under_inference_mode_is_torch_autocasts():
     assert torch.equal(got.sequences, expected.sequences)
     for ours, theirs in zip(got.scores, expected.scores, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def _bart() -> transformers.BartForConditionalGeneration:
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(config).eval()
+
+
+def test_an_encoder_decoder_generate_says_its_encoder_ran_outside_the_graph(caplog):
+    """generate runs the encoder itself (model.get_encoder()), not through the compiled
+    forward: in float32, said at WARNING with the way out (torch.autocast around generate,
+    which then is torch.autocast's generate, bit for bit); its EncoderDecoderCache decodes
+    under torch.autocast, said too."""
+    model = _bart()
+    prompt = _prompt(1, 6)
+    options = dict(max_new_tokens=3, do_sample=False, use_cache=True)
+    with torch.autocast("cpu", BF16):
+        expected = model.generate(
+            prompt, output_scores=True, return_dict_in_generate=True, **options
+        )
+    amp_graph.compile_(model, "O1", BF16)
+    dtypes = []
+    model.model.encoder.layers[0].fc1.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    with caplog.at_level(logging.WARNING, logger="amp_graph"):
+        model.generate(prompt, **options)
+    assert dtypes == [torch.float32]  # what the warning says
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("amp_graph")]
+    [encoder] = [m for m in said if "ran its encoder" in m]
+    assert "BartForConditionalGeneration" in encoder and "policy O1" in encoder
+    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in encoder
+    assert any("EncoderDecoderCache" in m for m in said)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="amp_graph"), torch.autocast("cpu", BF16):
+        got = model.generate(prompt, output_scores=True, return_dict_in_generate=True, **options)
+    assert not [r for r in caplog.records if "ran its encoder" in r.getMessage()]
+    assert dtypes[-1] == BF16  # the way out: the encoder under torch.autocast
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

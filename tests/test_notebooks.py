@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat", reason="the notebooks need the dev extra (nbformat)")
 nbclient = pytest.importorskip("nbclient", reason="the notebooks need the dev extra (nbclient)")
+
+jupyter_manager = pytest.importorskip("jupyter_client.manager")
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
@@ -16,13 +19,19 @@ CELL_TIMEOUT_S = 300
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(
-        notebook,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    client.execute()  # raises CellExecutionError, naming the cell, if one fails
+    with tempfile.TemporaryDirectory(prefix="nb") as sockets:
+        # the kernel on unix sockets: TCP ports picked free can be taken by another process
+        # (a gloo rank of the other worker) before the kernel binds them
+        manager = jupyter_manager.KernelManager(
+            kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel"
+        )
+        client = nbclient.NotebookClient(
+            notebook,
+            km=manager,
+            timeout=CELL_TIMEOUT_S,
+            resources={"metadata": {"path": str(path.parent)}},
+        )
+        client.execute()  # raises CellExecutionError, naming the cell, if one fails
     errors = [
         o
         for c in notebook.cells

@@ -105,9 +105,11 @@ def cache_layout(cache: Any) -> CacheLayout:
     name = type(cache).__name__
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list) or not hasattr(cache, "__dict__"):
-        raise UncapturedCache(f"a {name} is not a transformers Cache with a list of layers")
+        raise UncapturedCache(
+            f"the cache ({name}) is not a transformers Cache with a list of layers"
+        )
     if getattr(cache, "offloading", False):
-        raise UncapturedCache(f"the {name} offloads its layers to the CPU between uses")
+        raise UncapturedCache(f"the cache ({name}) offloads its layers to the CPU between uses")
     own = {k: v for k, v in vars(cache).items() if k != "layers"}
     state = []
     for key, value in own.items():
@@ -291,6 +293,8 @@ class CachedDecoder:
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         request = self._admitted(args, kwargs)
+        if kwargs.get("encoder_outputs") is not None:
+            self._warn_encoder_ran_outside(request)
         kwarg = cache_kwarg(kwargs)
         passed = kwargs[kwarg] if kwarg is not None else None
         try:
@@ -311,6 +315,28 @@ class CachedDecoder:
             self._refused[key] = _first_line(error)
             return self._under_autocast(request, self._refused[key], args, kwargs)
         return self._run(captured, leaves, passed)
+
+    def _warn_encoder_ran_outside(self, request: AmpRequest) -> None:
+        """An encoder-decoder model's ``generate`` runs the encoder itself
+        (``model.get_encoder()(...)``) before it calls the model: outside the compiled
+        forward, in float32 unless torch.autocast is on around it. Said once at WARNING."""
+        if "encoder" in self._warned or request.policy.casts_nothing:
+            return
+        if torch.is_autocast_enabled(request.device_type):
+            return  # the encoder ran under the user's torch.autocast
+        self._warned.add("encoder")
+        log.warning(
+            "amp_graph: %s's generate ran its encoder (model.get_encoder()) itself, outside "
+            "the compiled forward, so the encoder computed in float32, not at policy %s's "
+            "dtypes; only the decoder's calls are amp_graph's. For the encoder in %s too, "
+            "call generate under torch.autocast(%r, dtype=%s): the encoder then gets "
+            "torch.autocast's dtypes",
+            type(self.compiled.model).__name__,
+            request.policy.name,
+            short(request.dtype),
+            request.device_type,
+            request.dtype,
+        )
 
     def _admitted(self, args: tuple, kwargs: dict) -> AmpRequest:
         """The compiled model's request, admitted once (its overrides were matched when it
