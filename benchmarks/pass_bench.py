@@ -8,10 +8,10 @@ The baseline for issue 20's "fast passes" (target: the passes at most 100 us per
     python benchmarks/pass_bench.py              # 1k, 4k and 10k nodes, 3 repeats
     python benchmarks/pass_bench.py --layers 44 444   # 1.6k and 16k nodes (issue 57's sizes)
     python benchmarks/pass_bench.py --quick      # small graphs, one repeat (a smoke run)
-
-The last line gives the growth: the passes' time per node on the largest graph over that on
-the smallest (linear passes: 1.0; target <= 1.2).
     python benchmarks/pass_bench.py --first-call # also the first call against torch.compile
+
+With several sizes, the last line gives the growth: the passes' time per node on the
+largest graph over that on the smallest (linear passes: 1.0; target <= 1.2).
 """
 
 from __future__ import annotations

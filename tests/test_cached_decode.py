@@ -13,6 +13,7 @@ import pytest
 import torch
 from amp_graph.passes import AMP
 from amp_graph.passes.classify import normalize_module_path
+from hf_configs import small_gpt2_config, small_llama_config
 
 import amp_graph
 from amp_graph.capture import CaptureError, capture_module
@@ -27,25 +28,12 @@ DECIDED = {"addmm", "mm", "linear", "bmm", "layer_norm", "scaled_dot_product_att
 
 
 def _gpt2() -> transformers.GPT2LMHeadModel:
-    config = transformers.GPT2Config(
-        n_positions=32, n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, use_cache=False
-    )
-    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return transformers.GPT2LMHeadModel(small_gpt2_config(VOCAB)).eval()
 
 
 def _llama() -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
+    config = small_llama_config()  # vocabulary VOCAB
     config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()

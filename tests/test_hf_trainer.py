@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_configs import small_gpt2_config
 
 import amp_graph
 from amp_graph.ops.recompute_ops import recomputed_cast
@@ -23,11 +24,7 @@ VOCAB, SEQ = 100, 16
 
 def _gpt2() -> transformers.GPT2LMHeadModel:
     """A tiny random GPT-2; ``use_cache=False`` for training (a cache is not a graph output)."""
-    config = transformers.GPT2Config(
-        n_positions=32, n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, use_cache=False
-    )
-    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(small_gpt2_config(VOCAB))
 
 
 def _ids(batch: int = 2) -> torch.Tensor:
