@@ -11,18 +11,20 @@ form (``amp_graph.frontends.front_door.rewrite`` runs it). Then :func:`run_passe
 
 1. :mod:`classify` - each node's policy rule and what decided it;
 2. :mod:`assign_dtypes` - compute dtype and output dtype of every node;
-3. :mod:`low_extremes` - float32's extremes baked as a scalar (``finfo(x.dtype).min`` read
+3. :mod:`widen_parameters` - given O2's low copies of float32 masters (a ``Graph``), those
+   the plan reads only in float32 planned stored in float32;
+4. :mod:`low_extremes` - float32's extremes baked as a scalar (``finfo(x.dtype).min`` read
    where dynamo traced float32) made the low dtype's, where the op is planned low;
-4. :mod:`insert_casts` - the plan as cast nodes, one per (consumer, input);
-5. :mod:`simplify_casts` - a rule table removes casts that change nothing;
-6. :mod:`verify` - lint plus dtype consistency with the plan;
-7. :mod:`absorb_casts` - a widening cast folded into the one op that reads it, where that op
+5. :mod:`insert_casts` - the plan as cast nodes, one per (consumer, input);
+6. :mod:`simplify_casts` - a rule table removes casts that change nothing;
+7. :mod:`verify` - lint plus dtype consistency with the plan;
+8. :mod:`absorb_casts` - a widening cast folded into the one op that reads it, where that op
    takes ``dtype=`` (softmax, log_softmax, sum, mean);
-8. :mod:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
-9. :mod:`fsdp_planned_reads` - a warning where a parameter ``plan_fsdp`` gathers low is read
+9. :mod:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
+10. :mod:`fsdp_planned_reads` - a warning where a parameter ``plan_fsdp`` gathers low is read
    wider (reads only);
-10. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
-11. :mod:`recompute_casts` - casts whose source outlives the forward, cast again in backward
+11. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
+12. :mod:`recompute_casts` - casts whose source outlives the forward, cast again in backward
    instead of kept (weights' low-precision copies, widened activations).
 
 They take one IR: the aten-level GraphModule amp_graph's capture makes, with an example value

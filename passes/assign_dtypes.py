@@ -50,6 +50,7 @@ from .meta import (
     FSDP_GATHERED_DTYPE,
     LOW_PRECISION,
     NOT_TENSOR,
+    STORED_DTYPE,
     UNKNOWN,
     VAL,
     AmpInfo,
@@ -192,7 +193,8 @@ class _Planner(fx.Interpreter):
     ) -> Any:
         """A fake of a graph attribute: its captured value where that still describes it.
         ``read_as``: the dtype the graph reads it in, where not its own (an FSDP2 shard
-        its unit all-gathers in its ``param_dtype``)."""
+        its unit all-gathers in its ``param_dtype``; an O2 low copy the plan stores in
+        float32, :mod:`amp_graph.passes.widen_parameters`)."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         if isinstance(tensor, FakeTensor):
@@ -348,7 +350,8 @@ class _Planner(fx.Interpreter):
         if not isinstance(attr, torch.Tensor):
             return attr
         meta = self._current_node().meta
-        return self.fake(attr, meta.get(VAL), meta.get(FSDP_GATHERED_DTYPE))
+        read_as = meta.get(FSDP_GATHERED_DTYPE) or meta.get(STORED_DTYPE)
+        return self.fake(attr, meta.get(VAL), read_as)
 
     def _current_node(self) -> fx.Node:
         assert self._node is not None

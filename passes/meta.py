@@ -74,6 +74,16 @@ FSDP_GATHERED_DTYPE = "amp_graph.fsdp_gathered_dtype"
 the unit's ``MixedPrecisionPolicy`` sets ``param_dtype`` (the model holds it sharded in its
 own dtype). Written by the capture."""
 
+STORED_DTYPE = "amp_graph.stored_dtype"
+"""``node.meta`` key on a parameter read: the dtype the parameter is stored in when the graph
+runs, where the plan chose it and the module still holds another (O2's low copy of a float32
+master that the plan reads only in float32: :mod:`amp_graph.passes.widen_parameters`)."""
+
+WIDENED_PARAMETERS = "amp_graph.widened_parameters"
+"""``gm.meta`` key: the targets of the parameters the plan stores in float32 instead of their
+low copies (:mod:`amp_graph.passes.widen_parameters`); whoever holds the copies stores them so
+before the graph runs."""
+
 FSDP_PLANNED = "amp_graph.fsdp_planned"
 """``node.meta`` key on a parameter read with :data:`FSDP_GATHERED_DTYPE`: the policy and dtype
 ``amp_graph.plan_fsdp`` planned that all-gather for (``"O1, bf16"``), where it did. Written by

@@ -3,7 +3,8 @@
 The graph comes flat: :func:`inline_regions` is part of the captured form (``rewrite``
 runs it before it keeps the graph as captured), not a pass of the list.
 
-Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes -> low_extremes
+Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes
+-> (widen_parameters, given O2's low copies) -> low_extremes
 -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
 -> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
 With ``check_each_pass=True`` (the tests use it; ``compile``, the backend and ``Graph``
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ from .regions import region_left
 from .result import PassResult
 from .simplify_casts import simplify_casts
 from .verify import verify
+from .widen_parameters import widen_parameters
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +66,29 @@ def amp_passes(
     low_dtype: torch.dtype,
     check_each_pass: bool = False,
     recompute_cost: RecomputeCost | None = None,
+    low_copies: Collection[torch.Tensor] = (),
 ) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
     """The pass list, bound to a policy and a dtype. The final verify always lints and checks
     that every planned input has its planned dtype; ``check_each_pass`` also re-propagates every
     dtype through the rewritten graph (as costly again as assign_dtypes: the tests use it).
     ``recompute_cost``: what recomputing a cast costs where the graph runs, for
-    ``Policy(recompute_casts="auto")`` (None: nothing, as where AOTAutograd compiles it)."""
+    ``Policy(recompute_casts="auto")`` (None: nothing, as where AOTAutograd compiles it).
+    ``low_copies``: parameters the caller stores low as copies of float32 masters (O2 in a
+    ``Graph``), of which the plan stores those it reads only in float32 in float32
+    (:mod:`widen_parameters`)."""
     passes: list[tuple[str, Callable[[fx.GraphModule], PassResult]]] = [
         ("classify", lambda gm: classify(gm, policy)),
     ]
     if policy.fp8 is not None:  # after classify: an fp32 override outranks fp8
         passes.append(("fp8_linears", lambda gm: fp8_linears(gm, policy.fp8, model_root(gm))))
     passes.append(("assign_dtypes", lambda gm: assign_dtypes(gm, low_dtype, policy.cast_inputs)))
+    if low_copies:  # reads the plan; before the casts, which then follow the new storage
+        passes.append(
+            (
+                "widen_parameters",
+                lambda gm: widen_parameters(gm, low_copies, low_dtype, policy.cast_inputs),
+            )
+        )
     # after the dtypes: it lowers float32's extremes where an op is planned low
     passes.append(("low_extremes", low_extremes))
     passes.append(("insert_casts", insert_casts))
@@ -144,13 +157,15 @@ def run_passes(
     *,
     check_each_pass: bool = False,
     recompute_cost: RecomputeCost | None = None,
+    low_copies: Collection[torch.Tensor] = (),
 ) -> PipelineResult:
     """Run the AMP passes on ``gm`` (captured and flat, :func:`require_captured_graph`) in
-    place and return it with the counters (``recompute_cost``: :func:`amp_passes`)."""
+    place and return it with the counters (``recompute_cost``, ``low_copies``:
+    :func:`amp_passes`)."""
     require_captured_graph(gm)
     result = PipelineResult(gm)
     ran: list[str] = []
-    for name, run in amp_passes(policy, low_dtype, check_each_pass, recompute_cost):
+    for name, run in amp_passes(policy, low_dtype, check_each_pass, recompute_cost, low_copies):
         start = time.perf_counter()
         try:
             out = run(gm)

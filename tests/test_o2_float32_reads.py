@@ -1,14 +1,18 @@
 """O2 in a Graph keeps in float32 the parameters the plan reads only in float32 (CLIP's
 ``logit_scale.exp()``, Mamba's ``A_log.float()``): stored low, each would be rounded before
-every read and save no cast. Graph O2 then computes what ``compile`` O2 computes, bit for bit;
+every read and save no cast. The plan decides it (passes.widen_parameters), in one capture.
+Graph O2 then computes what ``compile`` O2 computes, bit for bit;
 the optimizer steps those parameters themselves, with their state."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from amp_graph.passes.meta import AMP, STORED_DTYPE, WIDENED_PARAMETERS, Role
 
 import amp_graph
+from amp_graph.frontends.front_door import admit, capture_and_rewrite
+from amp_graph.training import step_builder
 from amp_graph.training.master_weights import MasterWeights
 
 BF16 = torch.bfloat16
@@ -109,3 +113,71 @@ def test_hf_clip_under_graph_o2_computes_what_compile_computes():
 
     assert torch.equal(Forward()(kwargs["input_ids"], kwargs["pixel_values"]), reference)
     assert model.logit_scale.dtype == torch.float32  # read by exp, on the float32 list
+
+
+def test_one_capture_plans_the_float32_storage(monkeypatch):
+    """The plan decides the storage (passes.widen_parameters) in the one capture: the build
+    is not captured again once the two parameters get their float32 storage back, and the
+    graph reads them with no cast."""
+    calls = []
+    real = step_builder.capture_and_rewrite
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("low_copies"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_builder, "capture_and_rewrite", counted)
+    model = _model()
+    graph = Train(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    graph(torch.randn(4, 8))
+    assert len(calls) == 1 and len(calls[0]) == 6  # the six low copies, offered once
+    build = graph.build_graph
+    assert build.meta["amp_graph"].stats["parameters_widened"] == 2
+    assert sorted(build.meta[WIDENED_PARAMETERS]) == ["model.A_log", "model.logit_scale"]
+    for node in build.graph.nodes:
+        if node.op == "get_attr" and node.target in build.meta[WIDENED_PARAMETERS]:
+            roles = {user.meta[AMP].role for user in node.users}
+            assert Role.CAST not in roles, (node.target, roles)  # read as stored, uncast
+
+
+class ReadBothWays(nn.Module):
+    """``scale`` is read by exp (float32) and by a low-precision product: it stays low."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return (h * self.scale.exp()).to(h.dtype) + h * self.scale
+
+
+def test_a_parameter_read_low_anywhere_keeps_its_low_copy():
+    torch.manual_seed(0)
+    model = ReadBothWays()
+    graph = Train(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    graph(torch.randn(4, 8))
+    assert model.scale.dtype == BF16
+    assert graph.build_graph.meta["amp_graph"].stats["parameters_widened"] == 0
+    assert "model.scale" in {name for name, _, _ in graph._builder.master.pairs}
+
+
+def test_widened_plan_verifies_against_the_storage_it_plans():
+    """Rewritten with every pass checked, the plan's float32 reads of the widened parameters
+    (still stored low while the passes run) propagate as planned; once stored in float32 the
+    graph computes what compile computes under O2."""
+    x = torch.randn(4, 8)
+    reference = amp_graph.compile(_model(), "O2", BF16)(x)
+    model = _model()
+    masters = MasterWeights.create({"model": model}, [], BF16)
+    request = admit("O2", BF16, model, (x,))
+    captured = capture_and_rewrite(
+        model, (x,), {}, request, check_each_pass=True, low_copies=masters.low_parameters()
+    )
+    gm = captured.graph_module
+    assert sorted(gm.meta[WIDENED_PARAMETERS]) == ["model.A_log", "model.logit_scale"]
+    reads = [n for n in gm.graph.nodes if n.meta.get(STORED_DTYPE) is torch.float32]
+    assert sorted(n.target for n in reads) == ["model.A_log", "model.logit_scale"]
+    masters.release([gm.get_parameter(t) for t in gm.meta[WIDENED_PARAMETERS]], [])
+    assert torch.equal(gm(x), reference)

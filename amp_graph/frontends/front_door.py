@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +148,7 @@ def rewrite(
     seconds: dict[str, float] | None = None,
     keep_original: bool = True,
     recompute_hooks: bool = True,
+    low_copies: Collection[torch.Tensor] = (),
 ) -> CompileRecord:
     """Step 3: run the AMP passes on a captured ``gm`` in place and record what they did.
 
@@ -160,6 +162,10 @@ def rewrite(
     :mod:`amp_graph.ops.recompute_ops` 's saved-tensor hooks (installed on ``gm``), and
     ``recompute_casts="auto"`` weighs their cost measured on the device. False: AOTAutograd
     compiles the graph, whose partitioner recomputes them at no host cost; no hooks.
+    ``low_copies``: the parameters the caller stores low as copies of float32 masters (O2 in
+    a ``Graph``); the plan stores those it reads only in float32 in float32, and names them
+    in ``gm.meta[WIDENED_PARAMETERS]`` (:mod:`amp_graph.passes.widen_parameters`): the
+    caller stores them so before the graph runs.
     """
     policy = request.policy
     if check_nodes:
@@ -176,7 +182,12 @@ def rewrite(
         inlined_seconds = time.perf_counter() - start
         original = (copy_graph(gm), gm) if keep_original else None
         result = run_passes(
-            gm, policy, request.dtype, check_each_pass=check_each_pass, recompute_cost=cost
+            gm,
+            policy,
+            request.dtype,
+            check_each_pass=check_each_pass,
+            recompute_cost=cost,
+            low_copies=low_copies,
         )
     stats = {**inlined.stats, **result.stats}
     timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
@@ -200,6 +211,7 @@ def capture_and_rewrite(
     recompute_hooks: bool = True,
     check_nodes: bool = True,
     check_each_pass: bool = False,
+    low_copies: Collection[torch.Tensor] = (),
     **capture_options: Any,
 ) -> Captured:
     """Steps 2 and 3 for an ``nn.Module``: capture ``module(*args, **kwargs)`` under the
@@ -224,6 +236,7 @@ def capture_and_rewrite(
         seconds={"capture": captured.seconds},
         keep_original=keep_original,
         recompute_hooks=recompute_hooks,
+        low_copies=low_copies,
     )
     return captured
 

@@ -1,7 +1,8 @@
 """Low-precision parameter storage with float32 master weights (policy O2 in a Graph).
 
 The model keeps its parameters in the low-precision dtype (normalization layers excepted,
-and those the plan reads only in float32: :func:`read_only_in_float32`, :meth:`release`);
+and those the plan reads only in float32: :mod:`amp_graph.passes.widen_parameters` finds
+them, :meth:`release` gives them their float32 storage back);
 the optimizers own float32 master copies. Gradients accumulate in float32 on the model's
 parameters (``grad_dtype = torch.float32``: autograd casts each incoming low-precision
 gradient before adding it, so micro-batches never accumulate in low precision); after
@@ -19,11 +20,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
-from amp_graph.passes import schema
-from amp_graph.passes.meta import AMP, Role
 from amp_graph.policy.python_ops import NORMALIZATION_MODULES
 
 # Newer torch (2.13 has it): a leaf whose gradients have another dtype than the leaf.
@@ -157,37 +155,6 @@ class MasterWeights:
             "model_grads": sum(size(m.grad) for _, m, _ in self.pairs),
             "master_grads": sum(size(w.grad) for _, _, w in self.pairs),
         }
-
-
-def read_only_in_float32(gm: fx.GraphModule, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters among ``params`` that the rewritten graph ``gm`` reads only in float32:
-    each read, through views, is a cast to float32 (the model's ``A_log.float()`` or
-    amp_graph's for an op on the float32 list, as CLIP's ``logit_scale.exp()``) or an op
-    computing in float32. Stored low, such a parameter would be rounded before every read
-    and save no cast; :func:`~amp_graph.compile` reads it in float32, unrounded."""
-    wanted = {id(p): p for p in params}
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or AMP not in node.meta:
-            continue
-        try:
-            value = gm.get_parameter(node.target)
-        except AttributeError:
-            continue  # a buffer or a constant
-        if id(value) in wanted and node.users and all(_read_wide(u) for u in node.users):
-            found.append(wanted.pop(id(value)))
-    return found
-
-
-def _read_wide(node: fx.Node) -> bool:
-    amp = node.meta.get(AMP)
-    if amp is None:
-        return False
-    if amp.role in (Role.CAST, Role.USER_CAST):
-        return amp.out_dtype == torch.float32
-    if amp.role is Role.OP and schema.is_view(node):
-        return bool(node.users) and all(_read_wide(u) for u in node.users)
-    return amp.role is Role.OP and amp.compute_dtype == torch.float32
 
 
 def _swap_in(optimizer: torch.optim.Optimizer, replacements: dict[int, nn.Parameter]) -> None:

@@ -8,8 +8,9 @@ and ``build``); :class:`StepBuilder` is what turns them into a graph per input s
    captured graph is the forward returning each loss;
 2. the capture and rewrite under the Graph's policy, through the front door
    (:mod:`amp_graph.frontends.front_door`), paths read from the Graph (``"model.head"``);
-   under O2, the float32 masters made first, and a parameter the plan reads only in float32
-   released from them before the graph is kept;
+   under O2, the float32 masters made first; a parameter the plan reads only in float32,
+   which it plans stored in float32 (:mod:`amp_graph.passes.widen_parameters`), gets its
+   master's storage back before the graph runs (one capture);
 3. the step graph around it (:mod:`amp_graph.training.step_graph`): micro-batches, loss
    scaling or the non-finite guard, clipping, the fused optimizer steps, the masters, the
    schedulers; under ``config.enable_compile`` its build handed to ``torch.compile``;
@@ -41,11 +42,12 @@ from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.front_door import COMPILE_META, admit, capture_and_rewrite
 from amp_graph.frontends.user_frames import users_stacklevel
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
+from amp_graph.passes.meta import WIDENED_PARAMETERS
 from amp_graph.policy import Policy
 from amp_graph.scaler import GradScaler
 from amp_graph.training import cuda_graph_step as cuda_graphs
 from amp_graph.training.fused_step import FusedStep
-from amp_graph.training.master_weights import MasterWeights, read_only_in_float32
+from amp_graph.training.master_weights import MasterWeights
 from amp_graph.training.step_graph import StepPlan, build_step_graph
 
 log = logging.getLogger(__name__)
@@ -207,14 +209,16 @@ class StepBuilder:
             model_attr=attr,
             # compiled: AOTAutograd's partitioner decides what backward keeps, no hooks
             recompute_hooks=not config.compile,
+            # a parameter read only in float32 gains nothing stored low, and is rounded:
+            # the plan stores it in float32, and it gets its master's storage back here
+            low_copies=self.master.low_parameters() if self.master is not None else (),
         )
-        if self.master is not None:
-            # a parameter read only in float32 gains nothing stored low, and is rounded
-            wide = read_only_in_float32(captured.graph_module, self.master.low_parameters())
-            if wide:
-                released = self.master.release(wide, graph._optimizers)
-                log.info("O2: kept in float32 (read only in float32): %s", ", ".join(released))
-                return self._capture(root, args, dynamic)  # the graph reads them in float32
+        gm = captured.graph_module
+        widened = [gm.get_parameter(target) for target in gm.meta.get(WIDENED_PARAMETERS, ())]
+        if widened:
+            assert self.master is not None
+            released = self.master.release(widened, graph._optimizers)
+            log.info("O2: kept in float32 (read only in float32): %s", ", ".join(released))
         return captured
 
     # ---- the step graph --------------------------------------------------------------
