@@ -13,18 +13,21 @@ form (``amp_graph.frontends.front_door.rewrite`` runs it). Then :func:`run_passe
 2. :mod:`assign_dtypes` - compute dtype and output dtype of every node;
 3. :mod:`widen_parameters` - given O2's low copies of float32 masters (a ``Graph``), those
    the plan reads only in float32 planned stored in float32;
-4. :mod:`low_extremes` - float32's extremes baked as a scalar (``finfo(x.dtype).min`` read
+4. :mod:`place_casts` - with ``Policy(place_casts=True)``, the ops only its default rule
+   makes low labelled low or float32 by an exact minimum cut of the cast bytes
+   (:mod:`cast_cut`); it only raises ops to float32;
+5. :mod:`low_extremes` - float32's extremes baked as a scalar (``finfo(x.dtype).min`` read
    where dynamo traced float32) made the low dtype's, where the op is planned low;
-5. :mod:`insert_casts` - the plan as cast nodes, one per (consumer, input);
-6. :mod:`simplify_casts` - a rule table removes casts that change nothing;
-7. :mod:`verify` - lint plus dtype consistency with the plan;
-8. :mod:`absorb_casts` - a widening cast folded into the one op that reads it, where that op
+6. :mod:`insert_casts` - the plan as cast nodes, one per (consumer, input);
+7. :mod:`simplify_casts` - a rule table removes casts that change nothing;
+8. :mod:`verify` - lint plus dtype consistency with the plan;
+9. :mod:`absorb_casts` - a widening cast folded into the one op that reads it, where that op
    takes ``dtype=`` (softmax, log_softmax, sum, mean);
-9. :mod:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
-10. :mod:`fsdp_planned_reads` - a warning where a parameter ``plan_fsdp`` gathers low is read
+10. :mod:`fsdp_hooks` - FSDP2's forward hooks called at each unit's boundary (sharded models);
+11. :mod:`fsdp_planned_reads` - a warning where a parameter ``plan_fsdp`` gathers low is read
    wider (reads only);
-11. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
-12. :mod:`recompute_casts` - casts whose source outlives the forward, cast again in backward
+12. :func:`outline_checkpoints` - the model's activation checkpoints, recomputed in backward;
+13. :mod:`recompute_casts` - casts whose source outlives the forward, cast again in backward
    instead of kept (weights' low-precision copies, widened activations).
 
 They take one IR: the aten-level GraphModule amp_graph's capture makes, with an example value

@@ -40,6 +40,7 @@ import torch.fx as fx
 from amp_graph.policy import Rule
 
 from .meta import (
+    ISLAND_START,
     LOW_PRECISION,
     NOT_TENSOR,
     TRACED_NOOP_CAST,
@@ -73,22 +74,30 @@ def effective_rule(
     if upcast:
         # float32, not "follow": its other inputs may be low, and an op such as
         # scaled_dot_product_attention needs one dtype
-        amp.detail = (
-            f"{amp.detail}; but input {upcast[0].name!r} descends from a "
-            "float32 cast written in the model, which default rules never undo: "
-            "computes in float32"
+        _add_detail(
+            amp,
+            f"; but input {upcast[0].name!r} descends from a float32 cast written in the "
+            "model, which default rules never undo: computes in float32",
         )
         return Rule.DENY
     made = _reads_only_made_from_integers(node, islands, facts)
     if made:
-        amp.detail = (
-            f"{amp.detail}; but its floating inputs ({', '.join(repr(a.name) for a in made)}) "
-            "were made by the forward in float32 from integers or constants (arange, "
-            "positions, timesteps), which the policy never rounds (Apex O2 casts only "
-            "parameters and inputs): computes in float32"
+        _add_detail(
+            amp,
+            f"; but its floating inputs ({', '.join(repr(a.name) for a in made)}) were made "
+            "by the forward in float32 from integers or constants (arange, positions, "
+            "timesteps), which the policy never rounds (Apex O2 casts only parameters and "
+            "inputs): computes in float32",
         )
         return Rule.DENY
     return rule
+
+
+def _add_detail(amp: AmpInfo, clause: str) -> None:
+    """Append ``clause`` once: a graph planned again (widen_parameters, place_casts) says it
+    once."""
+    if clause not in amp.detail:
+        amp.detail += clause
 
 
 def _reads_only_made_from_integers(
@@ -156,7 +165,8 @@ def track_islands(
     if amp.role is Role.USER_CAST:
         source = input_facts[0] if input_facts else UNKNOWN
         baked = node.meta.get(TRACED_NOOP_CAST, False)  # maybe x.to(y.dtype), as dynamo saw it
-        if out == torch.float32 and not baked and (source is UNKNOWN or source in LOW_PRECISION):
+        was_low = source is UNKNOWN or source in LOW_PRECISION or node.meta.get(ISLAND_START)
+        if out == torch.float32 and not baked and was_low:
             islands.upcast.add(node)
         return
     if out in _WIDE and any(a in islands.upcast for a in node.all_input_nodes):

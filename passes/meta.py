@@ -59,6 +59,11 @@ plan is low). Its target may be a dtype the model read from a tensor (``x.to(y.d
 which dynamo bakes in as a constant, so it never starts a float32 island
 (:mod:`amp_graph.passes.float32_islands`)."""
 
+ISLAND_START = "amp_graph.island_start"
+"""``node.meta`` key, True: a float32 cast the model wrote of a value the plan made low, whose
+input :mod:`amp_graph.passes.place_casts` raised to float32. The cast now changes nothing,
+and it still starts the model's float32 island (:mod:`amp_graph.passes.float32_islands`)."""
+
 CAPTURE_PLAN = "amp_graph.capture_plan"
 """``node.meta`` key: ``(op, compute dtype, dtype facts of node.all_input_nodes as the op
 reads them, after the cast to the compute dtype)``, the decision under which the capture

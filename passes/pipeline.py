@@ -4,7 +4,8 @@ The graph comes flat: :func:`inline_regions` is part of the captured form (``rew
 runs it before it keeps the graph as captured), not a pass of the list.
 
 Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes
--> (widen_parameters, given O2's low copies) -> low_extremes
+-> (widen_parameters, given O2's low copies) -> (place_casts, with
+``Policy(place_casts=True)``) -> low_extremes
 -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
 -> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
 With ``check_each_pass=True`` (the tests use it; ``compile``, the backend and ``Graph``
@@ -38,6 +39,7 @@ from .fsdp_planned_reads import fsdp_planned_reads
 from .insert_casts import insert_casts
 from .low_extremes import low_extremes
 from .meta import VAL, model_root
+from .place_casts import place_casts
 from .recompute_casts import recompute_casts
 from .regions import region_left
 from .result import PassResult
@@ -89,6 +91,8 @@ def amp_passes(
                 lambda gm: widen_parameters(gm, low_copies, low_dtype, policy.cast_inputs),
             )
         )
+    if policy.place_casts:  # after the storage is settled, which it costs; before the casts
+        passes.append(("place_casts", lambda gm: place_casts(gm, low_dtype, policy.cast_inputs)))
     # after the dtypes: it lowers float32's extremes where an op is planned low
     passes.append(("low_extremes", low_extremes))
     passes.append(("insert_casts", insert_casts))

@@ -85,6 +85,13 @@ class Report:
     recompute_cost: str = ""
     casts_absorbed: int = 0  # widening casts folded into the op's dtype= (absorb_casts)
     absorbed_cast_bytes: int = 0  # the float32 copies those casts made, per call
+    # the cast placement (passes.place_casts, O2): free ops it raised to float32, and the
+    # cast bytes per call (forward and backward, as the cut costs them) before and after
+    ops_moved_up: int = 0
+    placed_cast_bytes_before: int = 0
+    placed_cast_bytes_after: int = 0
+    placed_casts_before: int = 0  # casts forward, as the cut counts them
+    placed_casts_after: int = 0
     # FSDP2 units whose MixedPrecisionPolicy the graph honours: unit path -> its fields
     fsdp_mixed_precision: dict[str, str] = field(default_factory=dict)
     # FSDP2 units (no param_dtype yet) whose every parameter read is a cast to the low
@@ -117,6 +124,7 @@ class Report:
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
             + _declined_text(self.casts_recompute_declined, self.recompute_cost)
+            + _placement_text(self)
             + _products_text(self.products, self.wide_products, self.low_products)
             + _fsdp_text(self.fsdp_mixed_precision)
             + _read_low_text(self.fsdp_read_low, self.dtype)
@@ -297,6 +305,18 @@ def _row(node: fx.Node, module: str) -> NodeRow:
     )
 
 
+def _placement_text(report: Report) -> str:
+    """The cast placement's line, where it ran (its counters are there)."""
+    if not report.placed_cast_bytes_before:
+        return ""
+    return (
+        f"\ncast placement (an exact minimum cut): {report.ops_moved_up} free ops raised to "
+        f"float32; casts {report.placed_casts_before} -> {report.placed_casts_after}, bytes "
+        f"per call, forward and backward: {bytes_text(report.placed_cast_bytes_before)} -> "
+        f"{bytes_text(report.placed_cast_bytes_after)}"
+    )
+
+
 def report(compiled: Any) -> Report:
     """Per node: dtype, the rule and what decided it, casts in and out; plus totals.
 
@@ -329,6 +349,11 @@ def report(compiled: Any) -> Report:
         absorbed_cast_bytes=record.stats.get("absorbed_cast_bytes", 0),
         recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
         casts_recompute_declined=record.stats.get("casts_recompute_declined", 0),
+        ops_moved_up=record.stats.get("ops_moved_up", 0),
+        placed_cast_bytes_before=record.stats.get("placed_cast_bytes_before", 0),
+        placed_cast_bytes_after=record.stats.get("placed_cast_bytes_after", 0),
+        placed_casts_before=record.stats.get("placed_casts_before", 0),
+        placed_casts_after=record.stats.get("placed_casts_after", 0),
         recompute_cost=record.recompute_cost.describe() if record.recompute_cost else "",
         fsdp_mixed_precision=dict(compiled.meta.get(FSDP_MIXED_PRECISION, {})),
         fsdp_read_low=fsdp_units_read_low(compiled, record.dtype),
@@ -455,6 +480,8 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             f"Its rule is {Rule.FOLLOW.value}, fixed by what it is: {amp.detail}. No policy "
             "or override reclassifies it; its consumers' rules decide the casts around it."
         )
+    elif decided and amp.source == "placement":
+        text.append(f"It computes in float32: {amp.detail}.")
     elif decided:
         text.append(
             f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
@@ -496,6 +523,11 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             f"returning False for module '{amp.module_path}', or an fp32 override of the layer "
             f"(Policy.override(nodes={{'{linear}': 'fp32'}}) or its module path), which "
             "outranks fp8."
+        )
+    elif decided and amp.source == "placement":
+        text.append(
+            f"To keep it low: Policy.override(nodes={{'{node.name}': 'low'}}) (an explicit rule "
+            "is a constraint the placement keeps), or Policy(place_casts=False) for none."
         )
     elif decided:
         other = "low" if amp.rule is Rule.DENY else "fp32"

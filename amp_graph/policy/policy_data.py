@@ -47,6 +47,7 @@ def policy_as_data(policy: Policy) -> dict[str, Any]:
     data["cast_inputs"] = policy.cast_inputs
     data["master_weights"] = policy.master_weights
     data["recompute_casts"] = policy.recompute_casts
+    data["place_casts"] = policy.place_casts
     data["ops"] = {_key_name(key): rule.value for key, rule in policy.ops.items()}
     data["module_types"] = {_type_name(t): rule.value for t, rule in policy.module_types.items()}
     for name in _RULE_MAPS:
@@ -68,6 +69,7 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
     if data.get("format") != FORMAT:
         raise ValueError(f"not a policy amp_graph stored (format {data.get('format')!r})")
     known = {"format", "name", "default", "cast_inputs", "master_weights", "recompute_casts"}
+    known.add("place_casts")
     known |= {"ops", "module_types", "fp8", *_SETS, *_RULE_MAPS, *_TEXT_MAPS}
     if unknown := set(data) - known:
         raise ValueError(f"unknown policy fields {sorted(unknown)}")
@@ -79,6 +81,7 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
         cast_inputs=bool(data["cast_inputs"]),
         master_weights=bool(data["master_weights"]),
         recompute_casts=data["recompute_casts"],
+        place_casts=bool(data.get("place_casts", False)),
         ops={_key(name): Rule(rule) for name, rule in data.get("ops", {}).items()},
         module_types={_type(n): Rule(rule) for n, rule in data.get("module_types", {}).items()},
         **{

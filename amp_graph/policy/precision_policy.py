@@ -317,6 +317,12 @@ class Policy:
             recompute runs no Python; every FSDP2 unit's). ``True``: every one. An int:
             those whose copy has at least that many bytes. ``False``: none, as
             torch.autocast.
+        place_casts: label the ops only the default rule makes low (O2's free ops) low or
+            float32 by an exact minimum cut of the cast bytes, forward and backward
+            (``passes.place_casts``): it only ever raises ops to float32, and never grows
+            what backward holds. False (the default): the rules' plan, the same at every
+            entry point; True: on (it has free ops to place only where the default rule is
+            ``ALLOW``: O2, O3).
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
             it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
             points for CPU models). Such an op computes in float32 whatever else the policy says.
@@ -338,6 +344,7 @@ class Policy:
     notes: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
     recompute_casts: bool | str | int = "auto"
     missing_kernels: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
+    place_casts: bool = False
 
     def __post_init__(self) -> None:
         """Validate and normalize every field, however the Policy was built (the
@@ -354,6 +361,11 @@ class Policy:
             if not isinstance(value, bool):
                 raise ValueError(f"Policy {flag} is True or False; got {value!r}")
         _check_recompute_casts(self.recompute_casts)
+        if not isinstance(self.place_casts, bool):
+            raise ValueError(
+                f"Policy place_casts is True (place O2's casts by a minimum cut) or False (the "
+                f"rules' plan, the default); got {self.place_casts!r}"
+            )
         object.__setattr__(self, "default", as_rule(self.default))
         object.__setattr__(self, "ops", _checked_ops(self.ops))
         object.__setattr__(self, "module_types", _checked_module_types(self.module_types))

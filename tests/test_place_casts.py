@@ -1,0 +1,298 @@
+"""The cast placement (passes/place_casts.py) on models as people write them: under O2 the
+free ops (low by the default rule alone) are labelled by an exact minimum cut of the cast
+bytes. It only raises ops to float32, the graph's casts cost what the cut says, which is
+never more than the rules' plan, and gradients stay within bf16's rounding of today's."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+from amp_graph.passes.assign_dtypes import assign_dtypes
+from amp_graph.passes.cast_cut import cost_of, solve
+from amp_graph.passes.classify import classify
+from amp_graph.passes.graph_copy import copy_graph_module
+from amp_graph.passes.insert_casts import insert_casts
+from amp_graph.passes.meta import AMP, Role, has_cast_role
+from amp_graph.passes.place_casts import cast_bytes as one_cast
+from amp_graph.passes.place_casts import cast_problem, gradient_values, place_casts
+from amp_graph.passes.simplify_casts import simplify_casts
+from model_zoo import build
+
+import amp_graph
+from amp_graph.frontends.compiler import compile_record
+from amp_graph.inspect.held import held_for_backward
+
+BF16 = torch.bfloat16
+LOW_AND_FP32 = (BF16, torch.float32)
+MODELS = ["gpt2", "bert", "clip", "deberta_v2", "opt", "t5_encoder"]
+
+
+def o2(place: bool = True) -> amp_graph.Policy:
+    return dataclasses.replace(amp_graph.Policy.preset("O2"), place_casts=place)
+
+
+def compiled(name: str, policy: amp_graph.Policy):
+    model, kwargs = build(name)
+    model.eval()  # dropout off: the two plans see the same random numbers (none)
+    c = amp_graph.compile(model, policy=policy, dtype=BF16)
+    c(**kwargs)
+    return model, kwargs, c
+
+
+def planned(name: str, place: bool) -> tuple[torch.fx.GraphModule, dict[str, int]]:
+    """The captured graph of ``name`` planned under O2 and cast (classify, assign_dtypes,
+    place_casts where asked, insert_casts, simplify_casts), with place_casts' counters."""
+    _, _, c = compiled(name, o2(False))
+    record = compile_record(c.graph_module)
+    gm = copy_graph_module(record.original)
+    classify(gm, record.policy)
+    assign_dtypes(gm, BF16, record.policy.cast_inputs)
+    stats = place_casts(gm, BF16, record.policy.cast_inputs).stats if place else {}
+    insert_casts(gm)
+    simplify_casts(gm)
+    return gm, stats
+
+
+def cast_bytes(gm: torch.fx.GraphModule) -> int:
+    """The bytes the graph's conversions between bf16 and float32 move per call, as the cut
+    costs them: read one, write the other, and the gradient's cast back where there is one.
+    Counts amp_graph's casts and those the model wrote that change a dtype."""
+    total = 0
+    with_grad = gradient_values(gm)
+    for node in gm.graph.nodes:
+        amp = node.meta.get(AMP)
+        converts = amp is not None and (has_cast_role(node) or amp.role is Role.USER_CAST)
+        if not converts or not node.all_input_nodes:
+            continue
+        source = node.all_input_nodes[0]
+        src, dst = source.meta[AMP].out_dtype, amp.out_dtype
+        if src == dst or src not in LOW_AND_FP32 or dst not in LOW_AND_FP32:
+            continue
+        total += one_cast(source, BF16, with_grad)
+    return total
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_graphs_casts_cost_what_the_cut_says(name):
+    before, _ = planned(name, place=False)
+    after, stats = planned(name, place=True)
+    assert cast_bytes(before) == stats["placed_cast_bytes_before"]
+    assert cast_bytes(after) == stats["placed_cast_bytes_after"]
+    assert stats["placed_cast_bytes_after"] <= stats["placed_cast_bytes_before"]
+
+
+@pytest.mark.parametrize("name", ["bert", "clip", "deberta_v2"])
+def test_o2_casts_fewer_bytes_on_encoders(name):
+    _, stats = planned(name, place=True)
+    assert stats["ops_moved_up"] > 0
+    assert stats["placed_cast_bytes_after"] <= 0.92 * stats["placed_cast_bytes_before"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_no_op_moves_down_and_outputs_keep_their_dtypes(name):
+    before, _ = planned(name, place=False)
+    after, stats = planned(name, place=True)
+    was = {n.name: n.meta[AMP] for n in before.graph.nodes}
+    raised = []
+    for node in after.graph.nodes:
+        amp = node.meta[AMP]
+        if node.name not in was or amp.role is Role.CAST:
+            continue
+        old = was[node.name]
+        if amp.compute_dtype != old.compute_dtype:
+            assert (old.compute_dtype, amp.compute_dtype) == (BF16, torch.float32), node.name
+            assert amp.source == "placement" and old.source == "default", node.name
+            raised.append(node.name)
+    assert len(raised) == stats.get("ops_moved_up", 0)
+    outputs = [n for n in after.graph.nodes if n.op == "output"]
+    assert outputs[0].meta[AMP].out_dtype == was["output"].out_dtype
+
+
+def _encoder(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "bert":
+        config = transformers.BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            vocab_size=100,
+        )
+        return transformers.BertModel(config).eval()
+    config = transformers.GPT2Config(
+        n_positions=64, n_embd=64, n_layer=2, n_head=2, vocab_size=100, use_cache=False
+    )
+    return transformers.GPT2Model(config).eval()
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_gradients_stay_within_bf16s_rounding_of_the_rules_plan(name):
+    """All gradients together, placed, are as close to float32's as the rules' plan's are,
+    and within bf16's rounding of them (8x32 tokens: on a handful of numbers the rounding of
+    either plan is noise)."""
+    tokens = torch.randint(0, 100, (8, 32), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for plan, policy in (
+        ("rules", o2(False)),
+        ("placed", o2(True)),
+        ("float32", amp_graph.Policy.preset("O0")),
+    ):
+        model = _encoder(name)
+        c = amp_graph.compile(model, policy=policy, dtype=BF16)
+        c(input_ids=tokens).last_hidden_state.float().square().mean().backward()
+        grads[plan] = torch.cat(
+            [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        )
+    reference = grads["float32"].norm()
+    rules = (grads["rules"] - grads["float32"]).norm() / reference
+    placed = (grads["placed"] - grads["float32"]).norm() / reference
+    assert placed <= max(1.25 * rules, 2**-9)
+    assert (grads["placed"] - grads["rules"]).norm() / reference <= 2**-7
+
+
+class TinyLM(nn.Module):
+    """Pre-norm residual blocks over token and position embeddings, as nanoGPT writes
+    them: the stream starts from two float32 tables and runs through adds between low
+    matmuls and float32 norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(64, 16), nn.Embedding(32, 16)
+        self.norm = nn.LayerNorm(16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.final = nn.LayerNorm(16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for _ in range(2):
+            x = x + self.down(torch.relu(self.up(self.norm(x))))
+        return self.final(x)
+
+
+TOKENS = torch.randint(0, 64, (2, 8))
+
+
+def _small_problem():
+    model = TinyLM()
+    c = amp_graph.compile(model, policy=o2(False), dtype=BF16)
+    c(TOKENS)
+    record = compile_record(c.graph_module)
+    gm = copy_graph_module(record.original)
+    classify(gm, record.policy)
+    assign_dtypes(gm, BF16, record.policy.cast_inputs)
+    return gm, record
+
+
+def test_on_a_real_graph_the_cut_is_the_brute_force_optimum():
+    gm, _ = _small_problem()
+    problem, free = cast_problem(gm, BF16)
+    assert 2 <= len(free) <= 16
+    best = min(
+        (cost_of(problem, [n for n, up in zip(problem.free, bits, strict=True) if up]), sum(bits))
+        for bits in itertools.product((False, True), repeat=len(problem.free))
+        if _keeps_ties(problem, bits)
+    )
+    placement = solve(problem)
+    assert (placement.cost, len(placement.raised)) == best
+    assert placement.cost < placement.cost_before  # the residual adds go up: casts saved
+
+
+def _keeps_ties(problem, bits) -> bool:
+    try:
+        cost_of(problem, [n for n, up in zip(problem.free, bits, strict=True) if up])
+    except ValueError:
+        return False
+    return True
+
+
+def test_the_tables_are_gathered_then_cast_and_explain_says_so():
+    """TinyLM's float32 tables: the rules cast each whole to bf16 for its gather; placed,
+    the gathers read them in float32 and only the rows gathered are cast. The adds stay low:
+    the norms save them for backward, which would then hold them in float32."""
+    c = amp_graph.compile(TinyLM(), policy=o2(), dtype=BF16)
+    c(TOKENS)
+    nodes = {n.name: n for n in c.graph_module.graph.nodes}
+    gathers = [nodes["embedding"], nodes["embedding_1"]]
+    for gather in gathers:
+        assert gather.meta[AMP].source == "placement"
+        assert gather.meta[AMP].compute_dtype == torch.float32
+        table = gather.args[0]
+        assert not has_cast_role(table) and table.op == "get_attr"
+    adds = [n for name, n in nodes.items() if name.startswith("add") and not has_cast_role(n)]
+    assert adds and all(n.meta[AMP].compute_dtype == BF16 for n in adds)
+    text = amp_graph.explain(c, "embedding")
+    assert "cast placement" in text and "bytes of casts per call" in text
+    assert "nodes={'embedding': 'low'}" in text
+    report = amp_graph.report(c)
+    assert report.ops_moved_up == 2
+    assert report.placed_cast_bytes_after < report.placed_cast_bytes_before
+    assert report.placed_casts_after == report.placed_casts_before  # smaller ones: rows
+    casts = f"casts {report.placed_casts_before} -> {report.placed_casts_after}"
+    assert casts in report.totals()
+    assert "cast placement (an exact minimum cut)" in report.totals()
+    # an explicit rule is a constraint: the overridden gather stays low
+    kept = amp_graph.compile(TinyLM(), policy=o2().override(nodes={"embedding": "low"}))
+    kept(TOKENS)
+    node = next(n for n in kept.graph_module.graph.nodes if n.name == "embedding")
+    assert node.meta[AMP].compute_dtype == BF16
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "clip", "opt"])
+def test_backward_holds_no_more_than_under_the_rules(name):
+    held = {}
+    for place in (False, True):
+        model, kwargs, c = compiled(name, o2(place))
+        params = [*model.parameters(), *model.buffers()]
+        held[place], _ = held_for_backward(lambda c=c, k=kwargs: c(**k), exclude=params)
+    assert held[True] <= held[False]
+
+
+def test_a_calibrated_island_has_no_low_op():
+    """GPT-2 with one MLP overridden to float32: every op inside the island computes in
+    float32 and reads its neighbours there without a cast."""
+    policy = o2().override(modules={"transformer.h.0.mlp": "fp32"})
+    _, _, c = compiled("gpt2", policy)
+    inside = [
+        n
+        for n in c.graph_module.graph.nodes
+        if n.meta[AMP].module_path.startswith("transformer.h.0.mlp") and not has_cast_role(n)
+    ]
+    assert inside
+    ops = [n for n in inside if n.meta[AMP].compute_dtype is not None]
+    assert ops and all(n.meta[AMP].compute_dtype == torch.float32 for n in ops)
+    for node in inside:  # no cast between two of its ops
+        casts = [a for a in node.all_input_nodes if has_cast_role(a)]
+        assert not any(c.args[0] in inside for c in casts), node
+
+
+def test_it_is_asked_for_and_checked():
+    """Off by default (the rules' plan at every entry point), on with place_casts=True."""
+    assert amp_graph.Policy.preset("O2").place_casts is False
+    model = TinyLM()
+    rules = amp_graph.compile(model, policy="O2", dtype=BF16)
+    rules(TOKENS)
+    assert "place_casts" not in compile_record(rules.graph_module).seconds
+    assert "cast placement" not in amp_graph.report(rules).totals()
+    with pytest.raises(ValueError, match="place_casts is True"):
+        dataclasses.replace(amp_graph.Policy.preset("O2"), place_casts="yes")
+    from amp_graph.policy.policy_data import policy_as_data, policy_from_data
+
+    assert policy_from_data(policy_as_data(o2(True))).place_casts is True
+    assert policy_from_data(policy_as_data(o2(False))).place_casts is False
+
+
+def test_o1_has_nothing_to_place():
+    """O1's default rule is FOLLOW: no free op, so the placement changes no dtype."""
+    plans = {}
+    for place in (False, True):
+        policy = dataclasses.replace(amp_graph.Policy.preset("O1"), place_casts=place)
+        c = amp_graph.compile(TinyLM(), policy=policy, dtype=BF16)
+        c(TOKENS)
+        plans[place] = [(n.name, n.meta[AMP].compute_dtype) for n in c.graph_module.graph.nodes]
+    assert plans[True] == plans[False]
