@@ -28,8 +28,8 @@ import statistics
 import time
 
 import torch
-from amp_graph.passes.meta import AMP, Role, has_cast_role
-from amp_graph.passes.place_casts import cast_bytes, gradient_values
+from amp_graph.passes.meta import AMP, has_cast_role
+from amp_graph.passes.place_casts import converted_bytes
 from measure import interleaved_seconds
 
 import amp_graph
@@ -86,23 +86,6 @@ def loss_of(out) -> torch.Tensor:
     return value.float().square().mean()
 
 
-def graph_cast_bytes(gm: torch.fx.GraphModule) -> int:
-    """Bytes the graph's conversions between bf16 and float32 move per call (forward and the
-    gradients' casts back), as the cut costs them."""
-    with_grad = gradient_values(gm)
-    total = 0
-    for node in gm.graph.nodes:
-        amp = node.meta.get(AMP)
-        converts = amp is not None and (has_cast_role(node) or amp.role is Role.USER_CAST)
-        if not converts or not node.all_input_nodes:
-            continue
-        source = node.all_input_nodes[0]
-        dtypes = (source.meta[AMP].out_dtype, amp.out_dtype)
-        if dtypes in ((BF16, torch.float32), (torch.float32, BF16)):
-            total += cast_bytes(source, BF16, with_grad)
-    return total
-
-
 def one_model(name: str, repeats: int, quick: bool) -> None:
     rows = {}
     steps = {}
@@ -116,7 +99,7 @@ def one_model(name: str, repeats: int, quick: bool) -> None:
         held, out = held_for_backward(lambda c=compiled, k=kwargs: c(**k), exclude=params)
         loss_of(out).backward()
         rows[place] = {
-            "graph": graph_cast_bytes(gm),
+            "graph": converted_bytes(gm, BF16),
             "cut": record.stats.get("placed_cast_bytes_after"),
             "moved": record.stats.get("ops_moved_up", 0),
             "held": held,

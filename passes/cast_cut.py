@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import networkx as nx
-from networkx.algorithms.flow import preflow_push
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 class Constant:
@@ -197,6 +198,8 @@ def flow_network(problem: CastProblem) -> nx.DiGraph:
     for a, b in problem.tied:
         infinite += [(_vertex(a), _vertex(b)), (_vertex(b), _vertex(a))]
     big = sum(edges.values()) + 1  # more than every finite edge together: never cut
+    import networkx as nx  # here: off by default, the placement costs no import time
+
     graph = nx.DiGraph()
     graph.add_nodes_from([_SOURCE, _SINK])
     graph.add_nodes_from(_vertex(name) for name in problem.free)
@@ -215,6 +218,8 @@ def solve(problem: CastProblem) -> Placement:
     if not problem.free:
         return Placement(frozenset(), before, before)
     graph = flow_network(problem)
+    from networkx.algorithms.flow import preflow_push
+
     residual = preflow_push(graph, _SOURCE, _SINK)
     # The smallest source side of a minimum cut: what the source still reaches.
     reached = {_SOURCE}

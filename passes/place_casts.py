@@ -65,6 +65,7 @@ from .meta import (
     VAL,
     AmpInfo,
     Role,
+    has_cast_role,
     tensor_facts,
 )
 from .result import PassResult
@@ -182,18 +183,15 @@ class _Builder:
         """``user`` reads ``value`` in float32 and its backward saves it (or, for the model's
         float32 cast of it, what reads that cast saves it): raised, ``value`` itself would be
         held in float32, where today backward may hold it low and widen it again."""
-        if amp.role is Role.USER_CAST:
-            return amp.out_dtype == torch.float32 and any(
-                self.held_wide(user, reader, reader.meta[AMP])
-                for reader in user.users
-                if AMP in reader.meta
-            )
-        if _alias_source(user, amp) is value:
+        upcast = amp.role is Role.USER_CAST and amp.out_dtype == torch.float32
+        if upcast or _alias_source(user, amp) is value:  # what reads it reads ``value``
             return any(
                 self.held_wide(user, reader, reader.meta[AMP])
                 for reader in user.users
                 if AMP in reader.meta
             )
+        if amp.role is Role.USER_CAST:
+            return False
         reads_wide = amp.role is Role.OP and amp.compute_dtype == torch.float32
         return reads_wide and value in self.saved.inputs(user)
 
@@ -335,6 +333,24 @@ def cast_bytes(value: fx.Node, low: torch.dtype, with_grad: set[fx.Node]) -> int
     return _numel(value.meta.get(VAL)) * (low.itemsize + 4) * (2 if value in with_grad else 1)
 
 
+def converted_bytes(gm: fx.GraphModule, low: torch.dtype) -> int:
+    """The bytes the rewritten graph's conversions between ``low`` and float32 move per call,
+    as :func:`cast_bytes` costs one: amp_graph's casts and those the model wrote that change
+    a dtype. What the placement's figures are checked against."""
+    with_grad = gradient_values(gm)
+    total = 0
+    for node in gm.graph.nodes:
+        amp: AmpInfo | None = node.meta.get(AMP)
+        converts = amp is not None and (has_cast_role(node) or amp.role is Role.USER_CAST)
+        if not converts or not node.all_input_nodes:
+            continue
+        source = node.all_input_nodes[0]
+        dtypes = (source.meta[AMP].out_dtype, amp.out_dtype)
+        if dtypes in ((low, torch.float32), (torch.float32, low)):
+            total += cast_bytes(source, low, with_grad)
+    return total
+
+
 def cast_problem(gm: fx.GraphModule, low: torch.dtype) -> tuple[CastProblem, dict[str, fx.Node]]:
     """The planned graph's placement problem, and its free ops by label."""
     builder = _Builder(low, gradient_values(gm))
@@ -388,11 +404,7 @@ def _keep_island(user: fx.Node) -> None:
     if amp.role is Role.USER_CAST and amp.out_dtype == torch.float32:
         if not user.meta.get(TRACED_NOOP_CAST, False):
             user.meta[ISLAND_START] = True
-    elif (
-        amp.role is Role.OP
-        and amp.rule is Rule.FOLLOW
-        and (user.target is operator.getitem or schema.is_view(user))
-    ):
+    elif _alias_source(user, amp) is not None:
         for next_user in user.users:
             _keep_island(next_user)
 
@@ -417,4 +429,4 @@ def _check_replanned(
             )
 
 
-__all__ = ["cast_bytes", "cast_problem", "gradient_values", "place_casts"]
+__all__ = ["cast_bytes", "cast_problem", "converted_bytes", "gradient_values", "place_casts"]

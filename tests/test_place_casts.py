@@ -17,8 +17,7 @@ from amp_graph.passes.classify import classify
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.insert_casts import insert_casts
 from amp_graph.passes.meta import AMP, Role, has_cast_role
-from amp_graph.passes.place_casts import cast_bytes as one_cast
-from amp_graph.passes.place_casts import cast_problem, gradient_values, place_casts
+from amp_graph.passes.place_casts import cast_problem, converted_bytes, place_casts
 from amp_graph.passes.simplify_casts import simplify_casts
 from model_zoo import build
 
@@ -58,22 +57,9 @@ def planned(name: str, place: bool) -> tuple[torch.fx.GraphModule, dict[str, int
 
 
 def cast_bytes(gm: torch.fx.GraphModule) -> int:
-    """The bytes the graph's conversions between bf16 and float32 move per call, as the cut
-    costs them: read one, write the other, and the gradient's cast back where there is one.
-    Counts amp_graph's casts and those the model wrote that change a dtype."""
-    total = 0
-    with_grad = gradient_values(gm)
-    for node in gm.graph.nodes:
-        amp = node.meta.get(AMP)
-        converts = amp is not None and (has_cast_role(node) or amp.role is Role.USER_CAST)
-        if not converts or not node.all_input_nodes:
-            continue
-        source = node.all_input_nodes[0]
-        src, dst = source.meta[AMP].out_dtype, amp.out_dtype
-        if src == dst or src not in LOW_AND_FP32 or dst not in LOW_AND_FP32:
-            continue
-        total += one_cast(source, BF16, with_grad)
-    return total
+    """The bytes the graph's conversions between bf16 and float32 move per call, counted on
+    its cast nodes (not on the cut's problem)."""
+    return converted_bytes(gm, BF16)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -69,8 +69,7 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
     if data.get("format") != FORMAT:
         raise ValueError(f"not a policy amp_graph stored (format {data.get('format')!r})")
     known = {"format", "name", "default", "cast_inputs", "master_weights", "recompute_casts"}
-    known.add("place_casts")
-    known |= {"ops", "module_types", "fp8", *_SETS, *_RULE_MAPS, *_TEXT_MAPS}
+    known |= {"place_casts", "ops", "module_types", "fp8", *_SETS, *_RULE_MAPS, *_TEXT_MAPS}
     if unknown := set(data) - known:
         raise ValueError(f"unknown policy fields {sorted(unknown)}")
     fp8 = data.get("fp8")
