@@ -285,6 +285,8 @@ class _Planner(fx.Interpreter):
             if compute is not None:
                 args, kwargs = self._cast((args, kwargs), compute)
             out = self._evaluate(node, amp, args, kwargs)
+            if self.plan:  # meta["val"] becomes this value: no longer the capture's
+                node.meta.pop(CAPTURE_PLAN, None)
         if self.plan:
             track_islands(node, amp, facts, fact(out), self.islands, self.facts)
         return out

@@ -68,7 +68,9 @@ CAPTURE_PLAN = "amp_graph.capture_plan"
 """``node.meta`` key: ``(op, compute dtype, dtype facts of node.all_input_nodes as the op
 reads them, after the cast to the compute dtype)``, the decision under which the capture
 computed the node's ``meta["val"]`` (amp_graph.capture.planned_dtypes). A pass that reaches the same
-decision for the same op has its value already (assign_dtypes)."""
+decision for the same op has its value already (assign_dtypes). assign_dtypes removes it
+where it writes a value of its own, so that a re-plan (widen_parameters', place_casts')
+never takes one plan's value for the capture's."""
 
 FSDP_UNITS = "amp_graph.fsdp_units"
 """``gm.meta`` key: the module paths of the model's FSDP2 units (relative to the module the

@@ -282,3 +282,29 @@ def test_o1_has_nothing_to_place():
         c(TOKENS)
         plans[place] = [(n.name, n.meta[AMP].compute_dtype) for n in c.graph_module.graph.nodes]
     assert plans[True] == plans[False]
+
+
+def test_a_replan_never_takes_the_first_plans_value_for_its_own():
+    """HF Mamba's ``-torch.exp(self.A_log.float())`` of its slow path: the capture computed
+    the ``neg`` in float32, the rules plan it low, the cut raises it back. assign_dtypes
+    wrote the rules' bf16 value over the capture's, so the re-plan, reaching the capture's
+    decision again, must not take that value as the capture's (assign_dtypes drops the
+    capture's record, meta CAPTURE_PLAN, where it writes a value of its own)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(
+        hidden_size=32, num_hidden_layers=2, vocab_size=100, state_size=8, use_cache=False
+    )
+    model = transformers.MambaForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (2, 12))
+    c = amp_graph.compile(model, o2(), BF16, check_each_pass=True)
+    with torch.no_grad():
+        placed = c(input_ids=ids).logits
+    raised = [n for n in c.graph_module.graph.nodes if n.meta[AMP].source == "placement"]
+    assert raised
+    for node in raised:
+        assert node.meta[AMP].compute_dtype == torch.float32
+        assert node.meta["val"].dtype == node.meta[AMP].out_dtype == torch.float32
+    with torch.no_grad():
+        rules = amp_graph.compile(model, o2(False), BF16)(input_ids=ids).logits
+    torch.testing.assert_close(placed, rules, rtol=2e-2, atol=2e-2)
