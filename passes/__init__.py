@@ -11,11 +11,11 @@ form (``amp_graph.frontends.front_door.rewrite`` runs it). Then :func:`run_passe
 
 1. :mod:`classify` - each node's policy rule and what decided it;
 2. :mod:`assign_dtypes` - compute dtype and output dtype of every node;
-3. :mod:`widen_parameters` - given O2's low copies of float32 masters (a ``Graph``), those
-   the plan reads only in float32 planned stored in float32;
-4. :mod:`place_casts` - with ``Policy(place_casts=True)``, the ops only its default rule
-   makes low labelled low or float32 by an exact minimum cut of the cast bytes
+3. :mod:`place_casts` - under O2 (``Policy.place_casts``, its default), the ops only its
+   default rule makes low labelled low or float32 by an exact minimum cut of the cast bytes
    (:mod:`cast_cut`); it only raises ops to float32;
+4. :mod:`widen_parameters` - given O2's low copies of float32 masters (a ``Graph``), those
+   the plan reads only in float32 planned stored in float32;
 5. :mod:`low_extremes` - float32's extremes baked as a scalar (``finfo(x.dtype).min`` read
    where dynamo traced float32) made the low dtype's, where the op is planned low;
 6. :mod:`insert_casts` - the plan as cast nodes, one per (consumer, input);

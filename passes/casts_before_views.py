@@ -1,5 +1,5 @@
-"""Pass casts_before_views: a parameter or buffer read through layout views and then cast
-is cast first, and viewed after.
+"""Pass casts_before_views: a parameter or buffer read through layout views (or gathered)
+and then cast is cast first, and viewed (or gathered) after.
 
 Model code often reads a weight through a view before the op that needs it low: Falcon's
 ``x @ self.weight.T``, a mixture of experts' ``gate_up_proj.transpose(1, 2)``, SD3's
@@ -7,17 +7,23 @@ Model code often reads a weight through a view before the op that needs it low: 
 reader is the view, and :func:`passes.state_casts` (which stores low, for
 :mod:`amp_graph.deploy`, only the state every reader casts) keeps such a weight in
 float32. With the cast moved before the views, the weight's one reader is a cast and it is
-stored low.
+stored low. The same holds for a gather: under O2 the cast placement (:mod:`place_casts`)
+looks rows up in a float32 embedding table and casts the rows, instead of the table, which
+in training saves casting the whole table every step; deployed, the table is stored low and
+the lookup reads it, the same bits.
 
-Reads: ``get_attr`` nodes, their users through the views of ``LAYOUT_VIEWS``, and the casts
-at the end (:func:`passes.aten_casts.cast_dtype`; run after aten_casts). Writes: one
-``_to_copy`` of the state per such tensor read, the views then read it; the casts after the
-views are removed; the views' ``meta["val"]`` and ``meta["amp"].out_dtype`` become the low
-dtype. Guarantees: every reader receives the same values (a cast converts element by element, and
-commutes with selecting and relaying out elements) with the same sizes and strides (checked
-on the fake values before anything changes: a cast of a slice is contiguous, a slice of a
-cast is not); only state read through these views and nothing else, every read ending in a
-cast to one dtype narrower than its own, is touched.
+Reads: ``get_attr`` nodes, their users through the views of ``LAYOUT_VIEWS`` and the
+gathers of ``GATHERS`` (the state as their first argument), and the conversions at the end
+(:func:`passes.aten_casts.cast_dtype`, run after aten_casts; or the model's own
+``x.to(dtype)``, which the plan may have made a cast, where it changes only the dtype).
+Writes: one ``_to_copy`` of the state per such tensor read, the views then read it; the
+conversions after the views are removed; the views' ``meta["val"]`` and
+``meta["amp"].out_dtype`` (a gather's ``compute_dtype`` too) become the low dtype.
+Guarantees: every reader receives the same values (a cast converts element by element, and
+commutes with selecting, gathering and relaying out elements) with the same sizes and
+strides (checked on the fake values before anything changes: a cast of a slice is
+contiguous, a slice of a cast is not); only state read through these views and nothing
+else, every read ending in a conversion to one dtype narrower than its own, is touched.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.node import map_arg
 
 from .aten_casts import TO_COPY, cast_dtype
 from .meta import AMP, VAL
@@ -53,15 +60,68 @@ LAYOUT_VIEWS = frozenset(
 )
 
 
+# ops that only select elements of their first argument (no arithmetic): a cast commutes
+# with each (the values gathered are the same bits either way)
+GATHERS = frozenset(
+    {
+        aten.embedding.default,
+        aten.index_select.default,
+        aten.index.Tensor,
+    }
+)
+
+
+def _selects(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` is a view or a gather of ``node``'s elements."""
+    return (
+        user.op == "call_function"
+        and user.target in LAYOUT_VIEWS | GATHERS
+        and user.args[0] is node
+        and node not in user.args[1:]
+    )
+
+
+# the model's own conversions, as export spells ``x.to(dtype)`` and ``x.to(device)`` (which
+# the plan may have made a cast)
+_MODEL_CONVERSIONS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default)
+
+
+def _conversion_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` converts its input to, where it changes nothing else (not the
+    device, layout or memory format, and makes no copy it was asked for): an amp_graph
+    cast, or the model's own conversion."""
+    dtype = cast_dtype(node)
+    if dtype is not None or node.op != "call_function" or node.target not in _MODEL_CONVERSIONS:
+        return dtype
+    kwargs = dict(node.kwargs)
+    if node.target is aten.to.dtype and len(node.args) > 1:
+        kwargs.setdefault("dtype", node.args[1])
+    elif len(node.args) > 1:
+        return None
+    source = node.args[0].meta.get(VAL) if isinstance(node.args[0], fx.Node) else None
+    dtype = kwargs.pop("dtype", None)
+    device = kwargs.pop("device", None)
+    if kwargs.pop("layout", torch.strided) not in (None, torch.strided):
+        return None
+    if kwargs.pop("memory_format", None) not in (None, torch.preserve_format):
+        return None
+    kwargs.pop("non_blocking", None)
+    if kwargs or not isinstance(dtype, torch.dtype) or not isinstance(source, torch.Tensor):
+        return None  # ``copy=True``, or a fact unknown
+    if device is not None and torch.device(device) != source.device:
+        return None
+    return dtype
+
+
 def _views_and_casts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
     """The layout views under ``node`` and the casts ending them, or None if any reader is
     something else."""
     views: list[fx.Node] = []
     casts: list[fx.Node] = []
     for user in node.users:
-        if cast_dtype(user) is not None and user.args[0] is node:
+        if _conversion_dtype(user) is not None and user.args[0] is node:
             casts.append(user)
-        elif user.op == "call_function" and user.target in LAYOUT_VIEWS and user.args[0] is node:
+        elif _selects(user, node):
             below = _views_and_casts(user)
             if below is None or not below[1]:
                 return None
@@ -85,7 +145,9 @@ def _viewed(node: fx.Node, low: torch.Tensor, views: list[fx.Node]) -> dict[fx.N
     """The views' values with the state cast first (views in graph order: parents first)."""
     vals = {node: low}
     for view in views:
-        vals[view] = view.target(vals[view.args[0]], *view.args[1:], **view.kwargs)
+        # a gather's indices: their example values
+        rest = map_arg((view.args[1:], view.kwargs), lambda a: a.meta.get(VAL))
+        vals[view] = view.target(vals[view.args[0]], *rest[0], **rest[1])
     return vals
 
 
@@ -117,7 +179,7 @@ def casts_before_views(gm: fx.GraphModule) -> PassResult:
         if found is None or not found[0]:
             continue
         views, casts = found
-        dtypes = {cast_dtype(c) for c in casts}
+        dtypes = {_conversion_dtype(c) for c in casts}
         if len(dtypes) != 1:
             continue
         (dtype,) = dtypes
@@ -138,6 +200,8 @@ def casts_before_views(gm: fx.GraphModule) -> PassResult:
             view.meta[VAL] = vals[view]
             if AMP in view.meta:
                 view.meta[AMP].out_dtype = dtype
+                if view.target in GATHERS:  # it gathers the low copy now
+                    view.meta[AMP].compute_dtype = dtype
         for old in casts:
             old.replace_all_uses_with(old.args[0])
             gm.graph.erase_node(old)
@@ -145,4 +209,4 @@ def casts_before_views(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, bool(moved), {"state_casts_before_views": moved} if moved else {})
 
 
-__all__ = ["LAYOUT_VIEWS", "casts_before_views"]
+__all__ = ["GATHERS", "LAYOUT_VIEWS", "casts_before_views"]

@@ -4,8 +4,8 @@ The graph comes flat: :func:`inline_regions` is part of the captured form (``rew
 runs it before it keeps the graph as captured), not a pass of the list.
 
 Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes
--> (widen_parameters, given O2's low copies) -> (place_casts, with
-``Policy(place_casts=True)``) -> low_extremes
+-> (place_casts: ``Policy.place_casts``, where the default rule is ALLOW: O2) ->
+(widen_parameters, given O2's low copies) -> low_extremes
 -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
 -> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
 With ``check_each_pass=True`` (the tests use it; ``compile``, the backend and ``Graph``
@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.ops.recompute_cost import RecomputeCost
-from amp_graph.policy import Policy
+from amp_graph.policy import Policy, Rule
 
 from .absorb_casts import absorb_casts
 from .assign_dtypes import assign_dtypes
@@ -84,15 +84,22 @@ def amp_passes(
     if policy.fp8 is not None:  # after classify: an fp32 override outranks fp8
         passes.append(("fp8_linears", lambda gm: fp8_linears(gm, policy.fp8, model_root(gm))))
     passes.append(("assign_dtypes", lambda gm: assign_dtypes(gm, low_dtype, policy.cast_inputs)))
-    if low_copies:  # reads the plan; before the casts, which then follow the new storage
+    # only the default rule ALLOW leaves ops free to place (O2); reads the plan, costing
+    # low copies as their masters
+    if policy.place_casts and policy.default is Rule.ALLOW:
+        passes.append(
+            (
+                "place_casts",
+                lambda gm: place_casts(gm, low_dtype, policy.cast_inputs, low_copies),
+            )
+        )
+    if low_copies:  # reads the plan, the placement's too; before the casts, which follow it
         passes.append(
             (
                 "widen_parameters",
                 lambda gm: widen_parameters(gm, low_copies, low_dtype, policy.cast_inputs),
             )
         )
-    if policy.place_casts:  # after the storage is settled, which it costs; before the casts
-        passes.append(("place_casts", lambda gm: place_casts(gm, low_dtype, policy.cast_inputs)))
     # after the dtypes: it lowers float32's extremes where an op is planned low
     passes.append(("low_extremes", low_extremes))
     passes.append(("insert_casts", insert_casts))

@@ -19,20 +19,35 @@ share its label. Everything else keeps its plan and reads what it reads: a read 
 dtype is a cast, shared per value and direction as ``simplify_casts`` shares them; a cast
 the model wrote is its own conversion (free if its input already has its target); a value
 read by anything whose dtype follows its inputs (PROMOTE and FOLLOW ops, the graph's
-outputs, in-place writes) keeps its dtype.
+outputs, in-place writes) keeps its dtype. Parameters and buffers are read as the rules
+read them: a free op that reads one (through views) stays low, except a gather of one
+(``GATHERS``: an embedding lookup), whose rows are the same bits cast before or after it;
+a raised gather's readers then read its rows low (a free reader stays low, a float32 reader
+keeps the gather low), so that only the table's cast, and its gradient's, move.
 
 Guarantees: no op computes in a lower precision than before; an op the cut raises computes
 and returns float32 (rule ``DENY``, source ``"placement"``, ``detail`` saying what it
 saved); every other op's compute dtype is unchanged, and so are the graph's output dtypes;
 the model's float32 upcast of a raised value still starts its island
 (:data:`~amp_graph.passes.meta.ISLAND_START`). Checked after the re-plan (a RuntimeError
-otherwise). Runs after :mod:`assign_dtypes` (and :mod:`widen_parameters`, whose storage it
-costs), before :mod:`insert_casts`.
+otherwise).
+
+One storage model at every entry point, so that the same policy plans the same graph
+through each: a parameter is costed as a float32 master that every step reads through a
+cast to the dtype it is read at, its gradient cast back. That is what ``compile`` and the
+backend do in the graph, and what an O2 ``Graph`` does in its optimizer step (its low
+copies, ``low_copies``, are refreshed from their masters by every step; one the placement
+makes read only in float32 :mod:`widen_parameters` then stores in float32). An exported
+program stores each tensor at the dtype every reader casts it to, and moves a cast after a
+gather before it (:mod:`casts_before_views`: exact), so a raised embedding lookup costs it
+no state. Runs after :mod:`assign_dtypes`, before :mod:`widen_parameters` and
+:mod:`insert_casts`.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +71,7 @@ from .cast_cut import (
     savings,
     solve,
 )
+from .casts_before_views import GATHERS
 from .meta import (
     AMP,
     DTYPE_READ,
@@ -69,6 +85,7 @@ from .meta import (
     tensor_facts,
 )
 from .result import PassResult
+from .widen_parameters import low_copy_reads
 
 # What autocast makes low on any device: the products O2 exists to run low.
 _PRODUCTS: frozenset[str] = autocast_tables("cpu")[0] | autocast_tables("cuda")[0]
@@ -80,11 +97,13 @@ class _Builder:
 
     low: torch.dtype
     with_grad: set[fx.Node]
+    masters: set[fx.Node] = field(default_factory=set)  # reads of low copies of masters
     saved: SavedInputs = field(default_factory=lambda: SavedInputs())
     label: dict[fx.Node, Label] = field(default_factory=dict)  # values the problem costs
     free: dict[str, fx.Node] = field(default_factory=dict)
     values: list[CastValue] = field(default_factory=list)
     pinned: list[tuple[Label, Label]] = field(default_factory=list)
+    state_gathers: set[Label] = field(default_factory=set)  # free gathers of a parameter
 
     def constant(self, dtype: object) -> Label | None:
         """The label of a planned dtype fact; None for anything else (another dtype, a
@@ -100,16 +119,24 @@ class _Builder:
         if self.is_free(node, amp):
             self.free[node.name] = node
             self.label[node] = node.name
+            state = [a for a in node.all_input_nodes if _state_read(a)]
+            if state and not (node.target in GATHERS and state == [node.args[0]]):
+                self.pin(node.name)  # raised, it would read the state in float32
+            elif state:
+                self.state_gathers.add(node.name)
             return
         source = _alias_source(node, amp)
         if source is not None and source in self.label:
             self.label[node] = self.label[source]  # a view of it: the same dtype
             return
-        dtype = amp.compute_dtype if node.op == "placeholder" else amp.out_dtype
+        entry_cast = node.op == "placeholder" and amp.compute_dtype is not None
+        dtype = amp.compute_dtype if entry_cast else amp.out_dtype  # state lifted: as it is
+        if node in self.masters:  # a low copy: costed as its float32 master (module docstring)
+            dtype = torch.float32
         constant = self.constant(dtype)  # placeholders: after their entry cast
         if constant is not None:
             self.label[node] = constant
-        entry = self.constant(amp.out_dtype) if node.op == "placeholder" else None
+        entry = self.constant(amp.out_dtype) if entry_cast else None
         if constant is not None and entry is not None and entry is not constant:
             size = cast_bytes(node, self.low, self.with_grad)  # the entry cast: a given
             self.values.append(CastValue(node.name, entry, size, (constant,)))
@@ -147,6 +174,8 @@ class _Builder:
             amp: AmpInfo | None = user.meta.get(AMP)
             if user in self.label and self.label[user] == own and _alias_source(user, amp) is value:
                 continue  # its view: no cast between them
+            if own in self.state_gathers and amp is not None:
+                self.gathered_read(own, user, amp)
             if amp is not None and self.held_wide(value, user, amp):
                 self.pin(own)  # raised, backward would hold it in float32, not low
             if amp is None:
@@ -194,6 +223,18 @@ class _Builder:
             return False
         reads_wide = amp.role is Role.OP and amp.compute_dtype == torch.float32
         return reads_wide and value in self.saved.inputs(user)
+
+    def gathered_read(self, gather: Label, user: fx.Node, amp: AmpInfo) -> None:
+        """A raised gather of a parameter gives its readers the rows cast down, the values
+        they read today (a cast commutes with a gather), and nothing else: a free reader
+        stays low, and a float32 reader keeps the gather low (one storage for the state
+        at every entry point; module docstring)."""
+        if user.name in self.free:
+            self.pin(user.name)
+        else:  # the model's cast of it converts to what it names; an op reads its compute dtype
+            reads_at = amp.out_dtype if amp.role is Role.USER_CAST else amp.compute_dtype
+            if self.constant(reads_at) is not LOW:
+                self.pin(gather)
 
     def pin(self, label: Label) -> None:
         if not isinstance(label, Constant):
@@ -275,6 +316,18 @@ class SavedInputs:
         return frozenset(positions)
 
 
+def _state_read(node: fx.Node) -> bool:
+    """``node`` is a parameter or buffer of the model (read, or lifted as an input), or a
+    view of one."""
+    amp: AmpInfo | None = node.meta.get(AMP)
+    if amp is None:
+        return False
+    if amp.role is Role.PARAM:
+        return True
+    source = _alias_source(node, amp)
+    return source is not None and _state_read(source)
+
+
 def _alias_source(node: fx.Node, amp: AmpInfo | None) -> fx.Node | None:
     """The value a view or ``getitem`` aliases, where its dtype is that value's."""
     if amp is None or amp.role is not Role.OP or amp.rule is not Rule.FOLLOW:
@@ -351,11 +404,20 @@ def converted_bytes(gm: fx.GraphModule, low: torch.dtype) -> int:
     return total
 
 
-def cast_problem(gm: fx.GraphModule, low: torch.dtype) -> tuple[CastProblem, dict[str, fx.Node]]:
-    """The planned graph's placement problem, and its free ops by label."""
-    builder = _Builder(low, gradient_values(gm))
+def _master_reads(gm: fx.GraphModule, low_copies: Collection[torch.Tensor]) -> set[fx.Node]:
+    return {node for nodes in low_copy_reads(gm, low_copies).values() for node in nodes}
+
+
+def cast_problem(
+    gm: fx.GraphModule, low: torch.dtype, low_copies: Collection[torch.Tensor] = ()
+) -> tuple[CastProblem, dict[str, fx.Node]]:
+    """The planned graph's placement problem, and its free ops by label (``low_copies``:
+    parameters stored low as copies of float32 masters, costed as the masters)."""
+    builder = _Builder(low, gradient_values(gm), masters=_master_reads(gm, low_copies))
     for node in gm.graph.nodes:
         builder.add_node(node)
+    if not builder.free:  # O1, autocast, O0: nothing to place (and no probes to run)
+        return CastProblem((), (), ()), {}
     for node in gm.graph.nodes:
         builder.add_reads(node)
     problem = CastProblem(tuple(builder.free), tuple(builder.values), tuple(builder.pinned))
@@ -363,10 +425,14 @@ def cast_problem(gm: fx.GraphModule, low: torch.dtype) -> tuple[CastProblem, dic
 
 
 def place_casts(
-    gm: fx.GraphModule, low_dtype: torch.dtype, cast_inputs: bool = False
+    gm: fx.GraphModule,
+    low_dtype: torch.dtype,
+    cast_inputs: bool = False,
+    low_copies: Collection[torch.Tensor] = (),
 ) -> PassResult:
-    """Raise the free ops the cut chooses to float32 and plan again (module docstring)."""
-    problem, free = cast_problem(gm, low_dtype)
+    """Raise the free ops the cut chooses to float32 and plan again (module docstring;
+    ``low_copies``: the parameters an O2 ``Graph`` stores low, copies of float32 masters)."""
+    problem, free = cast_problem(gm, low_dtype, low_copies)
     placement = solve(problem)
     stats = {
         "ops_moved_up": len(placement.raised),
@@ -419,10 +485,12 @@ def _check_replanned(
             continue
         if node in raised:
             outs = tensor_facts(amp.out_dtype)
-            ok = amp.compute_dtype == torch.float32 and all(o == torch.float32 for o in outs)
-        else:
-            ok = amp.compute_dtype == before[node]
-        if not ok:
+            if amp.compute_dtype != torch.float32 or any(o != torch.float32 for o in outs):
+                raise RuntimeError(
+                    f"place_casts: the cut raised node {node.name!r} to float32, but after "
+                    f"the re-plan it computes in {amp.compute_dtype} and returns {amp.out_dtype}"
+                )
+        elif amp.compute_dtype != before[node]:
             raise RuntimeError(
                 f"place_casts: after the re-plan node {node.name!r} computes in "
                 f"{amp.compute_dtype} (before: {before[node]}), which the cut did not choose"

@@ -40,17 +40,7 @@ def widen_parameters(
 ) -> PassResult:
     """Plan the ``low_copies`` that ``gm`` reads only in float32 stored in float32 (see the
     module docstring); ``low_dtype`` and ``cast_inputs`` are the plan's, for the re-plan."""
-    wanted = {id(p) for p in low_copies}
-    reads: dict[int, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or AMP not in node.meta:
-            continue
-        try:
-            value = gm.get_parameter(node.target)
-        except AttributeError:
-            continue  # a buffer or a constant
-        if id(value) in wanted:
-            reads.setdefault(id(value), []).append(node)
+    reads = low_copy_reads(gm, low_copies)
     widened = [
         nodes
         for nodes in reads.values()
@@ -63,6 +53,27 @@ def widen_parameters(
         assign_dtypes(gm, low_dtype, cast_inputs)
     gm.meta[WIDENED_PARAMETERS] = [nodes[0].target for nodes in widened]
     return PassResult(gm, bool(widened), {"parameters_widened": len(widened)})
+
+
+def low_copy_reads(
+    gm: fx.GraphModule, low_copies: Collection[torch.Tensor]
+) -> dict[int, list[fx.Node]]:
+    """The ``get_attr`` nodes that read each of ``low_copies`` (by the tensor's id: a tied
+    weight's paths are one)."""
+    wanted = {id(p) for p in low_copies}
+    reads: dict[int, list[fx.Node]] = {}
+    if not wanted:
+        return reads
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or AMP not in node.meta:
+            continue
+        try:
+            value = gm.get_parameter(node.target)  # type: ignore[arg-type]
+        except AttributeError:
+            continue  # a buffer or a constant
+        if id(value) in wanted:
+            reads.setdefault(id(value), []).append(node)
+    return reads
 
 
 def _reads_wide(node: fx.Node) -> bool:

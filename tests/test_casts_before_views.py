@@ -58,3 +58,32 @@ def test_a_view_read_by_anything_but_a_cast_keeps_the_state_as_it_is():
 
     program = _export(ViewReadWide().eval(), torch.randn(3, 8))
     assert program.state_dict["scale"].dtype == torch.float32
+
+
+class GatheredTable(nn.Module):
+    """OPT's learned positions: rows gathered from a table, then the model's ``.to(device)``,
+    which the plan makes the rows' cast to bf16 (O2's placement gathers in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.positions(ids).to(ids.device)
+        return self.proj(rows).float().sum(-1)
+
+
+def test_a_gathered_table_is_stored_low_with_the_same_outputs():
+    torch.manual_seed(0)
+    model, ids = GatheredTable().eval(), torch.randint(0, 32, (2, 4))
+    compiled = amp_graph.compile(model, "O2", BF16)
+    with torch.no_grad():
+        expected = compiled(ids)
+    gather = next(n for n in compiled.graph_module.graph.nodes if n.name == "embedding")
+    assert gather.meta["amp"].compute_dtype == torch.float32  # the rows are cast, not the table
+    program = amp_graph.export(model, (ids,), policy="O2", dtype=BF16)
+    assert program.state_dict["positions.weight"].dtype == BF16
+    gathers = [n for n in program.graph.nodes if n.target is torch.ops.aten.embedding.default]
+    assert [g.meta["val"].dtype for g in gathers] == [BF16]
+    assert torch.equal(program.module()(ids), expected)

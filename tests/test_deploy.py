@@ -211,6 +211,26 @@ def test_pt2_and_aoti_round_trip_with_a_dynamic_batch(name, tmp_path):
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
 
 
+def _floating_casts(onnx, proto) -> int:
+    """The ONNX graph's Cast nodes from one floating type to another."""
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    graph = inferred.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
+    types.update({i.name: i.data_type for i in graph.initializer})
+    floating = {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+        onnx.TensorProto.DOUBLE,
+    }
+    return sum(
+        node.op_type == "Cast"
+        and types.get(node.input[0]) in floating
+        and next(a.i for a in node.attribute if a.name == "to") in floating
+        for node in graph.node
+    )
+
+
 # the ConvNet under O1: a float16 convolution into a batch norm with float32 parameters,
 # which torch.onnx's optimizer would fold into an ill-typed Conv (onnx_target.onnx_program)
 @pytest.mark.parametrize(("name", "policy"), [("gpt2", "O2"), ("convnet_bn", "O1")])
@@ -246,7 +266,9 @@ def test_onnx_runs_float16_with_low_initializers_and_no_weight_casts(
         n.name for n in proto.graph.node if n.op_type == "Cast" and n.input[0] in initializers
     ]
     assert not cast_of_weight  # weights are stored float16, not float32 plus a Cast
-    assert stats.casts <= amp_graph.export_info(program).casts
+    # torch.onnx adds no conversion between floating dtypes (its own Cast of a bool mask to
+    # int64 is not one; the program counts only those)
+    assert _floating_casts(onnx, proto) <= amp_graph.export_info(program).casts
     # the CPU runtime's own float32 computing is said at save, where it was only counted
     said = [r.getMessage() for r in caplog.records if "in float32" in r.getMessage()]
     assert len(said) == (stats.runtime_casts > stats.casts)

@@ -5,6 +5,7 @@ never more than the rules' plan, and gradients stay within bf16's rounding of to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -75,7 +76,7 @@ def test_the_graphs_casts_cost_what_the_cut_says(name):
 def test_o2_casts_fewer_bytes_on_encoders(name):
     _, stats = planned(name, place=True)
     assert stats["ops_moved_up"] > 0
-    assert stats["placed_cast_bytes_after"] <= 0.92 * stats["placed_cast_bytes_before"]
+    assert stats["placed_cast_bytes_after"] <= 0.93 * stats["placed_cast_bytes_before"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -186,7 +187,7 @@ def test_on_a_real_graph_the_cut_is_the_brute_force_optimum():
     )
     placement = solve(problem)
     assert (placement.cost, len(placement.raised)) == best
-    assert placement.cost < placement.cost_before  # the residual adds go up: casts saved
+    assert placement.cost < placement.cost_before  # the tables' gathers go up: casts saved
 
 
 def _keeps_ties(problem, bits) -> bool:
@@ -257,14 +258,24 @@ def test_a_calibrated_island_has_no_low_op():
         assert not any(c.args[0] in inside for c in casts), node
 
 
-def test_it_is_asked_for_and_checked():
-    """Off by default (the rules' plan at every entry point), on with place_casts=True."""
-    assert amp_graph.Policy.preset("O2").place_casts is False
-    model = TinyLM()
-    rules = amp_graph.compile(model, policy="O2", dtype=BF16)
-    rules(TOKENS)
-    assert "place_casts" not in compile_record(rules.graph_module).seconds
-    assert "cast placement" not in amp_graph.report(rules).totals()
+def test_it_is_the_default_under_o2_an_option_under_o3_and_checked():
+    """On under O2 (it only raises ops), off under O3 ("everything low") and with
+    place_casts=False; O1 does not run it (no op is free)."""
+    assert amp_graph.Policy.preset("O2").place_casts is True
+    assert amp_graph.Policy.preset("O3").place_casts is False
+    default = amp_graph.compile(TinyLM(), policy="O2", dtype=BF16)
+    default(TOKENS)
+    assert "place_casts" in compile_record(default.graph_module).seconds
+    assert amp_graph.report(default).ops_moved_up == 2
+    for policy in (o2(False), "O3", "O1"):
+        rules = amp_graph.compile(TinyLM(), policy=policy, dtype=BF16)
+        rules(TOKENS)
+        assert "place_casts" not in compile_record(rules.graph_module).seconds
+        assert "cast placement" not in amp_graph.report(rules).totals()
+    o3 = dataclasses.replace(amp_graph.Policy.preset("O3"), place_casts=True)
+    asked = amp_graph.compile(TinyLM(), policy=o3, dtype=BF16)
+    asked(TOKENS)
+    assert amp_graph.report(asked).ops_moved_up == 2
     with pytest.raises(ValueError, match="place_casts is True"):
         dataclasses.replace(amp_graph.Policy.preset("O2"), place_casts="yes")
     from amp_graph.policy.policy_data import policy_as_data, policy_from_data
@@ -282,6 +293,59 @@ def test_o1_has_nothing_to_place():
         c(TOKENS)
         plans[place] = [(n.name, n.meta[AMP].compute_dtype) for n in c.graph_module.graph.nodes]
     assert plans[True] == plans[False]
+
+
+class TrainTinyLM(amp_graph.Graph):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        self.config.enable_amp(True, policy="O2", dtype=BF16)
+
+    def build(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.model(tokens)
+        out.float().square().mean().backward()
+        return out.detach()
+
+
+def _raised(gm: torch.fx.GraphModule) -> set[str]:
+    return {n.meta[AMP].module_path for n in gm.graph.nodes if n.meta[AMP].source == "placement"}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_every_entry_point_plans_the_same_and_stores_what_it_reads():
+    """One storage model: ``compile``, the backend, an O2 ``Graph`` and an export raise the
+    same gathers and compute the same outputs, bit for bit. compile reads the float32
+    tables and casts the rows; the backend's dtypes are compile's; the Graph keeps the two
+    tables in float32 (read only in float32: no low copy), the linears as bf16 copies; the
+    export stores the tables in bf16 (the rows' cast moved before the gather: the same
+    bits)."""
+    from amp_graph.frontends.dynamo_backend import backend, captured_graphs
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    copies = [copy.deepcopy(model) for _ in range(3)]
+    reference = amp_graph.compile(model, "O2", BF16)
+    want = reference(TOKENS)
+    assert _raised(reference.graph_module) == {"embed", "pos"}
+
+    dynamo = torch.compile(copies[0], backend=backend("O2", BF16, inner="eager"))
+    got = dynamo(TOKENS)
+    [gm] = captured_graphs(dynamo)
+    assert _raised(gm) == {"embed", "pos"}
+    assert torch.equal(got, want)
+
+    graph = TrainTinyLM(copies[1])
+    assert torch.equal(graph(TOKENS), want)
+    assert copies[1].embed.weight.dtype == torch.float32
+    assert copies[1].pos.weight.dtype == torch.float32
+    assert copies[1].up.weight.dtype == BF16
+
+    program = amp_graph.export(copies[2].eval(), (TOKENS,), policy="O2", dtype=BF16)
+    assert program.state_dict["embed.weight"].dtype == BF16
+    assert program.state_dict["pos.weight"].dtype == BF16
+    with torch.no_grad():
+        assert torch.equal(program.module()(TOKENS), want)
 
 
 def test_a_replan_never_takes_the_first_plans_value_for_its_own():

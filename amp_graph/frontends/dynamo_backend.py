@@ -371,11 +371,20 @@ def attach_example_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> 
                 value if meta_value is None or isinstance(value, torch.SymInt) else meta_value
             )
         elif _agrees(meta_value, value):
-            node.meta[VAL] = meta_value
+            node.meta[VAL] = _requiring_grad_as(meta_value, value)
         else:
             mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
             node.meta[VAL] = mode.from_tensor(value, static_shapes=True)
     return sum(VAL not in n.meta for n in placeholders)
+
+
+def _requiring_grad_as(meta_value: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``meta_value``, requiring a gradient where ``value`` does: dynamo's fake of a lifted
+    parameter does not, and the passes read it (the cast placement costs the casts of
+    gradients)."""
+    if meta_value.requires_grad == value.requires_grad or not meta_value.is_leaf:
+        return meta_value
+    return meta_value.detach().requires_grad_(value.requires_grad)
 
 
 def _agrees(meta_value: Any, value: torch.Tensor) -> bool:

@@ -80,7 +80,7 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
         cast_inputs=bool(data["cast_inputs"]),
         master_weights=bool(data["master_weights"]),
         recompute_casts=data["recompute_casts"],
-        place_casts=bool(data.get("place_casts", False)),
+        place_casts=bool(data.get("place_casts", False)),  # older data: the plan it had then
         ops={_key(name): Rule(rule) for name, rule in data.get("ops", {}).items()},
         module_types={_type(n): Rule(rule) for n, rule in data.get("module_types", {}).items()},
         **{

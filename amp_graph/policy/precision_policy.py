@@ -319,10 +319,12 @@ class Policy:
             torch.autocast.
         place_casts: label the ops only the default rule makes low (O2's free ops) low or
             float32 by an exact minimum cut of the cast bytes, forward and backward
-            (``passes.place_casts``): it only ever raises ops to float32, and never grows
-            what backward holds. False (the default): the rules' plan, the same at every
-            entry point; True: on (it has free ops to place only where the default rule is
-            ``ALLOW``: O2, O3).
+            (``passes.place_casts``): it only ever raises ops to float32, never grows what
+            backward holds, and plans the same graph at every entry point. True (the
+            default): on; it has ops to place only where the default rule is ``ALLOW``
+            (O2 and policies made from it), so O1, ``autocast`` and fp8 keep
+            torch.autocast's per-op dtypes. ``Policy.preset("O3")`` sets False ("everything
+            low"); False: the rules' plan.
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
             it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
             points for CPU models). Such an op computes in float32 whatever else the policy says.
@@ -344,7 +346,7 @@ class Policy:
     notes: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
     recompute_casts: bool | str | int = "auto"
     missing_kernels: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
-    place_casts: bool = False
+    place_casts: bool = True
 
     def __post_init__(self) -> None:
         """Validate and normalize every field, however the Policy was built (the
@@ -363,8 +365,8 @@ class Policy:
         _check_recompute_casts(self.recompute_casts)
         if not isinstance(self.place_casts, bool):
             raise ValueError(
-                f"Policy place_casts is True (place O2's casts by a minimum cut) or False (the "
-                f"rules' plan, the default); got {self.place_casts!r}"
+                f"Policy place_casts is True (place O2's casts by a minimum cut, the default) "
+                f"or False (the rules' plan); got {self.place_casts!r}"
             )
         object.__setattr__(self, "default", as_rule(self.default))
         object.__setattr__(self, "ops", _checked_ops(self.ops))
@@ -417,7 +419,8 @@ class Policy:
                 cast_inputs=True,
                 master_weights=True,
             )
-        return Policy("O3", default=Rule.ALLOW, cast_inputs=True)
+        # O3 is "everything low": the placement's raises would contradict it (an option)
+        return Policy("O3", default=Rule.ALLOW, cast_inputs=True, place_casts=False)
 
     def with_fp8(self, config: Fp8Config | None = None, **options: Any) -> Policy:
         """A copy whose linear layers run in fp8: ``config``, or ``Fp8Config(**options)``
