@@ -94,9 +94,9 @@ def _conversion_dtype(node: fx.Node) -> torch.dtype | None:
     if dtype is not None or node.op != "call_function" or node.target not in _MODEL_CONVERSIONS:
         return dtype
     kwargs = dict(node.kwargs)
-    if node.target is aten.to.dtype and len(node.args) > 1:
+    if node.target is aten.to.dtype and len(node.args) == 2:  # to(x, dtype), nothing after
         kwargs.setdefault("dtype", node.args[1])
-    elif len(node.args) > 1:
+    elif len(node.args) > 1:  # positional non_blocking, copy or memory_format: not read here
         return None
     source = node.args[0].meta.get(VAL) if isinstance(node.args[0], fx.Node) else None
     dtype = kwargs.pop("dtype", None)

@@ -87,3 +87,29 @@ def test_a_gathered_table_is_stored_low_with_the_same_outputs():
     gathers = [n for n in program.graph.nodes if n.target is torch.ops.aten.embedding.default]
     assert [g.meta["val"].dtype for g in gathers] == [BF16]
     assert torch.equal(program.module()(ids), expected)
+
+
+def test_only_a_conversion_that_changes_the_dtype_alone_is_moved():
+    """The model's own ``x.to(...)`` counts as a cast to move before a gather only where it
+    changes nothing but the dtype: not a copy it asks for, nor another device or format."""
+    from amp_graph.passes.casts_before_views import _conversion_dtype
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3)
+    cases = {
+        graph.call_function(aten._to_copy.default, (x,), {"dtype": BF16}): BF16,
+        graph.call_function(aten.to.dtype, (x, BF16)): BF16,
+        graph.call_function(aten.to.dtype_layout, (x,), {"dtype": BF16, "device": "cpu"}): BF16,
+        graph.call_function(aten.to.dtype, (x, BF16, False, True)): None,  # copy=True
+        graph.call_function(aten.to.dtype, (x, BF16), {"copy": True}): None,
+        graph.call_function(aten.to.dtype_layout, (x,), {"dtype": BF16, "device": "meta"}): None,
+        graph.call_function(
+            aten._to_copy.default, (x,), {"dtype": BF16, "memory_format": torch.channels_last}
+        ): None,
+        graph.call_function(aten.add.Tensor, (x, x)): None,
+    }
+    assert {node.name: _conversion_dtype(node) for node in cases} == {
+        node.name: want for node, want in cases.items()
+    }
