@@ -71,11 +71,14 @@ GATHERS = frozenset(
 )
 
 
+_SELECTIONS = LAYOUT_VIEWS | GATHERS
+
+
 def _selects(user: fx.Node, node: fx.Node) -> bool:
     """``user`` is a view or a gather of ``node``'s elements."""
     return (
         user.op == "call_function"
-        and user.target in LAYOUT_VIEWS | GATHERS
+        and user.target in _SELECTIONS
         and user.args[0] is node
         and node not in user.args[1:]
     )
