@@ -19,8 +19,8 @@ timed in interleaved rounds (medians of the per-round ratio to the hand-written 
   backend=amp_graph.backend("O1", dtype), mode="reduce-overhead")`` (amp_graph's casts, then
   inductor with its CUDA graphs), measured with the torch.compile loop;
 * ``compile O1`` and ``compile O1 cuda_graph``: the loop without autocast over
-  ``amp_graph.compile(model, "O1", dtype)``, uncaptured and with ``cuda_graph=True`` (forward
-  and backward replayed; optimizer and scaler eager);
+  ``amp_graph.compile(model, "O1", dtype)``, with ``mode="eager"`` and ``mode="cudagraphs"``
+  (forward and backward replayed; optimizer and scaler eager);
 * ``Graph O1``: ``amp_graph.Graph`` uncaptured;
 * ``Graph O1 cuda_graph``: the same Graph with ``config.enable_cuda_graph(True)``.
 
@@ -105,7 +105,7 @@ def variants(
 
     def user_loop(graphed: bool) -> Built:
         model = copy.deepcopy(setup.model)
-        forward = amp_graph.compile(model, "O1", dtype, cuda_graph=graphed)
+        forward = amp_graph.compile(model, "O1", dtype, mode="cudagraphs" if graphed else "eager")
         return _compiled_loop(setup, model, dtype, forward=forward), None
 
     def torch_compiled(amp_graph_backend: bool) -> Built:

@@ -91,7 +91,7 @@ def step_times(
     decided = {}
     for policy in ("autocast", "O1"):
         for setting, value in SETTINGS.items():
-            compiled = amp_graph.compile(model, _policy(policy, value), BF16)
+            compiled = amp_graph.compile(model, _policy(policy, value), BF16, mode="eager")
             compiled(idx, targets)  # capture
             decided[f"{policy}, {setting}"] = _decided(compiled)
             steps[f"{policy}, {setting}"] = step_of(lambda c=compiled: c(idx, targets))
@@ -164,7 +164,7 @@ def _held_row(model: nn.Module, call: Callable[[nn.Module], torch.Tensor]) -> st
     base = forward_held(autocast)
     cells, decided = [], ""
     for setting, value in SETTINGS.items():
-        compiled = amp_graph.compile(model, _policy("O1", value), BF16)
+        compiled = amp_graph.compile(model, _policy("O1", value), BF16, mode="eager")
         forward_held(lambda c=compiled: call(c))  # capture
         nbytes = forward_held(lambda c=compiled: call(c))
         cells.append(f"{nbytes / 2**20:.2f} ({nbytes / base:.2f}x)")

@@ -10,6 +10,9 @@ limit, all within --budget seconds (570 by default):
 1. the CUDA tests: ``pytest -m cuda``: every test that skips without a GPU (tests/conftest.py
    marks them) and tests/test_kernel_host.py (the CUDA sources compiled and their host logic);
    on a GPU none may skip;
+1b. ``benchmarks/compile_modes.py --device cuda``: ``amp_graph.compile``'s modes (the default,
+   inductor, first) against the eager autocast loop and torch.compile's, on a 4-layer GPT of
+   width 768 and a ConvNet;
 2. ``benchmarks/cuda_graph_bench.py``: ``Graph.config.enable_cuda_graph`` on the GPT-2-small
    shape (8 and 64 x 512 tokens, bf16 and fp16) against the hand-written autocast loop and
    (bf16, 8x512) the ``torch.compile(mode="reduce-overhead")`` loop, also with
@@ -61,6 +64,12 @@ GPU_SKIP_REASONS = ("needs a cuda", "needs a gpu")  # tests/conftest.py marks th
 FIGURES = [  # (key, what, target)
     ("tests", "CUDA tests (`pytest -m cuda`)", "all pass, none skipped"),
     (
+        "compile_modes",
+        "`amp_graph.compile(mode=...)`, O1 bf16, / eager autocast loop (`*` = `mode=None`): "
+        "GPT 4x768 8x512; ConvNet 256x3x32x32; first call of the default",
+        "default <= 1.0x",
+    ),
+    (
         "bandwidth",
         "check+unscale, 1 tensor of 1e8 fp32: GB/s, % of peak, / `copy_`",
         ">= 0.95x copy_",
@@ -96,7 +105,7 @@ FIGURES = [  # (key, what, target)
     ("step_capture_64", "the same at 64x512 tokens / hand loop: bf16; fp16", "<= 0.95x"),
     (
         "step_capture_user_loop",
-        "the user's own loop (8x512, bf16), / hand loop: `amp_graph.compile(cuda_graph=True)`; "
+        "the user's own loop (8x512, bf16), / hand loop: `amp_graph.compile(mode='cudagraphs')`; "
         'the same uncaptured; the amp_graph backend with mode="reduce-overhead"',
         "-",
     ),
@@ -420,6 +429,29 @@ def run_kernel_sweep(seconds: float, results: Results) -> None:
         raise GpuCheckError("kernel_sweep.py: a variant gave inexact results")
 
 
+def run_compile_modes(seconds: float, results: Results) -> None:
+    args = ["--device", "cuda", "--layers", "4", "--repeats", "10"]
+    _, report = _script_report("compile_modes.py", args, seconds, results)
+    results.raw["compile_modes"] = report
+    cells = []
+    for model in report["results"]:
+        rows = model["rows"]
+        ratios = ", ".join(
+            f"{name.removeprefix('compile ')}{'*' if row['default'] else ''} "
+            f"{row['vs_autocast_eager']:.3f}"
+            for name, row in rows.items()
+            if name.startswith("compile ")
+        )
+        torch_rows = ", ".join(
+            f"{name.removesuffix(' + autocast')} {row['vs_autocast_eager']:.3f}"
+            for name, row in rows.items()
+            if name.startswith("torch.compile")
+        )
+        first = next(row["first_call_s"] for row in rows.values() if row["default"])
+        cells.append(f"{model['model']}: {ratios}; {torch_rows}; first call {first:.0f} s")
+    results.cells["compile_modes"] = "; ".join(cells)
+
+
 def run_recompute(seconds: float, results: Results) -> None:
     args = ["--device", "cuda", "--gpt2", "--repeats", "9"]
     _, report = _script_report("eager_step.py", args, seconds, results)
@@ -437,6 +469,7 @@ def run_recompute(seconds: float, results: Results) -> None:
 # that a budget cut short costs the figures an earlier run already has.
 STAGES = [
     (run_tests, 240.0),
+    (run_compile_modes, 150.0),
     (run_step_capture, 200.0),
     (run_recompute, 120.0),
     (run_graph_step, 60.0),
@@ -446,6 +479,7 @@ STAGES = [
 ]
 STAGE_FIGURES = {  # which figures each stage gives (an earlier run's stand in if it never ran)
     run_tests: ("tests",),
+    run_compile_modes: ("compile_modes",),
     run_step_capture: (
         "step_capture",
         "step_capture_compile",

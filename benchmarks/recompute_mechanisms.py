@@ -162,10 +162,10 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
     keeping = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=False)
     compiled = {
-        "keeping": amp_graph.compile(gpt, keeping, torch.bfloat16),
-        "hooks (amp_graph's)": amp_graph.compile(gpt, "O1", torch.bfloat16),
-        "release": amp_graph.compile(gpt, "O1", torch.bfloat16),
-        "scoped": amp_graph.compile(gpt, "O1", torch.bfloat16),
+        "keeping": amp_graph.compile(gpt, keeping, torch.bfloat16, mode="eager"),
+        "hooks (amp_graph's)": amp_graph.compile(gpt, "O1", torch.bfloat16, mode="eager"),
+        "release": amp_graph.compile(gpt, "O1", torch.bfloat16, mode="eager"),
+        "scoped": amp_graph.compile(gpt, "O1", torch.bfloat16, mode="eager"),
     }
 
     def step(name: str) -> torch.Tensor:

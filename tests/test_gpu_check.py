@@ -84,6 +84,25 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
                         row[name] = {"ms": 30 * x, "vs_hand": x, "peak_step_mb": 900.0}
                 rows.append(row)
         Path(command[command.index("--json") + 1]).write_text(json.dumps(rows))
+    elif "benchmarks/compile_modes.py" in command:
+        rows = {
+            "autocast eager": (1.0, False, 0.5),
+            "torch.compile + autocast": (0.6, False, 40.0),
+            "compile eager": (1.03, False, 1.0),
+            "compile default": (0.62, True, 30.0),
+        }
+        report = {
+            "results": [
+                {
+                    "model": "gpt",
+                    "rows": {
+                        name: {"vs_autocast_eager": r, "default": d, "first_call_s": s}
+                        for name, (r, d, s) in rows.items()
+                    },
+                }
+            ]
+        }
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
     elif "benchmarks/eager_step.py" in command:
         names = [f"O1, {setting}" for setting in ("auto", "every cast", "none")]
         report = {
@@ -130,6 +149,7 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| <= 0.95x | 0.900x (180.00 ms vs 200.00 ms); 0.900x" in text
     assert "| <= 1.10x | 1.05x (1050 / 1000 MB; pool 100 MB live, 950 MB free) |" in text
     assert "| - | 0.600x; 1.050x; 0.550x |" in text
+    assert "| gpt: eager 1.030, default* 0.620; torch.compile 0.600; first call 30 s |" in text
     assert gpu_check.NOT_MEASURED not in text
     # Every figure, machine-readable, with where it was measured.
     record = json.loads(results.read_text())

@@ -1,4 +1,4 @@
-"""``amp_graph.compile(..., cuda_graph=True)``: each graph's forward and backward as CUDA graphs,
+"""``amp_graph.compile(..., mode="cudagraphs")``: each graph's forward and backward as CUDA graphs,
 for a training loop of the user's own.
 
 On the CPU: the refusal of a CPU model, and the bookkeeping around the capture with a stand-in
@@ -50,7 +50,15 @@ def rerun_capture(module: nn.Module, sample: tuple, pool: Any, warmup: int, name
 
 
 def test_a_cpu_model_is_refused_when_compiled() -> None:
-    with pytest.raises(CudaGraphError, match=r"on cpu, not on a CUDA device.*GPU first"):
+    with pytest.raises(CudaGraphError, match=r"on cpu, not on a CUDA device.*Move the model"):
+        amp_graph.compile(Net(), "O1", torch.bfloat16, mode="cudagraphs")
+
+
+def test_cuda_graph_true_is_the_deprecated_spelling_of_the_cudagraphs_mode() -> None:
+    with (
+        pytest.warns(FutureWarning, match="mode='cudagraphs'"),
+        pytest.raises(CudaGraphError, match=r"mode 'cudagraphs' is for CUDA graphs.*on cpu"),
+    ):
         amp_graph.compile(Net(), "O1", torch.bfloat16, cuda_graph=True)
 
 
@@ -132,7 +140,7 @@ no_stream_mismatch = pytest.mark.filterwarnings("error:The AccumulateGrad node's
 def _cuda_loop(graphed: bool, dtype: torch.dtype, rows: list[int]) -> tuple[Any, list]:
     torch.manual_seed(0)
     model = Net(p=0.2).cuda()
-    compiled = amp_graph.compile(model, "O1", dtype, cuda_graph=graphed)
+    compiled = amp_graph.compile(model, "O1", dtype, mode="cudagraphs" if graphed else "eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, enabled=dtype == torch.float16)
     gen = torch.Generator().manual_seed(1)
@@ -187,7 +195,7 @@ def test_why_the_backward_hands_out_copies() -> None:
     for xs in x:
         graphed(xs).square().sum().backward()
     assert not torch.allclose(graphed.weight.grad, expected)
-    compiled = amp_graph.compile(layer, "O0", cuda_graph=True)
+    compiled = amp_graph.compile(layer, "O0", mode="cudagraphs")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "The AccumulateGrad node's stream")
         for xs in x:
@@ -206,7 +214,7 @@ def _warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_calls_without_grad_run_uncaptured_and_say_so_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """cuda_graph=True was asked for: an evaluation loop that never gets it is told, once."""
+    """mode="cudagraphs" was asked for: an evaluation loop that never gets it is told, once."""
     compiled = amp_graph.compile(Net(), "O1", torch.bfloat16)
     compiled._graphed = GraphedCalls("Net", capture=rerun_capture)
     with caplog.at_level("WARNING"), torch.no_grad():

@@ -35,8 +35,9 @@ from amp_graph.capture import (
 )
 from amp_graph.frontends.cached_decode import CachedDecoder, decodes_with_cache
 from amp_graph.frontends.capture_cache import CaptureCache
+from amp_graph.frontends.compile_modes import EAGER, InductorCalls, RunMode, resolve_mode
 from amp_graph.frontends.front_door import COMPILE_META, CompileRecord, admit, rewrite
-from amp_graph.frontends.graphed_calls import CudaGraphError, GraphedCalls
+from amp_graph.frontends.graphed_calls import GraphedCalls
 from amp_graph.frontends.model_forwards import (
     InplaceForward,
     SignedForward,
@@ -99,11 +100,12 @@ class CompiledModule(nn.Module):
         device_type: str,
         *,
         check_each_pass: bool = False,
-        cuda_graph: bool = False,
+        mode: RunMode = EAGER,
     ) -> None:
         super().__init__()
         self._orig_mod = model
-        self._graphed = GraphedCalls(type(model).__name__) if cuda_graph else None
+        self.mode = mode
+        self._graphed, self._inductor = self._runners(mode)
         self.policy, self.dtype, self.device_type = policy, dtype, device_type
         self.check_each_pass, self._warned_autocast = check_each_pass, False
         self._cache = self._new_cache()
@@ -148,6 +150,12 @@ class CompiledModule(nn.Module):
             )
         return self._last.graph_module
 
+    def _runners(self, mode: RunMode) -> tuple[GraphedCalls | None, InductorCalls | None]:
+        """What runs the graphs in ``mode`` beside the graph itself: the CUDA-graph replays
+        of ``"cudagraphs"``, or inductor's compiled graphs."""
+        graphed = GraphedCalls(type(self._orig_mod).__name__) if mode.name == "cudagraphs" else None
+        return graphed, InductorCalls(mode.name) if mode.inductor else None
+
     def _new_cache(self) -> CaptureCache:
         model = self._orig_mod
         return CaptureCache(self._capture_new, list(model.modules()), type(model).__name__)
@@ -177,7 +185,8 @@ class CompiledModule(nn.Module):
     def __repr__(self) -> str:
         head = (
             f"amp_graph.CompiledModule({type(self._orig_mod).__name__}, policy="
-            f"{self.policy.name}, dtype={short(self.dtype)}, graphs={len(self.graph_modules)})"
+            f"{self.policy.name}, dtype={short(self.dtype)}, mode={self.mode.name!r}, "
+            f"graphs={len(self.graph_modules)})"
         )
         if self._last is None:
             return f"{head}\n  (not captured yet: the first call captures it)"
@@ -189,8 +198,7 @@ class CompiledModule(nn.Module):
         state = self.__dict__.copy()
         state["_cache"], state["_last"], state["_monitor"] = self._new_cache(), None, None
         state["decoder"] = CachedDecoder(self)
-        if self._graphed is not None:
-            state["_graphed"] = GraphedCalls(self._graphed.name)
+        state["_graphed"], state["_inductor"] = self._runners(self.mode)
         return state
 
     # ---- calling ---------------------------------------------------------------------
@@ -224,12 +232,17 @@ class CompiledModule(nn.Module):
 
     def _run(self, captured: Captured, args: tuple, kwargs: dict, leaves: list) -> Any:
         choose = self._monitor and self._monitor.graph_for_step
-        if self._graphed is None:
+        if self._graphed is None and self._inductor is None:
             return captured.call(leaves, choose)
         gm = captured.graph_module
-        graph = gm if choose is None else choose(gm)  # a logging step runs uncaptured
-        replayed = None if graph is not gm else self._graphed.call(gm, leaves, self._tensors)
-        return captured.unflatten(graph(*leaves) if replayed is None else replayed)
+        graph = gm if choose is None else choose(gm)  # a logging step runs the eager graph
+        if graph is not gm:
+            return captured.unflatten(graph(*leaves))
+        if self._inductor is not None:
+            return captured.unflatten(self._inductor.call(gm, leaves))
+        assert self._graphed is not None
+        replayed = self._graphed.call(gm, leaves, self._tensors)
+        return captured.unflatten(gm(*leaves) if replayed is None else replayed)
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         model = self._orig_mod
@@ -256,6 +269,8 @@ class CompiledModule(nn.Module):
             request,
             check_each_pass=self.check_each_pass,
             seconds={"capture": captured.seconds},
+            # inductor's partitioner decides what backward keeps: no saved-tensor hooks
+            recompute_hooks=not self.mode.inductor,
         )
         log.info("%s", _summary(gm, record))
         return captured
@@ -364,7 +379,8 @@ def compile(
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,
-    cuda_graph: bool = False,
+    mode: str | None = None,
+    cuda_graph: bool | None = None,
 ) -> CompiledModule:
     """Rewrite ``model`` so that each op computes at the dtype ``policy`` gives it.
 
@@ -383,11 +399,18 @@ def compile(
             they are used as fake tensors, so every dtype is exact and nothing is computed.
         check_each_pass: run the verifier after each dtype pass and lint the graph after
             the others (slower; the tests use it: :func:`amp_graph.passes.run_passes`).
-        cuda_graph: replay each graph's forward and backward as CUDA graphs, for a loop of
-            your own (:mod:`amp_graph.frontends.graphed_calls`): per input signature, the
-            first call with grad enabled warms up and captures both; later calls replay
-            them. Outputs are overwritten by the next replay: run backward first, clone
-            what you keep. Evaluation (no grad) and a monitor's logging steps run uncaptured.
+        mode: what runs the rewritten graphs (:mod:`amp_graph.frontends.compile_modes`):
+            ``"eager"`` (the GraphModule op by op), ``"cudagraphs"`` (that, each graph's
+            forward and backward replayed as CUDA graphs: per input signature the first call
+            with grad warms up and captures both, later calls replay them; outputs are
+            overwritten by the next replay, so run backward first and clone what you keep;
+            calls without grad and a monitor's logging steps run uncaptured), or a
+            torch.compile mode, ``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
+            ``"max-autotune-no-cudagraphs"`` (each graph through inductor at its first call;
+            a monitor's logging steps run the eager graph). ``None``: by the model's device,
+            ``"eager"`` on the CPU and ``"default"`` on CUDA (:data:`compile_modes.DEFAULT_MODES`:
+            the choice no slower than the eager autocast loop where measured).
+        cuda_graph: deprecated; ``True`` is ``mode="cudagraphs"`` (a FutureWarning).
 
     Returns:
         A :class:`CompiledModule`: call it as the model. It shares the model's parameters
@@ -415,22 +438,15 @@ def compile(
         raise ValueError(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
-    if not isinstance(cuda_graph, bool):
-        raise TypeError(f"cuda_graph is True or False; got {cuda_graph!r}")
     request = admit(policy, dtype, model, examples)
-    if cuda_graph and request.device_type != "cuda":
-        raise CudaGraphError(
-            f"compile(..., cuda_graph=True): the model is on {request.device_type}, not on a "
-            "CUDA device: CUDA graphs capture CUDA work. Move the model to the GPU first, or "
-            "leave cuda_graph off."
-        )
+    run_mode = resolve_mode(mode, cuda_graph, request.device_type)
     compiled = CompiledModule(
         model,
         request.policy,
         request.dtype,
         request.device_type,
         check_each_pass=check_each_pass,
-        cuda_graph=cuda_graph,
+        mode=run_mode,
     )
     if example_inputs is not None or example_kwargs is not None:
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
@@ -454,6 +470,7 @@ def compile_(
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,
+    mode: str | None = None,
 ) -> nn.Module:
     """Compile ``model`` in place, as ``nn.Module.compile()`` does for torch.compile: the
     model stays the user's object (its class, attributes, ``state_dict()`` keys,
@@ -503,6 +520,7 @@ def compile_(
         example_inputs=example_inputs,
         example_kwargs=example_kwargs,
         check_each_pass=check_each_pass,
+        mode=mode,
     )
     compiled._in_place = True
     model.__dict__["forward"] = InplaceForward(compiled, forward_signature(model))

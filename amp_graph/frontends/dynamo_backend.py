@@ -45,6 +45,7 @@ import torch.fx as fx
 from amp_graph.capture import capture_graph
 from amp_graph.capture.autograd_functions import AutocastState
 from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
+from amp_graph.frontends.compile_modes import check_inductor_mode
 from amp_graph.frontends.front_door import CompileRecord, admit, rewrite
 from amp_graph.frontends.policy_request import AmpRequest, check_request
 from amp_graph.frontends.traced_dtypes import (
@@ -65,7 +66,6 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "amp_graph"
 BUILTIN_INNERS = ("inductor", "eager", "aot_eager")
-INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EXAMPLE_VALUE = "example_value"  # dynamo's key for a node's fake value
 
 InnerBackend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
@@ -332,12 +332,8 @@ def _inductor_config_patches(
             "torch.compile; it understands mode= and options="
         )
     patches: dict[str, Any] = {}
+    check_inductor_mode(mode, "the amp_graph backend")
     if mode not in (None, "default"):
-        if mode not in INDUCTOR_MODES:
-            raise ValueError(
-                f"unknown torch.compile mode {mode!r}; use one of "
-                f"{list(INDUCTOR_MODES)}.{nearest(str(mode), INDUCTOR_MODES)}"
-            )
         from torch._inductor import list_mode_options
 
         patches.update(list_mode_options(mode))

@@ -1,4 +1,4 @@
-"""``amp_graph.compile(model, ..., cuda_graph=True)``: the forward and the backward of each
+"""``amp_graph.compile(model, ..., mode="cudagraphs")``: the forward and the backward of each
 rewritten graph replayed as two CUDA graphs, for users who keep their own training loop.
 
 What ``torch.cuda.make_graphed_callables`` does, per input signature (the graph a call uses,
@@ -88,7 +88,7 @@ def refuse_off_cuda(named: Iterable[tuple[str, torch.Tensor]], way_out: str) -> 
     )
 
 
-WAY_OUT = "compile without cuda_graph=True"
+WAY_OUT = "compile with another mode (mode='eager' or 'default')"
 
 
 def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
@@ -290,9 +290,9 @@ class GraphedCalls:
         if not torch.is_grad_enabled():
             self._say_once(
                 "no-grad",
-                "%s: a call without grad runs uncaptured: cuda_graph=True captures a training "
-                "call's forward and backward. For inference, use torch.compile(model, "
-                "backend='amp_graph', mode='reduce-overhead').",
+                "%s: a call without grad runs uncaptured: mode='cudagraphs' captures a training "
+                "call's forward and backward. For inference, compile with "
+                "mode='reduce-overhead' (inductor's kernels, replayed as CUDA graphs).",
             )
             return None
         key = (id(gm), signature_of(leaves))
@@ -315,7 +315,7 @@ class GraphedCalls:
                 "host-outputs",
                 "%s: the graph returns values it computes on the host (a Python number from "
                 "a tensor, .item(), .tolist()), which a CUDA graph cannot replay: it runs "
-                "uncaptured. Return tensors, or compile without cuda_graph=True.",
+                "uncaptured. Return tensors, or compile with another mode.",
             )
             self._graphs.put(key, None)
             return None
@@ -330,9 +330,9 @@ class GraphedCalls:
             self._say_once(
                 "no-gradient",
                 "%s: no output of the graph needs a gradient (frozen parameters, inputs "
-                "without requires_grad): it runs uncaptured, as cuda_graph=True captures "
-                "forward and backward. For a forward alone, use torch.compile(model, "
-                "backend='amp_graph', mode='reduce-overhead').",
+                "without requires_grad): it runs uncaptured, as mode='cudagraphs' captures "
+                "forward and backward. For a forward alone, compile with "
+                "mode='reduce-overhead' (inductor's kernels, replayed as CUDA graphs).",
             )
             return None
         self.captures += 1

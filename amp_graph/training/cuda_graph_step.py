@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
+from amp_graph.frontends.compile_modes import INDUCTOR_CUDA_GRAPH_MODES
 from amp_graph.frontends.graphed_calls import (
     CudaGraphError,
     LeastRecentlyUsed,
@@ -78,9 +79,6 @@ HOST_READS = frozenset(
         aten.unique_consecutive,
     }
 )
-
-# torch.compile modes and options that capture CUDA graphs themselves (nested capture fails)
-COMPILE_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 OUT_OF_GRAPH = "turn it off with config.enable_cuda_graph(False)"
 
@@ -201,7 +199,7 @@ def refuse_compile_cuda_graphs(compile_options: dict[str, Any]) -> None:
     """torch.compile modes that capture CUDA graphs of their own cannot run inside ours."""
     mode = compile_options.get("mode")
     cudagraphs = (compile_options.get("options") or {}).get("triton.cudagraphs")
-    if mode in COMPILE_CUDA_GRAPH_MODES or cudagraphs:
+    if mode in INDUCTOR_CUDA_GRAPH_MODES or cudagraphs:
         raise CudaGraphError(
             f"enable_cuda_graph: enable_compile(mode={mode!r}) captures CUDA graphs of its "
             "own, which cannot run inside the step's capture. Use enable_compile() with the "

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from amp_graph.frontends.compile_modes import check_inductor_mode
 from amp_graph.frontends.policy_request import check_request
 from amp_graph.monitoring.core import Monitor
 from amp_graph.policy import Policy, nearest
@@ -82,8 +83,10 @@ class GraphConfig:
         unless ``backend=`` says otherwise), as OneFlow's ``nn.Graph`` compiles its graph.
 
         ``options`` are torch.compile's keyword arguments (``backend``, ``mode``,
-        ``dynamic``, ``fullgraph``, ``options``, ...; ``mode="max-autotune"`` is torch.compile's
-        mode, ``enable_compile(False)`` turns it off). The step around the build (gradient
+        ``dynamic``, ``fullgraph``, ``options``, ...; ``mode`` is one of torch.compile's
+        modes, checked here, and ``"reduce-overhead"`` is refused for a model off CUDA, as
+        ``amp_graph.compile`` refuses it (:mod:`amp_graph.frontends.compile_modes`);
+        ``enable_compile(False)`` turns it off). The step around the build (gradient
         check, optimizer step, master weights) stays eager, as in a hand-written loop.
         Takes effect at the next capture (the first call).
         """
@@ -93,6 +96,7 @@ class GraphConfig:
                     f"enable_compile got an unknown option {name!r}; torch.compile takes "
                     f"{list(COMPILE_OPTIONS)}.{nearest(name, COMPILE_OPTIONS)}"
                 )
+        check_inductor_mode(options.get("mode"), "enable_compile")
         self.compile, self.compile_options = bool(enabled), dict(options)
 
     def enable_cuda_graph(

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from amp_graph.capture import Captured
 from amp_graph.capture.fsdp_units import fsdp_units
 from amp_graph.frontends.capture_cache import CaptureCache
+from amp_graph.frontends.compile_modes import inductor_compiled, refuse_cuda_graphs_off_cuda
 from amp_graph.frontends.front_door import COMPILE_META, admit, capture_and_rewrite
 from amp_graph.frontends.user_frames import users_stacklevel
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
@@ -193,6 +194,9 @@ class StepBuilder:
             )
         policy = config.policy if config.amp else "O0"
         request = admit(policy, config.dtype, root, args, where="graph")
+        if config.compile and config.cuda_graph is None:  # else the step's capture refuses it
+            mode = config.compile_options.get("mode")
+            refuse_cuda_graphs_off_cuda(mode, request.device_type, f"{self.name}: enable_compile")
         if request.policy.master_weights and graph.training and self.master is None:
             _refuse_masters_of_sharded(root, request.policy)
             self.master = MasterWeights.create(graph._modules, graph._optimizers, request.dtype)
@@ -282,7 +286,7 @@ class StepBuilder:
         self._start_replayer(build, scaler)
         step = build_step_graph(step_root, build, plan)
         if config.compile:
-            step.build = torch.compile(build, **config.compile_options)
+            step.build = inductor_compiled(build, config.compile_options)
         return step
 
     def _active_scaler(self, dtype: torch.dtype, policy: Policy) -> GradScaler | None:

@@ -1,0 +1,196 @@
+"""``amp_graph.compile(model, policy, mode=...)``: how the rewritten graphs run.
+
+The passes decide every op's dtype and leave an ordinary GraphModule; the mode says what
+runs it. The names are torch.compile's, so a user who knows ``torch.compile(mode=...)``
+knows these:
+
+* ``"eager"``: the GraphModule as it is, op by op through PyTorch's kernels (as
+  ``torch.compile(backend="eager")`` runs dynamo's graph). No compile time; the recompute of
+  casts runs through saved-tensor hooks (:mod:`amp_graph.ops.recompute_ops`).
+* ``"cudagraphs"``: ``"eager"`` with each graph's forward and backward replayed as CUDA
+  graphs (:mod:`amp_graph.frontends.graphed_calls`; ``torch.compile(backend="cudagraphs")``
+  is its torch namesake). What ``cuda_graph=True`` asked for, which is its deprecated alias.
+* ``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``:
+  each graph handed to ``torch.compile`` with that mode (inductor): the casts fuse into their
+  neighbours, and AOTAutograd's partitioner decides what backward keeps (the recompute's
+  decisions reach it as activation-checkpointing tags). ``"reduce-overhead"`` adds CUDA
+  graphs, so it is refused off CUDA rather than silently run without them.
+
+``mode=None`` picks :data:`DEFAULT_MODES` by the model's device, by measurement: no default
+may be slower than the eager ``torch.autocast`` loop on any setup measured (BENCHMARKS.md,
+"The compile modes"). ``Graph.config.enable_compile`` checks its mode with the same
+:func:`check_inductor_mode` and compiles through the same :func:`inductor_compiled`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from amp_graph.frontends.graphed_calls import CudaGraphError
+from amp_graph.ops import recompute_ops
+from amp_graph.policy import nearest
+
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+EAGER_MODES = ("eager", "cudagraphs")
+MODES = (*EAGER_MODES, *INDUCTOR_MODES)
+CUDA_GRAPH_MODES = ("cudagraphs", "reduce-overhead")  # their point is the CUDA graphs
+# torch.compile modes that capture CUDA graphs of their own on CUDA (max-autotune's point is
+# the autotuning, so it runs on the CPU, where it captures none)
+INDUCTOR_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+# What mode=None means, per device type, and why (a measurement each; BENCHMARKS.md, "The
+# compile modes"). CPU: the eager graph is at parity with the eager autocast loop and compiles
+# in a second, where inductor's first call takes tens of seconds. CUDA: the eager graph
+# measured 1.02-1.06x the eager autocast loop on an H200 (kernel launches and separate casts),
+# so inductor, which fuses the casts. Devices never measured keep the eager graph.
+DEFAULT_MODES = {"cpu": "eager", "cuda": "default"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMode:
+    """A resolved mode: its name, whether inductor compiles the graphs, and whether CUDA
+    graphs replay them."""
+
+    name: str
+
+    @property
+    def inductor(self) -> bool:
+        return self.name in INDUCTOR_MODES
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.name in CUDA_GRAPH_MODES
+
+
+EAGER = RunMode("eager")
+
+
+def default_mode(device_type: str) -> str:
+    """The mode ``mode=None`` gives a model on ``device_type``."""
+    return DEFAULT_MODES.get(device_type, "eager")
+
+
+def resolve_mode(mode: str | None, cuda_graph: bool | None, device_type: str) -> RunMode:
+    """The mode a ``compile`` call asked for, checked against the model's device.
+
+    ``cuda_graph=True`` is the deprecated spelling of ``mode="cudagraphs"`` (a FutureWarning
+    says so); with another mode it is refused, as is a CUDA-graph mode off CUDA (it would run
+    without the graphs it was asked for) and a name that is no mode (naming the nearest)."""
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph is True or False; got {cuda_graph!r}")
+    if mode is not None and not isinstance(mode, str):
+        raise TypeError(f"mode is one of {list(MODES)} or None; got {mode!r}")
+    if mode is not None and mode not in MODES:
+        raise ValueError(
+            f"unknown compile mode {mode!r}; the modes are {list(MODES)}.{nearest(mode, MODES)}"
+        )
+    if cuda_graph:
+        if mode not in (None, "cudagraphs"):
+            raise ValueError(
+                f"compile(..., mode={mode!r}, cuda_graph=True) asks for two modes: cuda_graph=True "
+                "is the old spelling of mode='cudagraphs'. Pass mode alone ('reduce-overhead' "
+                "for inductor's kernels replayed as CUDA graphs)."
+            )
+        warnings.warn(
+            "compile(..., cuda_graph=True) is deprecated: pass mode='cudagraphs' (the same: the "
+            "eager graph replayed as CUDA graphs), or mode='reduce-overhead' for inductor's "
+            "kernels replayed as CUDA graphs.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        mode = "cudagraphs"
+    if cuda_graph is False and mode == "cudagraphs":
+        raise ValueError("compile(..., mode='cudagraphs', cuda_graph=False) contradicts itself")
+    resolved = RunMode(mode if mode is not None else default_mode(device_type))
+    refuse_cuda_graphs_off_cuda(resolved.name, device_type, "compile(..., mode=...)")
+    return resolved
+
+
+def refuse_cuda_graphs_off_cuda(mode: str | None, device_type: str, where: str) -> None:
+    """A mode whose point is CUDA graphs, for a model off CUDA: refused, as torch.compile would
+    run it without them and say nothing."""
+    if mode in CUDA_GRAPH_MODES and device_type != "cuda":
+        raise CudaGraphError(
+            f"{where}: mode {mode!r} is for CUDA graphs, which capture CUDA work, and the model "
+            f"is on {device_type}, not on a CUDA device. Move the model to the GPU, or use "
+            "mode='default' (inductor)"
+            + (" or mode='eager'" if where.startswith("compile") else "")
+            + "."
+        )
+
+
+def check_inductor_mode(mode: Any, where: str) -> None:
+    """A torch.compile ``mode=`` for ``where`` (``"enable_compile"``): one of
+    :data:`INDUCTOR_MODES` or None, said early rather than at the first call."""
+    if mode is None or mode in INDUCTOR_MODES:
+        return
+    hint = " (amp_graph.compile's 'eager' and 'cudagraphs' are not torch.compile modes)"
+    raise ValueError(
+        f"{where}: unknown torch.compile mode {mode!r}; the modes are "
+        f"{list(INDUCTOR_MODES)}.{nearest(str(mode), INDUCTOR_MODES)}"
+        + (hint if mode in EAGER_MODES else "")
+    )
+
+
+def inductor_compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile(**options)``; a GraphModule first loses the recompute's
+    saved-tensor hooks (AOTAutograd's partitioner decides what backward keeps, and dynamo
+    must not trace Python hooks around the forward)."""
+    if isinstance(fn, torch.nn.Module):
+        recompute_ops.uninstall(fn)
+    return torch.compile(fn, **options)
+
+
+class InductorCalls:
+    """Each rewritten graph compiled by ``torch.compile(mode=...)`` at its first call, kept
+    while the graph lives. A graph compiled once serves every call with its inputs' sizes
+    (dynamo recompiles on new ones, as it does for any model)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._compiled: weakref.WeakKeyDictionary[fx.GraphModule, Callable[..., Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """Pickled as its mode: compiled graphs are this process's (loaded, they compile
+        again at their first call)."""
+        return (InductorCalls, (self.mode,))
+
+    def call(self, gm: fx.GraphModule, leaves: Sequence[Any]) -> Any:
+        """The flat outputs of ``gm`` on ``leaves``, through its compiled form."""
+        compiled = self._compiled.get(gm)
+        if compiled is None:
+            # fullgraph: the graph is aten ops already, so a break would be a bug of ours,
+            # not something to run around silently
+            compiled = inductor_compiled(gm, {"mode": self.mode, "fullgraph": True})
+            self._compiled[gm] = compiled
+        return compiled(*leaves)
+
+
+__all__ = [
+    "CUDA_GRAPH_MODES",
+    "DEFAULT_MODES",
+    "EAGER",
+    "EAGER_MODES",
+    "INDUCTOR_CUDA_GRAPH_MODES",
+    "INDUCTOR_MODES",
+    "MODES",
+    "InductorCalls",
+    "RunMode",
+    "check_inductor_mode",
+    "default_mode",
+    "inductor_compiled",
+    "refuse_cuda_graphs_off_cuda",
+    "resolve_mode",
+]

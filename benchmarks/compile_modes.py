@@ -1,0 +1,235 @@
+"""The modes of ``amp_graph.compile(model, policy, mode=...)`` against the eager torch.autocast
+loop and torch.compile's own, side by side in one run: what the default (``mode=None``) is
+chosen by.
+
+One training step each (forward with the loss, backward, fused-or-foreach AdamW step):
+
+* ``autocast eager``: the model called under ``torch.autocast``, the reference, and
+  ``[again]``, the same a second time: its ratio is the measurement's noise floor;
+* ``torch.compile + autocast`` (and ``... reduce-overhead`` on CUDA): torch's own;
+* ``compile <mode>``: ``amp_graph.compile(model, "O1", mode=<mode>)`` for each mode this device
+  runs (``eager``, ``default``, and on CUDA ``cudagraphs`` and ``reduce-overhead``); the row
+  marked ``*`` is what ``mode=None`` gives on this device.
+
+Printed per variant: the median step, the median over rounds of its ratio to the reference's
+step in the same round, and the first call's seconds (capture, passes, inductor's compile,
+one step; inductor's cache is a fresh folder, so every compile is cold). The target: the
+default's ratio at most 1.0 on every setup measured.
+
+    python benchmarks/compile_modes.py --device cpu              # about 4 minutes here
+    python benchmarks/compile_modes.py --device cuda --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+# a cold inductor cache for this run (before torch reads the variable)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="amp_graph_modes_"))
+
+import torch
+from measure import cpu_name, interleaved_seconds
+
+import amp_graph
+from amp_graph.demo import models
+from amp_graph.frontends.compile_modes import default_mode
+
+Step = Callable[[], Any]
+
+
+class ConvNetWithLoss(torch.nn.Module):
+    """The demo's ConvNet plus cross-entropy, so that the loss is in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = models.ConvNet(in_channels=3, channels=64)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(images), labels)
+
+
+def setups(
+    device: str, tiny: bool, layers: int | None
+) -> dict[str, tuple[torch.nn.Module, tuple, str]]:
+    """name -> (model, inputs, shape), built on ``device``; ``layers`` overrides the GPT's."""
+    torch.manual_seed(0)
+    if device == "cuda" and not tiny:
+        gpt = dict(vocab=8192, block=512, dim=768, heads=12, layers=12)
+        batch, conv_batch = 8, 256
+    elif tiny:
+        gpt = dict(vocab=256, block=32, dim=64, heads=4, layers=1)
+        batch, conv_batch = 4, 8
+    else:
+        gpt = dict(vocab=512, block=128, dim=256, heads=8, layers=4)
+        batch, conv_batch = 16, 64
+    gpt["layers"] = layers or gpt["layers"]
+    idx = torch.randint(0, gpt["vocab"], (batch, gpt["block"]), device=device)
+    targets = torch.roll(idx, -1, dims=1)
+    out = {
+        "gpt": (
+            models.GPTWithLoss(**gpt).to(device),
+            (idx, targets),
+            f"GPT {gpt['layers']} layers, width {gpt['dim']}, {batch}x{gpt['block']} tokens",
+        ),
+    }
+    convnet = ConvNetWithLoss().to(device)
+    images = torch.randn(conv_batch, 3, 32, 32, device=device)
+    labels = torch.randint(0, 10, (conv_batch,), device=device)
+    out["convnet"] = (convnet, (images, labels), f"ConvNet width 64, {conv_batch}x3x32x32")
+    return out
+
+
+def train_step(
+    forward: Callable[..., torch.Tensor],
+    model: torch.nn.Module,
+    inputs: tuple,
+    autocast: torch.dtype | None,
+    device: str,
+) -> Step:
+    """One step of ``forward`` (returning the loss) with AdamW over ``model``'s parameters."""
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, foreach=device != "cuda", fused=device == "cuda"
+    )
+
+    def step() -> None:
+        if autocast is not None:
+            with torch.autocast(device, dtype=autocast):
+                loss = forward(*inputs)
+        else:
+            loss = forward(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def variants(
+    model: torch.nn.Module, inputs: tuple, dtype: torch.dtype, device: str
+) -> dict[str, Callable[[], Step]]:
+    """name -> what builds that variant's step (each over its own copy of the model, so that
+    the optimizers' updates do not meet)."""
+    import copy
+
+    def fresh() -> torch.nn.Module:
+        return copy.deepcopy(model)
+
+    def autocast_eager() -> Step:
+        m = fresh()
+        return train_step(m, m, inputs, dtype, device)
+
+    def torch_compile(mode: str) -> Callable[[], Step]:
+        def build() -> Step:
+            m = fresh()
+            return train_step(torch.compile(m, mode=mode), m, inputs, dtype, device)
+
+        return build
+
+    def ours(mode: str) -> Callable[[], Step]:
+        def build() -> Step:
+            m = fresh()
+            return train_step(amp_graph.compile(m, "O1", dtype, mode=mode), m, inputs, None, device)
+
+        return build
+
+    out: dict[str, Callable[[], Step]] = {
+        "autocast eager": autocast_eager,
+        "autocast eager [again]": autocast_eager,  # an A/A row: the noise floor
+        "torch.compile + autocast": torch_compile("default"),
+    }
+    modes = ["eager", "default"]
+    if device == "cuda":
+        out["torch.compile reduce-overhead + autocast"] = torch_compile("reduce-overhead")
+        modes += ["cudagraphs", "reduce-overhead"]
+    for mode in modes:
+        out[f"compile {mode}"] = ours(mode)
+    return out
+
+
+def measure(
+    name: str, model: torch.nn.Module, inputs: tuple, dtype: torch.dtype, device: str, repeats: int
+) -> dict[str, Any]:
+    built = variants(model, inputs, dtype, device)
+    steps: dict[str, Step] = {}
+    first: dict[str, float] = {}
+    for variant, build in built.items():
+        step = build()
+        torch.cuda.synchronize() if device == "cuda" else None
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize() if device == "cuda" else None
+        first[variant] = time.perf_counter() - start
+        steps[variant] = step
+    times = interleaved_seconds(steps, repeats, warmup=2, device=device)
+    reference = times["autocast eager"]
+    chosen = f"compile {default_mode(device)}"
+    rows = {}
+    for variant, seconds in times.items():
+        ratios = [s / r for s, r in zip(seconds, reference, strict=True)]
+        rows[variant] = {
+            "median_ms": statistics.median(seconds) * 1e3,
+            "vs_autocast_eager": statistics.median(ratios),
+            "first_call_s": first[variant],
+            "default": variant == chosen,
+        }
+    return {"model": name, "rows": rows}
+
+
+def render(result: dict[str, Any], shape: str) -> str:
+    lines = [
+        f"== {result['model']}: {shape}",
+        f"  {'variant':42s} {'median ms':>10s} {'/ autocast eager':>17s} {'first call s':>13s}",
+    ]
+    for variant, row in result["rows"].items():
+        mark = " *" if row["default"] else "  "
+        lines.append(
+            f"{mark}{variant:42s} {row['median_ms']:10.2f} {row['vs_autocast_eager']:17.3f} "
+            f"{row['first_call_s']:13.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--models", nargs="+", default=["gpt", "convnet"])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: the code path only")
+    parser.add_argument("--layers", type=int, help="the GPT's layers (12 on CUDA, 4 on the CPU)")
+    parser.add_argument("--json", help="write the figures here (rewritten after each model)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("compile_modes.py --device cuda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
+    print(
+        f"{where}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
+        f"{args.dtype}; * = mode=None's choice on {args.device} ({default_mode(args.device)})"
+    )
+    results = []
+    for name, (model, inputs, shape) in setups(args.device, args.tiny, args.layers).items():
+        if name not in args.models:
+            continue
+        result = measure(name, model, inputs, dtype, args.device, args.repeats)
+        result["shape"] = shape
+        print(render(result, shape), flush=True)
+        results.append(result)
+        if args.json:  # after each model: a run cut short keeps what it measured
+            with open(args.json, "w") as out:
+                report = {"device": where, "torch": torch.__version__, "results": results}
+                json.dump(report, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
