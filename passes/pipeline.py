@@ -69,12 +69,14 @@ def amp_passes(
     check_each_pass: bool = False,
     recompute_cost: RecomputeCost | None = None,
     low_copies: Collection[torch.Tensor] = (),
+    recompute_by_partitioner: bool = False,
 ) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
     """The pass list, bound to a policy and a dtype. The final verify always lints and checks
     that every planned input has its planned dtype; ``check_each_pass`` also re-propagates every
     dtype through the rewritten graph (as costly again as assign_dtypes: the tests use it).
     ``recompute_cost``: what recomputing a cast costs where the graph runs, for
-    ``Policy(recompute_casts="auto")`` (None: nothing, as where AOTAutograd compiles it).
+    ``Policy(recompute_casts="auto")``; ``recompute_by_partitioner``: AOTAutograd compiles
+    the graph, and ``"auto"`` leaves its casts to the partitioner (:func:`recompute_casts`).
     ``low_copies``: parameters the caller stores low as copies of float32 masters (O2 in a
     ``Graph``), of which the plan stores those it reads only in float32 in float32
     (:mod:`widen_parameters`)."""
@@ -119,7 +121,12 @@ def amp_passes(
     passes.append(
         (
             "recompute_casts",
-            lambda gm: recompute_casts(gm, policy.recompute_casts, recompute_cost),
+            lambda gm: recompute_casts(
+                gm,
+                policy.recompute_casts,
+                recompute_cost,
+                by_partitioner=recompute_by_partitioner,
+            ),
         )
     )
     return passes
@@ -169,14 +176,18 @@ def run_passes(
     check_each_pass: bool = False,
     recompute_cost: RecomputeCost | None = None,
     low_copies: Collection[torch.Tensor] = (),
+    recompute_by_partitioner: bool = False,
 ) -> PipelineResult:
     """Run the AMP passes on ``gm`` (captured and flat, :func:`require_captured_graph`) in
-    place and return it with the counters (``recompute_cost``, ``low_copies``:
-    :func:`amp_passes`)."""
+    place and return it with the counters (``recompute_cost``, ``low_copies``,
+    ``recompute_by_partitioner``: :func:`amp_passes`)."""
     require_captured_graph(gm)
     result = PipelineResult(gm)
     ran: list[str] = []
-    for name, run in amp_passes(policy, low_dtype, check_each_pass, recompute_cost, low_copies):
+    passes = amp_passes(
+        policy, low_dtype, check_each_pass, recompute_cost, low_copies, recompute_by_partitioner
+    )
+    for name, run in passes:
         start = time.perf_counter()
         try:
             out = run(gm)

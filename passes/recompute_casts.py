@@ -31,9 +31,13 @@ saved-tensor hooks, the recast's dispatch) besides its bytes, so under
 in that time is kept, and so is every copy of a graph where the hooks on all its saved
 tensors would cost more than all its recasts' bytes take
 (:class:`amp_graph.ops.recompute_cost.RecomputeCost`, measured once per device by the
-entry point; every copy is decided where AOTAutograd compiles the graph,
-whose recompute runs no Python, and every FSDP2 unit's whatever its size). ``True`` decides
-every candidate, an int those of at least that many bytes, ``False`` none.
+entry point, and every FSDP2 unit's whatever its size). Where AOTAutograd compiles the graph
+(``by_partitioner``), ``"auto"`` leaves every copy but an FSDP2 unit's to its partitioner:
+a tagged cast there is a kernel of its own in the backward, and in the forward a cast that
+no longer fuses with its neighbours, where the partitioner left alone generates the kernels
+torch.compile generates under torch.autocast, one for one (BENCHMARKS.md, "What inductor
+generates for the backend"). ``True`` decides every candidate, an int those of at least
+that many bytes, ``False`` none.
 
 Each decided cast becomes a call of :func:`amp_graph.ops.recompute_ops.recomputed_cast` (the same
 cast, visible as such in the printed graph); :func:`amp_graph.ops.recompute_ops.install` 's hooks
@@ -262,15 +266,20 @@ def _declined(
     enabled: bool | str | int,
     cost: RecomputeCost | None,
     saved_tensors: int,
+    by_partitioner: bool = False,
 ) -> dict[fx.Node, str]:
     """The candidates (node, copy bytes, in an FSDP2 unit) backward keeps, each with why.
 
-    ``True``, or ``"auto"`` without a cost: none. An int: copies below that many bytes.
+    ``True``, or ``"auto"`` without a cost: none. ``"auto"`` ``by_partitioner``: every one
+    outside an FSDP2 unit (AOTAutograd's partitioner decides). An int: copies below that
+    many bytes.
     ``"auto"``: copies below ``cost.min_copy_bytes``; then every one, where the hooks on
     the forward's ``saved_tensors`` would cost more host time than the recasts spend on
     their bytes (:meth:`RecomputeCost.hooks_pay`). An FSDP2 unit's casts are never
     declined: their sources are the unit's unsharded parameters, and keeping the copies
     would hold the whole unsharded model on every rank."""
+    if enabled == "auto" and by_partitioner:
+        return {node: _PARTITIONER for node, _, in_unit in candidates if not in_unit}
     if enabled is True or (enabled == "auto" and cost is None):
         return {}
     if isinstance(enabled, int):
@@ -304,10 +313,20 @@ def _declined(
 
 
 _ANYWAY = " Policy(recompute_casts=True) recomputes every such cast."
+_PARTITIONER = (
+    "AOTAutograd compiles this graph: its partitioner decides whether backward keeps the copy "
+    "or casts again, as it does for torch.compile under torch.autocast (a recompute forced "
+    "here would be a kernel of its own in the backward, and would keep the cast from fusing "
+    "in the forward)." + _ANYWAY
+)
 
 
 def recompute_casts(
-    gm: fx.GraphModule, enabled: bool | str | int = True, cost: RecomputeCost | None = None
+    gm: fx.GraphModule,
+    enabled: bool | str | int = True,
+    cost: RecomputeCost | None = None,
+    *,
+    by_partitioner: bool = False,
 ) -> PassResult:
     """Make the casts whose source outlives the forward recomputed in backward, where it
     pays.
@@ -315,9 +334,10 @@ def recompute_casts(
     ``enabled`` is ``Policy.recompute_casts``: ``False`` decides none (backward keeps every
     copy, as torch.autocast does); ``True`` every one it may; an int, those whose copy has
     at least that many bytes; ``"auto"``, those :class:`RecomputeCost` says pay on the
-    device, ``cost`` (None: every one, for a graph whose recompute runs no Python: one that
-    AOTAutograd compiles). An FSDP2 unit's casts are recomputed whatever the size. The
-    casts it could have recomputed and keeps carry why in ``meta["amp"].recompute_declined``.
+    device, ``cost`` (None: every one), or where AOTAutograd compiles the graph
+    (``by_partitioner``) none: its partitioner decides. An FSDP2 unit's casts are
+    recomputed whatever the size. The casts it could have recomputed and keeps carry why in
+    ``meta["amp"].recompute_declined``.
 
     Stats: ``casts_recomputed`` and ``recomputed_cast_bytes`` (per call, the bytes backward
     no longer holds: the copies', less the low sources kept in the place of widened copies);
@@ -350,6 +370,7 @@ def recompute_casts(
         enabled,
         cost,
         _saved_tensor_estimate(gm) if enabled == "auto" and cost is not None else 0,
+        by_partitioner,
     )
     count = nbytes = 0
     for node, kept_by, target, args, kwargs in candidates:

@@ -5,15 +5,19 @@ compiles C++ on CPU), so the structural tests use other inner backends."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 
 import pytest
 import torch
 
 from amp_graph.demo import models
 from amp_graph.frontends.dynamo_backend import backend, captured_graphs
+from amp_graph.policy import Policy
 
 BF16 = torch.bfloat16
 
@@ -87,3 +91,45 @@ def test_inductor_training_matches_torch_compile_under_autocast():
     [gm] = captured_graphs(ours)
     assert gm.meta["amp_graph"].exact
     assert any(n.meta["amp"].compute_dtype == BF16 for n in gm.graph.nodes)
+
+
+def _kernels(step) -> tuple[list[str], Counter]:
+    """The fused kernels inductor generates for ``step``'s graphs (named by what they fuse,
+    the numbering dropped) and its calls of extern kernels, compiled afresh."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    with config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    fused = sorted(
+        re.sub(r"_\d+$", "", name) for name in re.findall(r"^(cpp_fused_\w+) = ", code, re.M)
+    )
+    return fused, Counter(re.findall(r"extern_kernels\.(\w+)\(", code))
+
+
+def test_the_backend_generates_torch_compiles_kernels_one_for_one():
+    """Under torch.autocast's own op lists, the backend hands inductor a graph from which it
+    generates the kernels torch.compile generates for the model under torch.autocast, in
+    the forward and in the backward: the recompute's default leaves what backward keeps to
+    the partitioner. Tagging every cast for recompute (True) changes them (standalone casts in
+    the backward, other fusions in the forward)."""
+    model = models.GPTWithLoss(layers=1)
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(idx, -1, dims=1)
+
+    def theirs() -> None:
+        with torch.autocast("cpu", BF16):
+            loss = torch.compile(model)(idx, targets)
+        loss.backward()
+
+    def ours(recompute: bool | str) -> None:
+        policy = dataclasses.replace(Policy.preset("autocast"), recompute_casts=recompute)
+        torch.compile(model, backend=backend(policy=policy))(idx, targets).backward()
+
+    reference = _kernels(theirs)
+    torch._dynamo.reset()
+    assert _kernels(lambda: ours("auto")) == reference
+    torch._dynamo.reset()
+    tagged, extern = _kernels(lambda: ours(True))
+    assert extern == reference[1] and tagged != reference[0]  # the casts fuse elsewhere

@@ -176,7 +176,8 @@ def test_the_default_mode_compiles_each_graph_with_inductor_and_matches_the_eage
 def test_inductor_modes_leave_the_recompute_to_the_partitioner() -> None:
     """The eager graph recomputes casts through saved-tensor hooks; a graph inductor compiles
     must carry none (dynamo would trace Python hooks around the forward), and gets the
-    recompute's decision as checkpoint tags instead."""
+    recompute's decision as checkpoint tags instead, where one is asked for: under "auto"
+    the partitioner decides, and no cast is tagged."""
     model = models.GPTWithLoss(vocab=64, block=8, dim=32, heads=2, layers=1)
     inputs = _batch()
     policy = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=True)
@@ -190,6 +191,9 @@ def test_inductor_modes_leave_the_recompute_to_the_partitioner() -> None:
     assert len(tagged) >= recomputed
     inductor(*inputs).backward()  # and it trains
     assert all(p.grad is not None for p in model.parameters())
+    auto = amp_graph.compile(model, "O1", BF16, mode="default", example_inputs=inputs)
+    assert compile_record(auto).stats["casts_recomputed"] == 0
+    assert not [n for n in auto.graph.nodes if n.meta.get("recompute") is not None]
 
 
 def test_a_monitor_logging_step_runs_the_eager_graph_in_an_inductor_mode() -> None:

@@ -181,21 +181,39 @@ def test_a_small_model_on_this_cpu_keeps_its_copies_and_runs_no_hooks(monkeypatc
     assert "on cpu a recomputed cast costs" in report.totals()
 
 
-def test_a_compiled_graph_recomputes_every_cast_it_may(monkeypatch) -> None:
+def test_a_compiled_graph_leaves_its_casts_to_the_partitioner(monkeypatch) -> None:
     """Where AOTAutograd compiles the graph (the backend with an inner compiler other than
-    eager; Graph's enable_compile), its partitioner recomputes at no host cost: no
-    measurement, every cast decided."""
+    eager; Graph's enable_compile), "auto" tags no cast: the partitioner decides what
+    backward keeps, as for torch.compile under autocast, and nothing is measured. True still
+    tags every cast it may; explain says why a kept one is kept."""
     asked = pinned(monkeypatch, dataclasses.replace(SPLIT_AT_64_KIB, per_cast_ns=float(2**30)))
     model, x = SmallAndLarge(), torch.randn(8, 16)
-    counts = {}
-    for inner in ("aot_eager", "eager"):
+    counts, graphs = {}, {}
+    for inner, recompute in (("aot_eager", "auto"), ("aot_eager", True), ("eager", "auto")):
         torch._dynamo.reset()
-        backend = amp_graph.backend(policy="O1", dtype=BF16, inner=inner)
+        backend = amp_graph.backend(policy=o1(recompute), dtype=BF16, inner=inner)
         torch.compile(model, backend=backend)(x).float().sum().backward()
         [gm] = backend.graphs
-        counts[inner] = gm.meta["amp_graph"].stats["casts_recomputed"]
-    assert counts == {"aot_eager": 2, "eager": 0}
+        stats = gm.meta["amp_graph"].stats
+        counts[inner, recompute] = (stats["casts_recomputed"], stats["casts_recompute_declined"])
+        graphs[inner, recompute] = gm
+    assert counts == {("aot_eager", "auto"): (0, 2), ("aot_eager", True): (2, 0),
+                      ("eager", "auto"): (0, 2)}  # fmt: skip
     assert asked == ["cpu"]  # eager only
+    said = amp_graph.explain(graphs["aot_eager", "auto"], _weight_cast(graphs["aot_eager", "auto"]))
+    assert "its partitioner decides" in str(said)
+    assert not [n for n in graphs["aot_eager", "auto"].graph.nodes if n.meta.get("recompute")]
+
+
+def _weight_cast(gm: torch.fx.GraphModule) -> str:
+    from amp_graph.passes import AMP, Role
+
+    return next(
+        n.name
+        for n in gm.graph.nodes
+        if n.meta.get(AMP) is not None and n.meta[AMP].role is Role.CAST
+        and n.args[0].meta[AMP].role is Role.PARAM
+    )  # fmt: skip
 
 
 class TrainSmallAndLarge(amp_graph.Graph):
@@ -215,14 +233,16 @@ class TrainSmallAndLarge(amp_graph.Graph):
 
 def test_graph_decides_as_compile_does_and_steps_the_same_bits(monkeypatch) -> None:
     """The same policy through Graph: the eager step graph weighs the measured cost (the
-    large copy recomputed, the small kept); with enable_compile every cast is recomputed
-    and nothing is measured. Weights after two steps are the same bits as keeping all."""
+    large copy recomputed, the small kept); with enable_compile the partitioner decides
+    (nothing tagged, nothing measured), and True tags every cast. Weights after two steps
+    are the same bits as keeping all."""
     asked = pinned(monkeypatch, SPLIT_AT_64_KIB)
     x = torch.randn(8, 16, requires_grad=True)
     weights, decided = {}, {}
     for name, policy, compiled in (
         ("auto", o1("auto"), False),
         ("auto, compiled", o1("auto"), True),
+        ("every, compiled", o1(True), True),
         ("none", o1(False), False),
     ):
         torch.manual_seed(0)
@@ -234,10 +254,10 @@ def test_graph_decides_as_compile_does_and_steps_the_same_bits(monkeypatch) -> N
         decided[name] = (
             graph.step_graph.get_submodule("build").meta["amp_graph"].stats["casts_recomputed"]
         )
-    # compiled: both weights and the float32 copy of the output that square saves
-    assert decided == {"auto": 1, "auto, compiled": 3, "none": 0}
+    # every, compiled: both weights and the float32 copy of the output that square saves
+    assert decided == {"auto": 1, "auto, compiled": 0, "every, compiled": 3, "none": 0}
     assert asked == ["cpu"]  # the eager Graph's capture only
-    for name in ("auto", "auto, compiled"):
+    for name in ("auto", "auto, compiled", "every, compiled"):
         assert all(torch.equal(a, b) for a, b in zip(weights[name], weights["none"], strict=True))
 
 

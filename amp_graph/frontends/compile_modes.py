@@ -12,9 +12,10 @@ knows these:
   is its torch namesake). What ``cuda_graph=True`` asked for, which is its deprecated alias.
 * ``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``:
   each graph handed to ``torch.compile`` with that mode (inductor): the casts fuse into their
-  neighbours, and AOTAutograd's partitioner decides what backward keeps (the recompute's
-  decisions reach it as activation-checkpointing tags). ``"reduce-overhead"`` adds CUDA
-  graphs, so it is refused off CUDA rather than silently run without them.
+  neighbours, and AOTAutograd's partitioner decides what backward keeps (under
+  ``recompute_casts="auto"`` alone; ``True`` reaches it as activation-checkpointing tags).
+  ``"reduce-overhead"`` adds CUDA graphs, so it is refused off CUDA rather than silently run
+  without them.
 
 ``mode=None`` picks :data:`DEFAULT_MODES` by the model's device, by measurement: no default
 may be slower than the eager ``torch.autocast`` loop on any setup measured (BENCHMARKS.md,

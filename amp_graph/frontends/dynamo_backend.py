@@ -162,7 +162,7 @@ class AmpGraphBackend:
             check_each_pass=self.check_each_pass,
             seconds={"capture": time.perf_counter() - start},
             # only the eager inner backend runs the graph as it is (AOTAutograd's
-            # partitioner recomputes the casts for the others)
+            # partitioner decides what backward keeps for the others)
             recompute_hooks=self.inner == "eager",
         )
         record.exact = record.exact and not missing

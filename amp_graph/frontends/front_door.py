@@ -161,7 +161,8 @@ def rewrite(
     diff reads). ``recompute_hooks``: the graph runs as it is, its recomputed casts through
     :mod:`amp_graph.ops.recompute_ops` 's saved-tensor hooks (installed on ``gm``), and
     ``recompute_casts="auto"`` weighs their cost measured on the device. False: AOTAutograd
-    compiles the graph, whose partitioner recomputes them at no host cost; no hooks.
+    compiles the graph: no hooks, and ``"auto"`` leaves what backward keeps to its
+    partitioner (``True`` still tags every cast it may for recompute).
     ``low_copies``: the parameters the caller stores low as copies of float32 masters (O2 in
     a ``Graph``); the plan stores those it reads only in float32 in float32, and names them
     in ``gm.meta[WIDENED_PARAMETERS]`` (:mod:`amp_graph.passes.widen_parameters`): the
@@ -187,6 +188,7 @@ def rewrite(
             request.dtype,
             check_each_pass=check_each_pass,
             recompute_cost=cost,
+            recompute_by_partitioner=not recompute_hooks,
             low_copies=low_copies,
         )
     stats = {**inlined.stats, **result.stats}

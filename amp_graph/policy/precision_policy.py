@@ -313,10 +313,10 @@ class Policy:
             forward to backward (``passes.recompute_casts``). ``"auto"`` (the default):
             those where it pays on the model's device, by a cost measured there once
             (:mod:`amp_graph.ops.recompute_cost`: host time per cast and per saved tensor
-            against the copy's bytes; every one where the graph is compiled, whose
-            recompute runs no Python; every FSDP2 unit's). ``True``: every one. An int:
-            those whose copy has at least that many bytes. ``False``: none, as
-            torch.autocast.
+            against the copy's bytes; where AOTAutograd compiles the graph, none: its
+            partitioner decides, as for torch.compile under autocast; every FSDP2
+            unit's). ``True``: every one. An int: those whose copy has at least that many
+            bytes. ``False``: none, as torch.autocast.
         place_casts: label the ops only the default rule makes low (O2's free ops) low or
             float32 by an exact minimum cut of the cast bytes, forward and backward
             (``passes.place_casts``): it only ever raises ops to float32, never grows what
