@@ -13,6 +13,8 @@ limit, all within --budget seconds (570 by default):
 1b. ``benchmarks/compile_modes.py --device cuda``: ``amp_graph.compile``'s modes (the default,
    inductor, first) against the eager autocast loop and torch.compile's, on a 4-layer GPT of
    width 768 and a ConvNet;
+1c. ``benchmarks/fp8_cost_model.py --device cuda``: the per-GEMM fp8 cost model measured on
+   this GPU, its predictions against measured layer times at GPT-2's and a Llama stack's shapes;
 2. ``benchmarks/cuda_graph_bench.py``: ``Graph.config.enable_cuda_graph`` on the GPT-2-small
    shape (8 and 64 x 512 tokens, bf16 and fp16) against the hand-written autocast loop and
    (bf16, 8x512) the ``torch.compile(mode="reduce-overhead")`` loop, also with
@@ -68,6 +70,12 @@ FIGURES = [  # (key, what, target)
         "`amp_graph.compile(mode=...)`, O1 bf16, / eager autocast loop (`*` = `mode=None`): "
         "GPT 4x768 8x512; ConvNet 256x3x32x32; first call of the default",
         "default <= 1.0x",
+    ),
+    (
+        "fp8_cost",
+        "the per-GEMM fp8 cost model (`fp8_cost_model.py`): its figures, and at GPT-2's and a "
+        "Llama stack's shapes the predicted / measured fp8 time over bf16's, decisions right",
+        "every decision right",
     ),
     (
         "bandwidth",
@@ -452,6 +460,20 @@ def run_compile_modes(seconds: float, results: Results) -> None:
     results.cells["compile_modes"] = "; ".join(cells)
 
 
+def run_fp8_cost(seconds: float, results: Results) -> None:
+    _, report = _script_report("fp8_cost_model.py", ["--device", "cuda"], seconds, results)
+    results.raw["fp8_cost"] = report
+    rows = "; ".join(
+        f"{'x'.join(map(str, row['shape']))} {row['predicted']:.2f}/{row['measured']:.2f}"
+        f"{'' if row['right'] else ' WRONG'}"
+        for row in report["rows"]
+    )
+    right = sum(row["right"] for row in report["rows"])
+    results.cells["fp8_cost"] = (
+        f"{report['model']}; {rows}; {right} of {len(report['rows'])} decisions right"
+    )
+
+
 def run_recompute(seconds: float, results: Results) -> None:
     args = ["--device", "cuda", "--gpt2", "--repeats", "9"]
     _, report = _script_report("eager_step.py", args, seconds, results)
@@ -470,6 +492,7 @@ def run_recompute(seconds: float, results: Results) -> None:
 STAGES = [
     (run_tests, 240.0),
     (run_compile_modes, 150.0),
+    (run_fp8_cost, 60.0),
     (run_step_capture, 200.0),
     (run_recompute, 120.0),
     (run_graph_step, 60.0),
@@ -480,6 +503,7 @@ STAGES = [
 STAGE_FIGURES = {  # which figures each stage gives (an earlier run's stand in if it never ran)
     run_tests: ("tests",),
     run_compile_modes: ("compile_modes",),
+    run_fp8_cost: ("fp8_cost",),
     run_step_capture: (
         "step_capture",
         "step_capture_compile",

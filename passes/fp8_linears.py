@@ -9,8 +9,8 @@ On an aten-level graph (``torch.export`` non-strict, pre-dispatch) it matches, w
     aten.addmm(b, x, P), b 1-D        ->  fp8 linear(x, P.t(), b)      (beta = alpha = 1)
 
 decides each with :func:`amp_graph.policy.fp8_filters.decide` (dims, the user's module filter, the
-opt-in
-auto-filter, an explicit fp32 override), and rewrites the eligible ones into five nodes::
+opt-in auto-filter or the device's cost model, which reads the tokens from the input's example
+value, an explicit fp32 override), and rewrites the eligible ones into five nodes::
 
     x_scale = amp_graph.fp8_scale(x, float8_e4m3fn, recipe)
     x_e4m3  = amp_graph.fp8_quantize(x, x_scale, float8_e4m3fn)
@@ -159,7 +159,27 @@ def _facts(gm: fx.GraphModule, node: fx.Node, match: Match, root: nn.Module | No
         out_features=int(n),
         policy_rule=amp.rule if amp is not None else None,
         policy_source=amp.source if amp is not None else "",
+        tokens=_tokens(match.x, match.param_first),
     )
+
+
+def _tokens(x: Any, transposed: bool) -> int | None:
+    """The rows of the product's input (every dim but the contraction dim, K: the last, or
+    for ``P @ x`` the one before it), from its example value; a symbolic size counts as its
+    hint (the size it was captured with); None where the value or a hint is missing."""
+    value = x.meta.get(VAL) if isinstance(x, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 - (not transposed):
+        return None
+    contraction = value.dim() - (2 if transposed else 1)
+    rows = 1
+    for size in (s for i, s in enumerate(value.shape) if i != contraction):
+        if isinstance(size, torch.SymInt):
+            hint = size.node.hint
+            if hint is None:
+                return None
+            size = hint
+        rows *= int(size)
+    return rows
 
 
 def _fake_value(target: Any, args: tuple) -> Any:
@@ -325,7 +345,7 @@ def fp8_linears(
         log.warning(
             "amp_graph: the fp8 policy converted none of this graph's %d linear-like ops, which "
             "run at the policy's other dtypes: %s. See amp_graph.explain(model) for each, and "
-            "Fp8Config (module_filter, auto_filter) for the choice.",
+            "Fp8Config (module_filter, auto_filter, cost_model) for the choice.",
             stats["fp8_kept"],
             "; ".join(f"{n} x {why}" for why, n in kept_because.most_common(3)),
         )

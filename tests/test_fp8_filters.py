@@ -83,6 +83,7 @@ def test_rules_apply_in_their_documented_order():
         "dims_multiple_of_16",
         "user_module_filter",
         "auto_filter",
+        "cost_model_filter",
     ]
     # both the dims rule and the filter would keep it: the first one names the reason
     both = decide(facts(64, 10, path="head"), Fp8Config(module_filter=lambda m, p: False))

@@ -103,6 +103,13 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
             ]
         }
         Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
+    elif "benchmarks/fp8_cost_model.py" in command:
+        rows = [
+            {"shape": [16384, 4096, 4096], "predicted": 0.7, "measured": 0.75, "right": True},
+            {"shape": [4096, 768, 768], "predicted": 1.2, "measured": 1.1, "right": True},
+        ]
+        report = {"model": "cuda:0: figures", "rows": rows}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
     elif "benchmarks/eager_step.py" in command:
         names = [f"O1, {setting}" for setting in ("auto", "every cast", "none")]
         report = {
@@ -150,6 +157,7 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| <= 1.10x | 1.05x (1050 / 1000 MB; pool 100 MB live, 950 MB free) |" in text
     assert "| - | 0.600x; 1.050x; 0.550x |" in text
     assert "| gpt: eager 1.030, default* 0.620; torch.compile 0.600; first call 30 s |" in text
+    assert "| cuda:0: figures; 16384x4096x4096 0.70/0.75; 4096x768x768 1.20/1.10; 2 of 2 " in text
     assert gpu_check.NOT_MEASURED not in text
     # Every figure, machine-readable, with where it was measured.
     record = json.loads(results.read_text())

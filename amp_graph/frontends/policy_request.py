@@ -114,9 +114,17 @@ def resolve(policy: Policy | str, dtype: Any, device_type: str) -> AmpRequest:
     """The request as the passes take it (see the module doc). On the CPU, the policy also
     learns which ops this CPU cannot compute in the low dtype
     (:mod:`amp_graph.frontends.cpu_low_kernels`),
-    so that a plan never asks for a kernel the machine lacks."""
+    so that a plan never asks for a kernel the machine lacks; an fp8 policy whose cost model
+    is ``"measured"`` gets the device's (:func:`amp_graph.ops.fp8_speed.measured_fp8_cost`,
+    measured once per device)."""
     resolved = resolve_policy(policy, device_type)
     low = resolve_dtype(resolved, dtype, device_type)
+    if resolved.fp8 is not None and resolved.fp8.cost_model == "measured":
+        from amp_graph.ops.fp8_speed import measured_fp8_cost
+
+        measured = measured_fp8_cost(device_type, resolved.fp8.recipe)
+        fp8 = dataclasses.replace(resolved.fp8, cost_model=measured)
+        resolved = dataclasses.replace(resolved, fp8=fp8)
     if device_type == "cpu":
         from amp_graph.frontends.cpu_low_kernels import missing_low_kernels
 

@@ -103,6 +103,8 @@ class Report:
     products: int = 0
     wide_products: dict[str, str] = field(default_factory=dict)
     low_products: dict[str, int] = field(default_factory=dict)
+    # under an fp8 policy, each linear-like GEMM: node name -> why it is fp8 or not
+    fp8_gemms: dict[str, str] = field(default_factory=dict)
     graph_module: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     def row(self, name: str) -> NodeRow:
@@ -126,6 +128,7 @@ class Report:
             + _declined_text(self.casts_recompute_declined, self.recompute_cost)
             + _placement_text(self)
             + _products_text(self.products, self.wide_products, self.low_products)
+            + _fp8_text(self.fp8_gemms)
             + _fsdp_text(self.fsdp_mixed_precision)
             + _read_low_text(self.fsdp_read_low, self.dtype)
         )
@@ -195,6 +198,34 @@ def _products_text(products: int, wide: dict[str, str], low: dict[str, int]) -> 
 
 
 _WIDE_SHOWN = 5
+
+
+def fp8_gemms(gm: fx.GraphModule) -> dict[str, str]:
+    """Each linear-like GEMM the fp8 pass decided: the fp8 linears with the decision's reason
+    (``"fp8: ..."``), and the layers it kept with theirs (``"not fp8: ..."``)."""
+    out = {}
+    for node in gm.graph.nodes:
+        amp = node.meta.get(AMP)
+        if amp is None or node.op != "call_function":
+            continue
+        if str(node.target) == "amp_graph.fp8_linear.default":
+            out[node.name] = amp.detail
+        elif "not fp8: " in amp.detail:
+            out[node.name] = amp.detail[amp.detail.index("not fp8: ") :]
+    return out
+
+
+def _fp8_text(gemms: dict[str, str]) -> str:
+    """One line, and one more per GEMM kept in bf16 (the first few), with why."""
+    if not gemms:
+        return ""
+    kept = {name: why for name, why in gemms.items() if why.startswith("not fp8")}
+    text = f"\nfp8 GEMMs: {len(gemms) - len(kept)} of {len(gemms)} in float8 (Report.fp8_gemms)"
+    shown = list(kept.items())[:_WIDE_SHOWN]
+    text += "".join(f"\n  {name} kept: {why}" for name, why in shown)
+    if len(kept) > len(shown):
+        text += f"\n  and {len(kept) - len(shown)} more kept"
+    return text
 
 
 def wide_products(gm: fx.GraphModule) -> tuple[int, dict[str, str], dict[str, int]]:
@@ -360,6 +391,7 @@ def report(compiled: Any) -> Report:
         products=products,
         wide_products=wide,
         low_products=low,
+        fp8_gemms=fp8_gemms(compiled) if record.policy.fp8 is not None else {},
         graph_module=compiled,
     )
 

@@ -7,12 +7,15 @@
 * :mod:`~amp_graph.policy.fp8_recipe` - fp8 recipes (tensorwise, rowwise) and
   :class:`Fp8Config`;
 * :mod:`~amp_graph.policy.fp8_filters` - which linears run in fp8, each decision with its
-  reason.
+  reason;
+* :mod:`~amp_graph.policy.fp8_cost` - whether one fp8 linear pays on a device, by its shape
+  (:class:`Fp8CostModel`; its figures measured by :mod:`amp_graph.ops.fp8_speed`).
 
 Nothing here imports torch's graph machinery or any other layer: a policy is read by the
 passes, never the other way round.
 """
 
+from .fp8_cost import Fp8CostModel, GemmSpeed
 from .fp8_recipe import (
     E4M3,
     E5M2,
@@ -48,7 +51,9 @@ __all__ = [
     "RECIPES",
     "Decision",
     "Fp8Config",
+    "Fp8CostModel",
     "Fp8Recipe",
+    "GemmSpeed",
     "Granularity",
     "OpFacts",
     "OpKey",

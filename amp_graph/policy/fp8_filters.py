@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from .fp8_cost import Fp8CostModel
 from .fp8_recipe import FORMAT_NAMES, Fp8Config, Granularity
 from .precision_policy import Rule
 
@@ -37,6 +38,7 @@ class LinearFacts:
     out_features: int  # N
     policy_rule: Rule | None = None  # the rule classify gave the node; None: not classified
     policy_source: str = ""  # which policy level decided that rule
+    tokens: int | None = None  # M: the rows of x (its leading dims' product); None: unknown
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,35 @@ def auto_filter(facts: LinearFacts, config: Fp8Config) -> Fp8Decision | None:
     )
 
 
+def _cost_model(config: Fp8Config) -> Fp8CostModel | None:
+    cost = config.cost_model
+    if isinstance(cost, str):  # "measured": the entry point measures before the passes run
+        raise ValueError(
+            "Fp8Config(cost_model='measured') reached the fp8 pass unmeasured: the entry "
+            "points (compile, the backend, Graph, export) measure the model's device first. "
+            "Calling the pass yourself, pass amp_graph.ops.fp8_speed.measured_fp8_cost(device)"
+        )
+    return cost
+
+
+def cost_model_filter(facts: LinearFacts, config: Fp8Config) -> Fp8Decision | None:
+    """Opt-in (``Fp8Config(cost_model=...)``): keep in bf16 a GEMM the device's cost model
+    predicts fp8 does not make faster, by its shape, tokens included."""
+    cost = _cost_model(config)
+    if cost is None or facts.tokens is None:
+        return None
+    m, k, n = facts.tokens, facts.in_features, facts.out_features
+    if cost.pays(m, k, n):
+        return None
+    return Fp8Decision(False, f"not fp8: {cost.explain(m, k, n)}")
+
+
 RULES: tuple[Fp8Rule, ...] = (
     keep_policy_choice,  # explicit fp32 / follow overrides win
     dims_multiple_of_16,  # hardware requirement
     user_module_filter,  # the user's exclusions
     auto_filter,  # opt-in size heuristic
+    cost_model_filter,  # opt-in, by the device's measured costs
 )
 
 
@@ -138,9 +164,17 @@ def decide(facts: LinearFacts, config: Fp8Config) -> Fp8Decision:
         if decision is not None:
             return decision
     spec = config.recipe_spec
+    cost = _cost_model(config)
+    why = ""
+    if cost is not None:
+        why = (
+            f"; {cost.explain(facts.tokens, facts.in_features, facts.out_features)}"
+            if facts.tokens is not None
+            else "; its tokens are not known at capture, so the cost model was not asked"
+        )
     return Fp8Decision(
         True,
         f"fp8: {facts.op} with K={facts.in_features}, N={facts.out_features} runs as a float8 "
         f"scaled matmul ({spec.name} scales; e4m3 operands, "
-        f"{FORMAT_NAMES[spec.grad_dtype]} output gradient, bf16 out)",
+        f"{FORMAT_NAMES[spec.grad_dtype]} output gradient, bf16 out){why}",
     )

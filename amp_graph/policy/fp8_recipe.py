@@ -33,6 +33,8 @@ from enum import Enum
 import torch
 import torch.nn as nn
 
+from .fp8_cost import Fp8CostModel
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_DTYPES = (E4M3, E5M2)
@@ -91,12 +93,18 @@ class Fp8Config:
     called for each eligible layer with the module the op runs in and its path in the model;
     False keeps the layer in bf16 (e.g. ``lambda m, path: path != "head"``). ``auto_filter``:
     also keep layers too small to gain from fp8 in bf16, by torchao's H100 thresholds
-    (opt-in: the right thresholds depend on the GPU).
+    (opt-in: the right thresholds depend on the GPU). ``cost_model``: decide per GEMM, its
+    tokens included, by what fp8 and bf16 are predicted to take on the device
+    (:mod:`amp_graph.policy.fp8_cost`): ``"measured"`` measures the model's device once
+    (:func:`amp_graph.ops.fp8_speed.measured_fp8_cost`), or pass an
+    :class:`~amp_graph.policy.fp8_cost.Fp8CostModel` of given figures. One of
+    ``auto_filter`` and ``cost_model``, not both.
     """
 
     recipe: str = "tensorwise"
     module_filter: ModuleFilter | None = None
     auto_filter: bool = False
+    cost_model: Fp8CostModel | str | None = None
 
     def __post_init__(self) -> None:
         get_recipe(self.recipe)
@@ -107,6 +115,18 @@ class Fp8Config:
             )
         if not isinstance(self.auto_filter, bool):
             raise TypeError(f"Fp8Config.auto_filter is a bool; got {self.auto_filter!r}")
+        cost = self.cost_model
+        if cost is not None and cost != "measured" and not isinstance(cost, Fp8CostModel):
+            raise TypeError(
+                "Fp8Config.cost_model is 'measured' (the model's device, measured once), an "
+                f"amp_graph.policy.fp8_cost.Fp8CostModel, or None; got {cost!r}"
+            )
+        if cost is not None and self.auto_filter:
+            raise ValueError(
+                "Fp8Config: auto_filter (torchao's fixed thresholds) and cost_model (the "
+                "device's measured costs) both decide which layers are too small for fp8; "
+                "pass one of them"
+            )
 
     @property
     def recipe_spec(self) -> Fp8Recipe:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from amp_graph.policy.fp8_cost import Fp8CostModel, GemmSpeed
 from amp_graph.policy.fp8_recipe import Fp8Config
 from amp_graph.policy.precision_policy import Policy, Rule
 
@@ -59,7 +60,11 @@ def policy_as_data(policy: Policy) -> dict[str, Any]:
             raise PolicyNotData(
                 f"policy {policy.name!r} has an fp8 module_filter, a function: not data"
             )
-        data["fp8"] = {"recipe": policy.fp8.recipe, "auto_filter": policy.fp8.auto_filter}
+        data["fp8"] = {
+            "recipe": policy.fp8.recipe,
+            "auto_filter": policy.fp8.auto_filter,
+            "cost_model": _cost_model_data(policy.fp8.cost_model),
+        }
     return data
 
 
@@ -90,7 +95,36 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
         **{name: {str(k): str(v) for k, v in data.get(name, {}).items()} for name in _TEXT_MAPS},
         fp8=None
         if fp8 is None
-        else Fp8Config(recipe=str(fp8["recipe"]), auto_filter=bool(fp8["auto_filter"])),
+        else Fp8Config(
+            recipe=str(fp8["recipe"]),
+            auto_filter=bool(fp8["auto_filter"]),
+            cost_model=_cost_model_from(fp8.get("cost_model")),  # older data: none
+        ),
+    )
+
+
+def _cost_model_data(cost: Fp8CostModel | str | None) -> Any:
+    """An fp8 cost model as data: None, ``"measured"``, or its figures."""
+    if cost is None or isinstance(cost, str):
+        return cost
+    return {
+        "bf16": [cost.bf16.fixed_ns, cost.bf16.flops_per_ns],
+        "fp8": [cost.fp8.fixed_ns, cost.fp8.flops_per_ns],
+        "quantize_bytes_per_ns": cost.quantize_bytes_per_ns,
+        "device": cost.device,
+        "margin": cost.margin,
+    }
+
+
+def _cost_model_from(data: Any) -> Fp8CostModel | str | None:
+    if data is None or isinstance(data, str):
+        return data
+    return Fp8CostModel(
+        GemmSpeed(*map(float, data["bf16"])),
+        GemmSpeed(*map(float, data["fp8"])),
+        float(data["quantize_bytes_per_ns"]),
+        str(data["device"]),
+        float(data["margin"]),
     )
 
 
