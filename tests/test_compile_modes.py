@@ -73,6 +73,24 @@ def test_the_default_mode_is_chosen_by_the_device() -> None:
     cuda = resolve_mode(None, None, "cuda")
     assert cuda.inductor and not cuda.cuda_graphs  # inductor, not a mode with output rules
     assert resolve_mode(None, None, "xpu").name == "eager"  # never measured: as before
+    assert resolve_mode(None, None, "cuda", sharded=True).name == "eager"  # DTensor parameters
+    with pytest.raises(ValueError, match="parameters are DTensors"):
+        resolve_mode("default", None, "cpu", sharded=True)
+
+
+def test_an_fsdp2_model_gets_the_eager_graph_and_no_inductor_mode() -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+        fully_shard(model)
+        assert amp_graph.compile(model, "O1", BF16).mode.name == "eager"
+        with pytest.raises(ValueError, match="mode='eager' \\(the default for such a model\\)"):
+            amp_graph.compile(model, "O1", BF16, mode="default")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_cpu_compile_without_a_mode_runs_the_eager_graph() -> None:

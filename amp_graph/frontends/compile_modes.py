@@ -73,17 +73,23 @@ class RunMode:
 EAGER = RunMode("eager")
 
 
-def default_mode(device_type: str) -> str:
-    """The mode ``mode=None`` gives a model on ``device_type``."""
-    return DEFAULT_MODES.get(device_type, "eager")
+def default_mode(device_type: str, sharded: bool = False) -> str:
+    """The mode ``mode=None`` gives a model on ``device_type``: ``"eager"`` for one with
+    DTensor parameters (FSDP2, tensor parallelism), whose graphs call the collectives'
+    hooks, which the inductor modes do not take yet."""
+    return "eager" if sharded else DEFAULT_MODES.get(device_type, "eager")
 
 
-def resolve_mode(mode: str | None, cuda_graph: bool | None, device_type: str) -> RunMode:
-    """The mode a ``compile`` call asked for, checked against the model's device.
+def resolve_mode(
+    mode: str | None, cuda_graph: bool | None, device_type: str, sharded: bool = False
+) -> RunMode:
+    """The mode a ``compile`` call asked for, checked against the model's device and
+    whether its parameters are DTensors (``sharded``).
 
     ``cuda_graph=True`` is the deprecated spelling of ``mode="cudagraphs"`` (a FutureWarning
-    says so); with another mode it is refused, as is a CUDA-graph mode off CUDA (it would run
-    without the graphs it was asked for) and a name that is no mode (naming the nearest)."""
+    says so); with another mode it is refused, as are a CUDA-graph mode off CUDA (it would run
+    without the graphs it was asked for), an inductor mode for a sharded model, and a name
+    that is no mode (naming the nearest)."""
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph is True or False; got {cuda_graph!r}")
     if mode is not None and not isinstance(mode, str):
@@ -109,8 +115,16 @@ def resolve_mode(mode: str | None, cuda_graph: bool | None, device_type: str) ->
         mode = "cudagraphs"
     if cuda_graph is False and mode == "cudagraphs":
         raise ValueError("compile(..., mode='cudagraphs', cuda_graph=False) contradicts itself")
-    resolved = RunMode(mode if mode is not None else default_mode(device_type))
+    resolved = RunMode(mode if mode is not None else default_mode(device_type, sharded))
     refuse_cuda_graphs_off_cuda(resolved.name, device_type, "compile(..., mode=...)")
+    if resolved.inductor and sharded:
+        raise ValueError(
+            f"compile(..., mode={resolved.name!r}): the model's parameters are DTensors (FSDP2 "
+            "or tensor parallelism), whose graphs call the collectives' hooks, and amp_graph "
+            "does not hand those graphs to inductor yet. Use mode='eager' (the default for "
+            "such a model), or torch.compile(model, backend='amp_graph') for inductor's "
+            "kernels of a tensor-parallel model."
+        )
     return resolved
 
 

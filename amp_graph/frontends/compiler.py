@@ -46,6 +46,7 @@ from amp_graph.frontends.model_forwards import (
     graph_forward,
 )
 from amp_graph.frontends.policy_request import AmpRequest
+from amp_graph.ops.dtensors import is_dtensor
 from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.meta import short
@@ -409,7 +410,9 @@ def compile(
             ``"max-autotune-no-cudagraphs"`` (each graph through inductor at its first call;
             a monitor's logging steps run the eager graph). ``None``: by the model's device,
             ``"eager"`` on the CPU and ``"default"`` on CUDA (:data:`compile_modes.DEFAULT_MODES`:
-            the choice no slower than the eager autocast loop where measured).
+            the choice no slower than the eager autocast loop where measured); ``"eager"``
+            for a model with DTensor parameters (FSDP2, tensor parallelism), for which the
+            inductor modes are refused.
         cuda_graph: deprecated; ``True`` is ``mode="cudagraphs"`` (a FutureWarning).
 
     Returns:
@@ -439,7 +442,8 @@ def compile(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
     request = admit(policy, dtype, model, examples)
-    run_mode = resolve_mode(mode, cuda_graph, request.device_type)
+    sharded = any(is_dtensor(p) for p in model.parameters())
+    run_mode = resolve_mode(mode, cuda_graph, request.device_type, sharded)
     compiled = CompiledModule(
         model,
         request.policy,
