@@ -37,7 +37,7 @@ from amp_graph.frontends.cached_decode import CachedDecoder, decodes_with_cache
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.compile_modes import EAGER, InductorCalls, RunMode, resolve_mode
 from amp_graph.frontends.front_door import COMPILE_META, CompileRecord, admit, rewrite
-from amp_graph.frontends.graphed_calls import GraphedCalls
+from amp_graph.frontends.graphed_calls import GraphedCalls, is_sharded
 from amp_graph.frontends.model_forwards import (
     InplaceForward,
     SignedForward,
@@ -46,7 +46,6 @@ from amp_graph.frontends.model_forwards import (
     graph_forward,
 )
 from amp_graph.frontends.policy_request import AmpRequest
-from amp_graph.ops.dtensors import is_dtensor
 from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.meta import short
@@ -442,8 +441,7 @@ def compile(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
     request = admit(policy, dtype, model, examples)
-    sharded = any(is_dtensor(p) for p in model.parameters())
-    run_mode = resolve_mode(mode, cuda_graph, request.device_type, sharded)
+    run_mode = resolve_mode(mode, cuda_graph, request.device_type, is_sharded(model.parameters()))
     compiled = CompiledModule(
         model,
         request.policy,
