@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from amp_graph.ops import fp8_ops  # registers torch.ops.amp_graph.fp8_*
 from amp_graph.ops.recompute_cost import synchronizer
-from amp_graph.policy.fp8_cost import Fp8CostModel, GemmSpeed
+from amp_graph.policy.fp8_cost import Fp8CostModel, GemmSpeed, layer_flops, quantized_bytes
 from amp_graph.policy.fp8_recipe import E4M3, OUT_DTYPE
 
 __all__ = ["SHAPES", "fit_model", "measured_fp8_cost"]
@@ -89,8 +89,8 @@ def fit_model(
     dtype, ``time = fixed + flops / rate`` by least squares, fp8's times less its
     quantizations' bytes over the bandwidth. A fit that comes out negative (noise on a
     near-flat series) is held at zero fixed time and the series' mean rate."""
-    flops = [6.0 * m * k * n for m, k, n in shapes]
-    moved = [5.0 * m * k + 9.0 * k * n + 5.0 * m * n for m, k, n in shapes]
+    flops = [layer_flops(*shape) for shape in shapes]
+    moved = [quantized_bytes(*shape) for shape in shapes]
     fp8_gemm_ns = [t - b / quantize_bytes_per_ns for t, b in zip(fp8_ns, moved, strict=True)]
     return Fp8CostModel(
         _fit(flops, bf16_ns), _fit(flops, fp8_gemm_ns), quantize_bytes_per_ns, device

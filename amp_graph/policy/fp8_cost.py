@@ -33,7 +33,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Fp8CostModel", "GemmSpeed"]
+__all__ = ["Fp8CostModel", "GemmSpeed", "layer_flops", "quantized_bytes"]
+
+
+def layer_flops(m: int, k: int, n: int) -> float:
+    """The FLOPs of one linear's three GEMMs (output, input gradient, weight gradient)."""
+    return 6.0 * m * k * n
+
+
+def quantized_bytes(m: int, k: int, n: int) -> float:
+    """What one fp8 linear's quantizations move: each element read twice (amax, cast) and
+    written once as a byte; the input and the output gradient from bf16, the weight from
+    float32."""
+    return 5.0 * m * k + 9.0 * k * n + 5.0 * m * n
 
 
 @dataclass(frozen=True)
@@ -86,9 +98,8 @@ class Fp8CostModel:
     def predict_ns(self, m: int, k: int, n: int) -> tuple[float, float]:
         """(bf16, fp8) predicted nanoseconds of one layer's forward and backward, for ``m``
         tokens, ``k`` input features and ``n`` output features."""
-        flops = 6.0 * m * k * n
-        quantized_bytes = 5.0 * m * k + 9.0 * k * n + 5.0 * m * n
-        fp8 = self.fp8.ns(flops) + quantized_bytes / self.quantize_bytes_per_ns
+        flops = layer_flops(m, k, n)
+        fp8 = self.fp8.ns(flops) + quantized_bytes(m, k, n) / self.quantize_bytes_per_ns
         return self.bf16.ns(flops), fp8
 
     def ratio(self, m: int, k: int, n: int) -> float:
