@@ -23,7 +23,7 @@ import time
 import torch
 from measure import cpu_name
 
-from amp_graph.ops.fp8_speed import _best_ns, _layer, measured_fp8_cost
+from amp_graph.ops.fp8_speed import fastest_ns, layer_step, measured_fp8_cost
 from amp_graph.ops.recompute_cost import synchronizer
 
 HELD_OUT = {
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"  {'M x K x N':>20s} {'predicted':>9s} {'measured':>9s} {'decision':>9s} {'right':>6s}")
     for m, k, n in HELD_OUT[device.type]:
-        bf16 = _best_ns(_layer(m, k, n, False, device, "tensorwise"), sync)
-        fp8 = _best_ns(_layer(m, k, n, True, device, "tensorwise"), sync)
+        bf16 = fastest_ns(layer_step(m, k, n, False, device, "tensorwise"), sync)
+        fp8 = fastest_ns(layer_step(m, k, n, True, device, "tensorwise"), sync)
         predicted, measured = model.ratio(m, k, n), fp8 / bf16
         right = model.pays(m, k, n) == (measured <= model.margin)
         decision = "fp8" if model.pays(m, k, n) else "bf16"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,11 +27,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from amp_graph.ops import fp8_ops  # registers torch.ops.amp_graph.fp8_*
-from amp_graph.ops.recompute_cost import synchronizer
+from amp_graph.ops.recompute_cost import best_ns, synchronizer
 from amp_graph.policy.fp8_cost import Fp8CostModel, GemmSpeed, layer_flops, quantized_bytes
 from amp_graph.policy.fp8_recipe import E4M3, OUT_DTYPE
 
-__all__ = ["SHAPES", "fit_model", "measured_fp8_cost"]
+__all__ = ["SHAPES", "fastest_ns", "fit_model", "layer_step", "measured_fp8_cost"]
 
 log = logging.getLogger(__name__)
 _ops = torch.ops.amp_graph
@@ -46,7 +45,7 @@ SHAPES: dict[str, tuple[tuple[int, int, int], ...]] = {
 _QUANTIZED_ELEMENTS = {"cuda": 2**26, "cpu": 2**20}
 
 
-def _layer(m: int, k: int, n: int, fp8: bool, device: torch.device, recipe: str) -> Callable:
+def layer_step(m: int, k: int, n: int, fp8: bool, device: torch.device, recipe: str) -> Callable:
     """One step of a linear layer, forward and backward, bf16 or through the fp8 ops."""
     x = torch.randn(m, k, device=device, dtype=OUT_DTYPE, requires_grad=True)
     weight = torch.randn(n, k, device=device, requires_grad=True)
@@ -65,17 +64,10 @@ def _layer(m: int, k: int, n: int, fp8: bool, device: torch.device, recipe: str)
     return fp8_step if fp8 else bf16_step
 
 
-def _best_ns(run: Callable[[], object], sync: Callable[[], None], calls: int = 3) -> float:
-    """The fastest of ``calls`` timed calls after one warm-up: the least disturbed."""
+def fastest_ns(run: Callable[[], object], sync: Callable[[], None]) -> float:
+    """The fastest of three timed calls after one warm-up (``recompute_cost.best_ns``)."""
     run()
-    sync()
-    best = math.inf
-    for _ in range(calls):
-        start = time.perf_counter_ns()
-        run()
-        sync()
-        best = min(best, time.perf_counter_ns() - start)
-    return best
+    return best_ns(run, sync, calls=1, rounds=3)
 
 
 def fit_model(
@@ -136,9 +128,9 @@ def _measured(where: str, recipe: str) -> Fp8CostModel:
         def quantize() -> None:
             _ops.fp8_quantize(big, _ops.fp8_scale(big, E4M3, recipe), E4M3)
 
-        quantize_bytes_per_ns = 5.0 * elements / _best_ns(quantize, sync)
-        bf16 = [_best_ns(_layer(*s, False, device, recipe), sync) for s in shapes]
-        fp8 = [_best_ns(_layer(*s, True, device, recipe), sync) for s in shapes]
+        quantize_bytes_per_ns = 5.0 * elements / fastest_ns(quantize, sync)
+        bf16 = [fastest_ns(layer_step(*s, False, device, recipe), sync) for s in shapes]
+        fp8 = [fastest_ns(layer_step(*s, True, device, recipe), sync) for s in shapes]
     model = fit_model(shapes, bf16, fp8, quantize_bytes_per_ns, str(device))
     log.info(
         "amp_graph fp8 cost model, measured in %.2f s: %s",

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from amp_graph.ops import recompute_ops
 
-__all__ = ["RecomputeCost", "measured_cost", "size_text"]
+__all__ = ["RecomputeCost", "best_ns", "measured_cost", "size_text", "synchronizer"]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes / 1024:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _best_ns(run: Callable[[], object], sync: Callable[[], None], calls: int, rounds: int) -> float:
+def best_ns(run: Callable[[], object], sync: Callable[[], None], calls: int, rounds: int) -> float:
     """The fastest round's time per call: the least disturbed by the rest of the machine."""
     best = math.inf
     for _ in range(rounds):
@@ -160,13 +160,13 @@ def _measure(device: str) -> RecomputeCost:
     }
     saved, casts = [], []
     for _ in range(5):  # interleaved; the median of five estimates, each from the fastest
-        ns = {name: _best_ns(run, sync, calls=3, rounds=2) for name, run in variants.items()}
+        ns = {name: best_ns(run, sync, calls=3, rounds=2) for name, run in variants.items()}
         # each linear saves its input and its weight's copy (as a view): two saved tensors
         saved.append((ns["hooks"] - ns["kept"]) / (2 * _LAYERS))
         casts.append((ns["recomputed"] - ns["hooks"]) / _LAYERS)
     per_saved, per_cast = max(statistics.median(saved), 0.0), max(statistics.median(casts), 0.0)
     source = torch.ones(1 << 21, device=where)  # 8 MB read, 4 MB written
-    copy_ns = _best_ns(lambda: source.to(torch.bfloat16), sync, calls=3, rounds=5)
+    copy_ns = best_ns(lambda: source.to(torch.bfloat16), sync, calls=3, rounds=5)
     cost = RecomputeCost(
         per_cast_ns=per_cast,
         per_saved_ns=per_saved,
