@@ -190,14 +190,20 @@ def _products_text(products: int, wide: dict[str, str], low: dict[str, int]) -> 
     else:  # e.g. fp8 with its first and last layers in bf16
         where = "low: " + ", ".join(f"{n} in {dtype}" for dtype, n in sorted(low.items()))
     text = f"\nmatrix products and convolutions: {products - len(wide)} of {products} {where}"
-    shown = list(wide.items())[:_WIDE_SHOWN]
-    text += "".join(f"\n  {name} in float32: {why}" for name, why in shown)
-    if len(wide) > len(shown):
-        text += f"\n  and {len(wide) - len(shown)} more (Report.wide_products)"
-    return text
+    return text + _first_few(wide, "in float32", "more (Report.wide_products)")
 
 
 _WIDE_SHOWN = 5
+
+
+def _first_few(reasons: dict[str, str], what: str, rest: str) -> str:
+    """A line per node (the first :data:`_WIDE_SHOWN`), ``name what: why``, and one for the
+    rest: ``and N rest``."""
+    shown = list(reasons.items())[:_WIDE_SHOWN]
+    text = "".join(f"\n  {name} {what}: {why}" for name, why in shown)
+    if len(reasons) > len(shown):
+        text += f"\n  and {len(reasons) - len(shown)} {rest}"
+    return text
 
 
 def fp8_gemms(gm: fx.GraphModule) -> dict[str, str]:
@@ -221,11 +227,7 @@ def _fp8_text(gemms: dict[str, str]) -> str:
         return ""
     kept = {name: why for name, why in gemms.items() if why.startswith("not fp8")}
     text = f"\nfp8 GEMMs: {len(gemms) - len(kept)} of {len(gemms)} in float8 (Report.fp8_gemms)"
-    shown = list(kept.items())[:_WIDE_SHOWN]
-    text += "".join(f"\n  {name} kept: {why}" for name, why in shown)
-    if len(kept) > len(shown):
-        text += f"\n  and {len(kept) - len(shown)} more kept"
-    return text
+    return text + _first_few(kept, "kept", "more kept")
 
 
 def wide_products(gm: fx.GraphModule) -> tuple[int, dict[str, str], dict[str, int]]:
