@@ -45,17 +45,6 @@ from amp_graph.frontends.compile_modes import default_mode
 Step = Callable[[], Any]
 
 
-class ConvNetWithLoss(torch.nn.Module):
-    """The demo's ConvNet plus cross-entropy, so that the loss is in the graph."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = models.ConvNet(in_channels=3, channels=64)
-
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(self.net(images), labels)
-
-
 def setups(
     device: str, tiny: bool, layers: int | None
 ) -> dict[str, tuple[torch.nn.Module, tuple, str]]:
@@ -80,7 +69,7 @@ def setups(
             f"GPT {gpt['layers']} layers, width {gpt['dim']}, {batch}x{gpt['block']} tokens",
         ),
     }
-    convnet = ConvNetWithLoss().to(device)
+    convnet = models.WithCrossEntropy(models.ConvNet(in_channels=3, channels=64)).to(device)
     images = torch.randn(conv_batch, 3, 32, 32, device=device)
     labels = torch.randint(0, 10, (conv_batch,), device=device)
     out["convnet"] = (convnet, (images, labels), f"ConvNet width 64, {conv_batch}x3x32x32")

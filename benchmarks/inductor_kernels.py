@@ -145,16 +145,8 @@ def make(name: str, device: str) -> tuple[torch.nn.Module, tuple]:
         return model, (idx, torch.roll(idx, -1, dims=1))
     model = models.ConvNet(in_channels=1, channels=32, classes=10).to(device)
     images = torch.randn(64, 1, 28, 28, device=device)
-    return _WithLoss(model).to(device), (images, torch.randint(0, 10, (64,), device=device))
-
-
-class _WithLoss(torch.nn.Module):
-    def __init__(self, net: torch.nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(self.net(images), labels)
+    labels = torch.randint(0, 10, (64,), device=device)
+    return models.WithCrossEntropy(model).to(device), (images, labels)
 
 
 def variant_step(

@@ -162,6 +162,17 @@ class GPTWithLoss(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class WithCrossEntropy(nn.Module):
+    """A classifier plus cross-entropy over its logits, so that the loss is part of the graph."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(inputs), labels)
+
+
 class RecurrentNet(nn.Module):
     """Reads a (batch, rows, features) image row by row with an LSTM, then a GRU, and
     classifies the last step."""
