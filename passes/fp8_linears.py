@@ -55,7 +55,7 @@ from amp_graph.policy.fp8_filters import LinearFacts, decide
 from amp_graph.policy.fp8_recipe import E4M3, Fp8Config
 
 from .classify import is_model_parameter, normalize_module_path
-from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role
+from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role, size_hint
 from .result import PassResult
 from .sharing import CastSharing, ShareKey
 
@@ -168,17 +168,16 @@ def _tokens(x: Any, transposed: bool) -> int | None:
     for ``P @ x`` the one before it), from its example value; a symbolic size counts as its
     hint (the size it was captured with); None where the value or a hint is missing."""
     value = x.meta.get(VAL) if isinstance(x, fx.Node) else None
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 - (not transposed):
+    contraction_from_end = 2 if transposed else 1
+    if not isinstance(value, torch.Tensor) or value.dim() < contraction_from_end:
         return None
-    contraction = value.dim() - (2 if transposed else 1)
+    contraction = value.dim() - contraction_from_end
     rows = 1
     for size in (s for i, s in enumerate(value.shape) if i != contraction):
-        if isinstance(size, torch.SymInt):
-            hint = size.node.hint
-            if hint is None:
-                return None
-            size = hint
-        rows *= int(size)
+        hint = size_hint(size)
+        if hint is None:
+            return None
+        rows *= hint
     return rows
 
 

@@ -289,5 +289,14 @@ LOSSLESS: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset(
 )
 
 
+def size_hint(size: int | torch.SymInt) -> int | None:
+    """A size as an int: a symbolic one at its hint (the size its example was captured with),
+    None where it has none."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return hint if isinstance(hint, int) else None
+    return int(size)
+
+
 def is_lossless(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or (src, dst) in LOSSLESS

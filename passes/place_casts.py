@@ -82,6 +82,7 @@ from .meta import (
     AmpInfo,
     Role,
     has_cast_role,
+    size_hint,
     tensor_facts,
 )
 from .result import PassResult
@@ -345,11 +346,8 @@ def _takes_a_dtype(node: fx.Node) -> bool:
 def _numel(value: object) -> int:
     if not isinstance(value, torch.Tensor):
         return 0
-    n = value.numel()
-    if isinstance(n, torch.SymInt):
-        hint = n.node.hint
-        return int(hint) if hint is not None else 1
-    return int(n)
+    n = size_hint(value.numel())
+    return n if n is not None else 1
 
 
 def gradient_values(gm: fx.GraphModule) -> set[fx.Node]:

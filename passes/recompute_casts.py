@@ -79,7 +79,7 @@ from amp_graph.ops.recompute_ops import (
     recomputed_quantize,
 )
 
-from .meta import AMP, FSDP_UNIT, VAL, Role, is_dtype_cast
+from .meta import AMP, FSDP_UNIT, VAL, Role, is_dtype_cast, size_hint
 from .result import PassResult
 from .sharing import CastSharing
 
@@ -241,11 +241,8 @@ def _copy_bytes(source: Any, dtype: torch.dtype) -> int | None:
     value = source.meta.get(VAL) if isinstance(source, fx.Node) else None
     if not isinstance(value, torch.Tensor) or not isinstance(dtype, torch.dtype):
         return None
-    numel = value.numel()
-    if isinstance(numel, torch.SymInt):
-        hint = numel.node.hint
-        numel = hint if isinstance(hint, int) else None
-    return None if numel is None else int(numel) * dtype.itemsize
+    numel = size_hint(value.numel())
+    return None if numel is None else numel * dtype.itemsize
 
 
 def _saved_tensor_estimate(gm: fx.GraphModule) -> int:
