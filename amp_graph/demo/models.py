@@ -231,12 +231,13 @@ class RMSNorm(nn.Module):
 class LlamaMLP(nn.Module):
     """RMSNorm then a SwiGLU MLP: the explicit float32 upcast must survive every policy."""
 
-    def __init__(self, dim: int = 32) -> None:
+    def __init__(self, dim: int = 32, hidden: int | None = None) -> None:
         super().__init__()
+        hidden = 2 * dim if hidden is None else hidden
         self.norm = RMSNorm(dim)
-        self.gate = nn.Linear(dim, 2 * dim, bias=False)
-        self.up = nn.Linear(dim, 2 * dim, bias=False)
-        self.down = nn.Linear(2 * dim, dim, bias=False)
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -262,11 +263,11 @@ class ResidualMLP(nn.Module):
 class LlamaBlock(nn.Module):
     """RMSNorm, causal attention, RMSNorm, SwiGLU: a Llama decoder layer's shape."""
 
-    def __init__(self, dim: int = 128, heads: int = 4) -> None:
+    def __init__(self, dim: int = 128, heads: int = 4, hidden: int | None = None) -> None:
         super().__init__()
         self.norm = RMSNorm(dim)
         self.attn = CausalSelfAttention(dim, heads)
-        self.mlp = LlamaMLP(dim)
+        self.mlp = LlamaMLP(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x + self.attn(self.norm(x)))
@@ -275,14 +276,43 @@ class LlamaBlock(nn.Module):
 class LlamaStyle(nn.Module):
     """Llama-style decoder layers on embeddings (no vocabulary), for the FSDP2 benchmark."""
 
-    def __init__(self, dim: int = 128, blocks: int = 4) -> None:
+    def __init__(
+        self, dim: int = 128, blocks: int = 4, heads: int = 4, hidden: int | None = None
+    ) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(LlamaBlock(dim) for _ in range(blocks))
+        self.blocks = nn.ModuleList(LlamaBlock(dim, heads, hidden) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
         return x
+
+
+class LlamaWithLoss(nn.Module):
+    """A Llama-style language model: token embedding, :class:`LlamaStyle` layers (SwiGLU of
+    width ``hidden``), RMSNorm, an untied head, and cross-entropy, so that the loss is part of
+    the graph (the fp8 step benchmark's model, at Llama-3-8B's layer shapes there)."""
+
+    def __init__(
+        self,
+        vocab: int = 256,
+        dim: int = 64,
+        blocks: int = 2,
+        heads: int = 4,
+        hidden: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = LlamaStyle(dim, blocks, heads, hidden)
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.layers(self.tok(idx))))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def shard_blocks(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
