@@ -7,6 +7,8 @@
 # and on a machine with an NVIDIA GPU:
 #   make gpu-check   every CUDA test and the GPU benchmarks (< 10 minutes); writes the figures
 #                    into BENCHMARKS.md's GPU table. Fails at once, saying so, without a GPU.
+#   make gpu-wheels  (here, with a network) the wheels gpu-check installs from .whl/ on a GPU
+#                    machine that has no network: torchao, the fp8 step's reference
 #
 # torch: if the Python that creates the venv already has torch (say a CUDA build), the venv
 # sees it (--system-site-packages) and nothing is downloaded; otherwise TORCH_SPEC is
@@ -22,7 +24,8 @@ STAMP := $(VENV)/.installed
 VENV_READY := $(VENV)/.torch
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-full test test-hf-fx test-torch-latest lint bench install clean gpu-check docs
+.PHONY: demo demo-full test test-hf-fx test-torch-latest lint bench install clean gpu-check docs \
+	gpu-wheels
 
 # The venv with torch in it (see the top of this file).
 $(VENV_READY):
@@ -114,8 +117,21 @@ bench: $(STAMP)
 # installed into it: `pip install --no-deps --no-build-isolation -e .` works offline).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
+# torchao for the GPU machine's Python (3.12, torch 2.11): its float8 training is the fp8 step's
+# reference (benchmarks/fp8_step.py); pure Python where that step uses it.
+GPU_WHEELS := torchao==0.17.0
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+
+# The wheels in .whl/ (make gpu-wheels), if any, go into .whl/site for this run alone.
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py
+	$(if $(wildcard .whl/*.whl),$(GPU_PYTHON) -m pip install -q --no-index --no-deps \
+		--no-compile --upgrade --target .whl/site .whl/*.whl && \
+		export PYTHONPATH=$(CURDIR)/.whl/site:$$PYTHONPATH &&) \
+		$(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info site

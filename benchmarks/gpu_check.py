@@ -4,9 +4,12 @@ BENCHMARKS.md's GPU table.
     python benchmarks/gpu_check.py                      # what `make gpu-check` runs
     python benchmarks/gpu_check.py --no-write           # print the table, leave BENCHMARKS.md
 
-Stages, in this order (what an earlier run has not measured first), each with its own time
-limit, all within --budget seconds (460 by default: the command within 8 minutes, issue 58;
-the last run's stages took 386 s, and the two stages new since are held to 170 s):
+Stages, each with its own time limit, all within --budget seconds (460 by default: the command
+within 8 minutes, issue 58). The tests run first; then the stages whose figures the results JSON
+has never held, then those with the oldest (:func:`stage_order`; among equals, the order
+below). A stage that would get less than half its limit is not started and shows the earlier
+run's figures: one call cannot hold every stage (the last run's took 386 s, and four stages new
+since are held to 520 s), so each call measures what the one before left out.
 
 1. the CUDA tests: ``pytest -m cuda``: every test that skips without a GPU (tests/conftest.py
    marks them) and tests/test_kernel_host.py (the CUDA sources compiled and their host logic);
@@ -16,6 +19,12 @@ the last run's stages took 386 s, and the two stages new since are held to 170 s
    width 768 (8x512 tokens);
 1c. ``benchmarks/fp8_cost_model.py --device cuda``: the per-GEMM fp8 cost model measured on
    this GPU, its predictions against measured layer times at GPT-2's and a Llama stack's shapes;
+1d. ``benchmarks/mfu.py --device cuda --batches 16 32 64``: GPT-2 small's Graph step (O1 bf16,
+   inductor, one CUDA graph) as a share of the bf16 peak, at the smallest batch that reaches
+   40%, with its FLOP count;
+1e. ``benchmarks/fp8_step.py --device cuda``: the fp8 step of a Llama stack (4x4096, 8x2048
+   tokens) against the bf16 ``torch.compile`` step and torchao's float8 (if installed), then
+   the loss after 200 steps against bf16's noise;
 2. ``benchmarks/cuda_graph_bench.py``: ``Graph.config.enable_cuda_graph`` on the GPT-2-small
    shape (8 and 64 x 512 tokens, bf16 and fp16) against the hand-written autocast loop and
    (bf16, 8x512) the ``torch.compile(mode="reduce-overhead")`` loop, also with
@@ -57,6 +66,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +87,24 @@ FIGURES = [  # (key, what, target)
         "the per-GEMM fp8 cost model (`fp8_cost_model.py`): its figures, and at GPT-2's and a "
         "Llama stack's shapes the predicted / measured fp8 time over bf16's, decisions right",
         "every decision right",
+    ),
+    (
+        "mfu",
+        "GPT-2 small (124M, vocabulary 50257, 1024 tokens), Graph O1 bf16 with "
+        "`enable_compile()` and `enable_cuda_graph`: share of bf16 peak at the smallest batch "
+        "that reaches it (`mfu.py`)",
+        ">= 40%",
+    ),
+    (
+        "fp8_step",
+        "fp8 step (`fp8_step.py`), Llama stack 4x4096 (SwiGLU 14336), 8x2048 tokens, inductor: "
+        "amp_graph's fp8 tensorwise / the bf16 `torch.compile` + autocast step; torchao float8",
+        ">= 1.2x bf16, >= torchao",
+    ),
+    (
+        "fp8_loss",
+        "loss after 200 steps (a 4x1024 stack, bigram data, eager): fp8 against bf16's noise",
+        "within bf16's noise",
     ),
     (
         "bandwidth",
@@ -476,6 +504,67 @@ def run_fp8_cost(seconds: float, results: Results) -> None:
     )
 
 
+def run_mfu(seconds: float, results: Results) -> None:
+    # from 16 sequences up: each batch is one inductor compile of GPT-2 small's step
+    args = ["--device", "cuda", "--batches", "16", "32", "64", "--repeats", "10"]
+    _, report = _script_report("mfu.py", args, seconds, results, any_exit=True)
+    results.raw["mfu"] = report
+    measured = [row for row in report["rows"] if "error" not in row]
+    ours = [row for row in measured if row["variant"] == "Graph O1 compile cuda_graph"]
+    if not ours:
+        errors = "; ".join(row["error"] for row in report["rows"] if "error" in row)
+        raise GpuCheckError(f"mfu.py measured no step ({errors or 'no rows'})")
+    key = "mfu_spec" if report["peak_tflops"]["spec"] is not None else "mfu_matmul"
+    best = report.get("at_target") or max(ours, key=lambda row: row[key])
+    peak = report["peak_tflops"]
+    spec = "" if peak["spec"] is None else f"{best['mfu_spec']:.1%} of {peak['spec']:.0f}, "
+    results.cells["mfu"] = (
+        f"{'' if report.get('at_target') else 'best (none reached the target): '}"
+        f"{best['batch']}x1024: {spec}{best['mfu_matmul']:.1%} of the measured matmul's "
+        f"{peak['matmul']:.0f} TFLOP/s ({best['tflops']:.0f} TFLOP/s, {best['ms']:.1f} ms, "
+        f"{best['step_tflop']:.2f} TFLOP a step); batches measured "
+        + ", ".join(f"{row['batch']} {row[key]:.1%}" for row in ours)
+    )
+
+
+def run_fp8_step(seconds: float, results: Results) -> None:
+    # three inductor compiles of the Llama stack (bf16, ours, torchao's), then the loss check
+    variants = ["bf16 torch.compile", "fp8 amp_graph tensorwise", "fp8 torchao tensorwise"]
+    args = ["--device", "cuda", "--repeats", "10", "--variants", *variants]
+    _, report = _script_report("fp8_step.py", args, seconds, results, any_exit=True)
+    results.raw["fp8_step"] = report
+    steps = report["steps"]
+    base, ours, torchao = (steps.get(v, {}) for v in variants)
+    if "ms" not in base or "ms" not in ours:
+        errors = "; ".join(f"{v}: {row['error']}" for v, row in steps.items() if "error" in row)
+        raise GpuCheckError(f"fp8_step.py measured no fp8 against bf16 ({errors})")
+    cell = (
+        f"ours {ours['speedup_vs_bf16']:.2f}x bf16 ({ours['ms']:.1f} ms vs {base['ms']:.1f} ms, "
+        f"{ours['tflops']:.0f} vs {base['tflops']:.0f} TFLOP/s)"
+    )
+    if "ms" in torchao:
+        cell += (
+            f"; torchao {torchao['speedup_vs_bf16']:.2f}x bf16; ours / torchao's step "
+            f"{torchao['ms'] / ours['ms']:.2f}x"
+        )
+    else:
+        cell += f"; torchao not measured ({torchao.get('error', 'not run')[:80]})"
+    results.cells["fp8_step"] = cell
+    loss = report.get("loss")
+    if loss is None or "within" not in loss:
+        missing = "cut short" if loss is None else "; ".join(loss["errors"].values())[:120]
+        results.cells["fp8_loss"] = f"not measured ({missing})"
+        return
+    runs = ", ".join(
+        f"{name.removeprefix('fp8 ')} {loss['final'][name]:.4f}{'' if ok else ' OUTSIDE'}"
+        for name, ok in loss["within"].items()
+    )
+    results.cells["fp8_loss"] = (
+        f"after {loss['steps']} steps: bf16 {loss['final']['bf16']:.4f} "
+        f"(noise {loss['allowed']:.4f}); {runs}"
+    )
+
+
 def run_recompute(seconds: float, results: Results) -> None:
     args = ["--device", "cuda", "--gpt2", "--repeats", "9"]
     _, report = _script_report("eager_step.py", args, seconds, results)
@@ -489,12 +578,16 @@ def run_recompute(seconds: float, results: Results) -> None:
     )
 
 
-# The order puts first what has never been measured (issue 41's captures and recompute), so
-# that a budget cut short costs the figures an earlier run already has.
-STAGES = [
+Stage = Callable[[float, Results], None]  # (its seconds, the results it fills in)
+# The listed order is the order among stages whose figures are equally old: stage_order runs
+# first those an earlier run has not measured, so that a budget cut short costs the figures
+# an earlier run already has.
+STAGES: list[tuple[Stage, float]] = [
     (run_tests, 240.0),
     (run_compile_modes, 120.0),
     (run_fp8_cost, 50.0),
+    (run_mfu, 150.0),
+    (run_fp8_step, 200.0),
     (run_step_capture, 200.0),
     (run_recompute, 120.0),
     (run_graph_step, 60.0),
@@ -506,6 +599,8 @@ STAGE_FIGURES = {  # which figures each stage gives (an earlier run's stand in i
     run_tests: ("tests",),
     run_compile_modes: ("compile_modes",),
     run_fp8_cost: ("fp8_cost",),
+    run_mfu: ("mfu",),
+    run_fp8_step: ("fp8_step", "fp8_loss"),
     run_step_capture: (
         "step_capture",
         "step_capture_compile",
@@ -541,7 +636,40 @@ def earlier_figures(path: Path, keys: tuple[str, ...]) -> dict[str, str]:
         return {}
     when = f" (earlier run: {record.get('date')}, {record.get('device')})"
     figures = record.get("figures") or {}
-    return {key: figures[key] + when for key in keys if figures.get(key)}
+    return {
+        key: figures[key] if EARLIER.search(figures[key]) else figures[key] + when
+        for key in keys
+        if figures.get(key) and not figures[key].startswith(NOT_MEASURED)
+    }
+
+
+EARLIER = re.compile(r"\(earlier run: (\d{4}-\d\d-\d\d)")
+
+
+def measured_on(path: Path, keys: tuple[str, ...]) -> str:
+    """The date of the oldest of the figures ``keys`` in the results JSON at ``path``: the run
+    that wrote it, or the earlier run a stand-in names; ``""`` if any was never measured."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    figures = record.get("figures") or {}
+    dates = []
+    for key in keys:
+        cell = figures.get(key)
+        if not cell or cell.startswith(NOT_MEASURED):
+            return ""
+        earlier = EARLIER.search(cell)
+        dates.append(earlier.group(1) if earlier else str(record.get("date", "")))
+    return min(dates)
+
+
+def stage_order(path: Path) -> list[tuple[Stage, float]]:
+    """The tests first, then the stages by the age of their figures in the results JSON at
+    ``path``, never measured first (in STAGES' order among equals): a budget that cannot hold
+    every stage measures next time what it left out this time."""
+    tests, *benchmarks = STAGES
+    return [tests, *sorted(benchmarks, key=lambda st: measured_on(path, STAGE_FIGURES[st[0]]))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -572,11 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget
     took: dict[str, float] = {}
     results.raw["stage_seconds"] = took  # to fit the stages into the budget next time
-    for stage, seconds in STAGES:
+    for stage, seconds in stage_order(args.results_json):
         left = deadline - time.monotonic()
         start = time.monotonic()
         try:
-            if left < 10:
+            if left < max(10.0, seconds / 2):  # a stage given under half its time: not started
                 results.cells |= earlier_figures(args.results_json, STAGE_FIGURES[stage])
                 raise GpuCheckError("out of time before this stage")
             stage(min(seconds, left), results)

@@ -110,6 +110,26 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
         ]
         report = {"model": "cuda:0: figures", "rows": rows}
         Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
+    elif "benchmarks/mfu.py" in command:
+        rows = [
+            {"batch": batch, "variant": "Graph O1 compile cuda_graph", "ms": ms,
+             "tflops": tflops, "mfu_spec": tflops / 989.4, "mfu_matmul": tflops / 780.0,
+             "step_tflop": tflops * ms / 1e3}
+            for batch, ms, tflops in ((16, 60.0, 300.0), (32, 100.0, 400.0))
+        ]  # fmt: skip
+        report = {"peak_tflops": {"spec": 989.4, "matmul": 780.0}, "rows": rows}
+        report["at_target"] = rows[1]
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
+    elif "benchmarks/fp8_step.py" in command:
+        steps = {
+            "bf16 torch.compile": {"ms": 130.0, "tflops": 600.0, "speedup_vs_bf16": 1.0},
+            "fp8 amp_graph tensorwise": {"ms": 100.0, "tflops": 780.0, "speedup_vs_bf16": 1.3},
+            "fp8 torchao tensorwise": {"error": "RuntimeError: torchao is not installed here"},
+        }
+        loss = {"steps": 200, "final": {"bf16": 2.1, "fp8 amp_graph tensorwise": 2.105},
+                "allowed": 0.01, "within": {"fp8 amp_graph tensorwise": True}}  # fmt: skip
+        report = {"steps": steps, "loss": loss}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
     elif "benchmarks/eager_step.py" in command:
         names = [f"O1, {setting}" for setting in ("auto", "every cast", "none")]
         report = {
@@ -158,6 +178,15 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| - | 0.600x; 1.050x; 0.550x |" in text
     assert "| gpt: eager 1.030, default* 0.620; torch.compile 0.600; first call 30 s |" in text
     assert "| cuda:0: figures; 16384x4096x4096 0.70/0.75; 4096x768x768 1.20/1.10; 2 of 2 " in text
+    assert "| >= 40% | 32x1024: 40.4% of 989, 51.3% of the measured matmul's 780 TFLOP/s " in text
+    assert (
+        "(400 TFLOP/s, 100.0 ms, 40.00 TFLOP a step); batches measured 16 30.3%, 32 40.4% |" in text
+    )
+    assert (
+        "| ours 1.30x bf16 (100.0 ms vs 130.0 ms, 780 vs 600 TFLOP/s); torchao not measured "
+        in text
+    )
+    assert "| after 200 steps: bf16 2.1000 (noise 0.0100); amp_graph tensorwise 2.1050 |" in text
     assert gpu_check.NOT_MEASURED not in text
     # Every figure, machine-readable, with where it was measured.
     record = json.loads(results.read_text())
@@ -265,7 +294,7 @@ def test_a_stage_cut_short_keeps_what_it_measured(
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU-B")
     clock = iter(range(0, 10_000, 100))  # each look at the clock: 100 s later
     monkeypatch.setattr(gpu_check.time, "monotonic", lambda: next(clock))
-    argv = ["--benchmarks-md", str(md), "--results-json", str(earlier), "--budget", "1250"]
+    argv = ["--benchmarks-md", str(md), "--results-json", str(earlier), "--budget", "1850"]
     assert gpu_check.main(argv) == 1
     text = md.read_text()
     assert "| <= 0.45x | 0.400x (12.00 ms vs 30.00 ms); float16: failed |" in text
@@ -302,3 +331,29 @@ def test_a_failing_variant_leaves_the_others_measured(monkeypatch: pytest.Monkey
     row = cuda_graph_bench.measure(setup, torch.bfloat16, compiled=False, repeats=2)
     assert row["broken"] == {"error": "RuntimeError: capture failed"}
     assert row["hand"]["vs_hand"] == 1.0 and row["Graph O1"]["ms"] > 0
+
+
+def test_stages_run_oldest_figures_first(tmp_path: Path) -> None:
+    """After the tests, the stages whose figures an earlier run never measured, then the oldest:
+    what a budget cut short left out runs first next time."""
+    record = tmp_path / "gpu-check.json"
+    every = {key: "1.0x" for key, _, _ in gpu_check.FIGURES}
+    every["mfu"] = gpu_check.NOT_MEASURED
+    every["sweep"] = "0.9x (earlier run: 2026-01-01, GPU-A)"
+    record.write_text(json.dumps({"date": "2026-02-01", "figures": every}))
+    order = [stage for stage, _ in gpu_check.stage_order(record)]
+    assert order[:3] == [gpu_check.run_tests, gpu_check.run_mfu, gpu_check.run_kernel_sweep]
+    rest = [stage for stage, _ in gpu_check.STAGES if stage not in order[:3]]
+    assert order[3:] == rest  # equally old: the listed order
+    assert gpu_check.measured_on(record, ("sweep", "tests")) == "2026-01-01"
+    assert gpu_check.measured_on(tmp_path / "none.json", ("tests",)) == ""
+    assert [stage for stage, _ in gpu_check.stage_order(tmp_path / "none.json")] == [
+        stage for stage, _ in gpu_check.STAGES
+    ]
+
+
+def test_a_stand_in_names_the_run_that_measured_it(tmp_path: Path) -> None:
+    record = tmp_path / "gpu-check.json"
+    figures = {"sweep": "0.9x (earlier run: 2026-01-01, GPU-A)", "mfu": gpu_check.NOT_MEASURED}
+    record.write_text(json.dumps({"date": "2026-02-01", "device": "GPU-B", "figures": figures}))
+    assert gpu_check.earlier_figures(record, ("sweep", "mfu")) == {"sweep": figures["sweep"]}
