@@ -8,8 +8,9 @@ Each variant compiles the library's own ``amp_graph/ops/csrc/amp_kernels.cu`` wi
 knobs of ``tiling.h`` / ``amp_kernels.cu`` set by ``-D`` (``AMP_GRAPH_UNROLL``: 16-byte vectors in
 flight per thread; ``AMP_GRAPH_TILE_VECS``: vectors per tile; ``AMP_GRAPH_MIN_BLOCKS``: blocks
 per multiprocessor asked of the register allocator; ``AMP_GRAPH_STREAMING``: streaming cache
-hints), beside the harness ``benchmarks/kernel_sweep.cu`` (no torch), and runs it: one tensor of
-1e8 elements in fp32, fp16 and bf16, and GPT-2 small's 148 gradients in fp32 and fp16. Printed
+hints; ``AMP_GRAPH_CONTIGUOUS_TILES``: each block a contiguous run of tiles), beside the
+harness ``benchmarks/kernel_sweep.cu`` (no torch), and runs it: one tensor of 1e8 elements in
+fp32, fp16 and bf16, and GPT-2 small's 148 gradients in fp32 and fp16. Printed
 per case: the kernel's GB/s over the copy's (medians of interleaved rounds, CUDA events), the
 grid, and whether an unscale by 0.5 gave every element exactly. The extension itself always builds
 with the defaults (the ``base`` variant); this script only measures what other values would give.
@@ -41,6 +42,10 @@ VARIANTS: dict[str, dict[str, int]] = {
     "unroll 8, min 3": {"AMP_GRAPH_UNROLL": 8, "AMP_GRAPH_MIN_BLOCKS": 3},
     "unroll 2, min 6": {"AMP_GRAPH_UNROLL": 2, "AMP_GRAPH_MIN_BLOCKS": 6},
     "unroll 8, tile 8192": {"AMP_GRAPH_UNROLL": 8, "AMP_GRAPH_TILE_VECS": 8192},
+    # each block one contiguous run of tiles (block_tiles), not grid-stride; with smaller tiles
+    # the last wave's imbalance (at most one tile per block) shrinks without shared-tile costs
+    "contiguous tiles": {"AMP_GRAPH_CONTIGUOUS_TILES": 1},
+    "contiguous, tile 1024": {"AMP_GRAPH_CONTIGUOUS_TILES": 1, "AMP_GRAPH_TILE_VECS": 1024},
 }
 
 
@@ -83,11 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=30, help="timed rounds per case")
     parser.add_argument("--json", type=Path, default=None, help="also write every row here")
     parser.add_argument("--compile-only", action="store_true", help="build (for sm_90), no run")
-    parser.add_argument("--only", default=None, help="comma list of variant names")
+    parser.add_argument(
+        "--only", nargs="+", default=None, help='variant names, each quoted ("unroll 8, min 3")'
+    )
     args = parser.parse_args(argv)
     variants = VARIANTS
     if args.only:
-        wanted = args.only.split(",")
+        wanted = args.only
         unknown = [name for name in wanted if name not in VARIANTS]
         if unknown:
             parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")

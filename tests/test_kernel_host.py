@@ -343,13 +343,15 @@ def test_the_kernel_sweep_builds_the_librarys_kernel_with_its_knobs(tmp_path: Pa
     sources = (CSRC_DIR / "tiling.h").read_text() + (CSRC_DIR / "amp_kernels.cu").read_text()
     knobs = {name for flags in kernel_sweep.VARIANTS.values() for name in flags}
     assert knobs == {
-        "AMP_GRAPH_UNROLL", "AMP_GRAPH_TILE_VECS", "AMP_GRAPH_MIN_BLOCKS", "AMP_GRAPH_STREAMING"
+        "AMP_GRAPH_UNROLL", "AMP_GRAPH_TILE_VECS", "AMP_GRAPH_MIN_BLOCKS", "AMP_GRAPH_STREAMING",
+        "AMP_GRAPH_CONTIGUOUS_TILES",
     }  # fmt: skip
     for name in knobs:
         assert f"#ifndef {name}\n#define {name} " in sources, name
     assert kernel_sweep.VARIANTS["base"] == {}
     if NVCC is None:
         pytest.skip("nvcc not found: the knobs were checked, the build was not")
-    exes = kernel_sweep.build_all({"unroll 8, min 3": kernel_sweep.VARIANTS["unroll 8, min 3"]},
-                                  tmp_path, "sm_90")  # fmt: skip
-    assert exes["unroll 8, min 3"].stat().st_size > 0
+    # one build with every kind of knob: launch bounds, unroll, the contiguous tile order
+    flags = kernel_sweep.VARIANTS["unroll 8, min 3"] | kernel_sweep.VARIANTS["contiguous tiles"]
+    exes = kernel_sweep.build_all({"every knob": flags}, tmp_path, "sm_90")
+    assert exes["every knob"].stat().st_size > 0

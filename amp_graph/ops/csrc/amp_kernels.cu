@@ -158,7 +158,8 @@ __global__ void AMP_GRAPH_BOUNDS
   bool bad = false;
   float sumsq = 0.0f;
 
-  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+  const TileSpan span = block_tiles(blockIdx.x, gridDim.x, total_tiles, kContiguousTiles);
+  for (int64_t tile = span.begin; tile < span.end; tile += span.stride) {
     const TileRows rows = tile_rows(table, n_tensors, tile);
     if (rows.first == rows.last) {  // a large row's tile, or a lone small row: the whole block
       const TensorDesc d = table[rows.last];

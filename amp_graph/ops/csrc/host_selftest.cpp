@@ -21,6 +21,7 @@
 //   host_selftest update G B I H MIN MAX INIT FLAGS
 //                          run amp_graph::update_scale over FLAGS ("0110...": 1 = overflow) and
 //                          print one line per step: scale bits (hex) and the four trackers
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -90,8 +91,10 @@ void simulate_row(const TensorDesc& d, int64_t row, int64_t local, int64_t elem_
 }
 
 // Simulates one launch over `rows` (first_tile filled here) exactly as check_unscale_kernel walks
-// it, counting visits per element. Returns the number of elements checked.
-int64_t simulate_launch(std::vector<TensorDesc>& rows, int64_t elem_bytes, int grid) {
+// it, its blocks' tiles in either order (block_tiles), counting visits per element. Returns the
+// number of elements checked.
+int64_t simulate_launch(std::vector<TensorDesc>& rows, int64_t elem_bytes, int grid,
+                        bool contiguous) {
   const int64_t n = static_cast<int64_t>(rows.size());
   const int64_t total = amp_graph::build_tile_table(rows.data(), n, elem_bytes);
   std::vector<std::vector<uint8_t>> visits(rows.size());
@@ -101,8 +104,16 @@ int64_t simulate_launch(std::vector<TensorDesc>& rows, int64_t elem_bytes, int g
     if (rows[i].first_tile < rows[i - 1].first_tile) fail("first_tile decreases", i, 0, 0);
   }
 
+  int64_t fewest = total;
+  int64_t most = 0;
   for (int block = 0; block < grid; ++block) {
-    for (int64_t tile = block; tile < total; tile += grid) {
+    const amp_graph::TileSpan span = amp_graph::block_tiles(block, grid, total, contiguous);
+    int64_t tiles_of_block = 0;
+    for (int64_t tile = span.begin; tile < span.end; tile += span.stride) ++tiles_of_block;
+    fewest = std::min(fewest, tiles_of_block);
+    most = std::max(most, tiles_of_block);
+    for (int64_t tile = span.begin; tile < span.end; tile += span.stride) {
+      if (tile < 0 || tile >= total) fail("tile out of range", block, tile, total);
       tile_seen[tile] += 1;
       const amp_graph::TileRows tr = amp_graph::tile_rows(rows.data(), n, tile);
       if (tr.first > tr.last || rows[tr.last].first_tile > tile) fail("bad rows", tile, 0, 0);
@@ -143,6 +154,7 @@ int64_t simulate_launch(std::vector<TensorDesc>& rows, int64_t elem_bytes, int g
   for (int64_t t = 0; t < total; ++t) {
     if (tile_seen[t] != 1) fail("tile not run exactly once", t, tile_seen[t], 0);
   }
+  if (most - fewest > 1) fail("blocks' runs differ by more than one tile", grid, fewest, most);
   int64_t checked = 0;
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t e = 0; e < rows[i].numel; ++e) {
@@ -173,9 +185,11 @@ int run_tiling() {
       for (int64_t off = 0; off <= amp_graph::kVecBytes; ++off) {
         if (off % es != 0 && off != 1) continue;
         for (int grid : {1, 3, 64}) {
-          std::vector<TensorDesc> rows = {{4096 + off, size, 0}};
-          elements += simulate_launch(rows, es, grid);
-          ++cases;
+          for (bool contiguous : {false, true}) {
+            std::vector<TensorDesc> rows = {{4096 + off, size, 0}};
+            elements += simulate_launch(rows, es, grid, contiguous);
+            ++cases;
+          }
         }
       }
     }
@@ -202,8 +216,10 @@ int run_tiling() {
       }
       if (trial == 1) rows.back().numel = 0;  // trailing empty rows
       if (trial == 2) rows.front().numel = 0;
-      elements += simulate_launch(rows, es, trial == 3 ? 1 : 132 * 6);
-      ++cases;
+      for (bool contiguous : {false, true}) {
+        elements += simulate_launch(rows, es, trial == 3 ? 1 : 132 * 6, contiguous);
+        ++cases;
+      }
     }
   }
   if (g_failures != 0) {

@@ -12,8 +12,9 @@
 //     belongs to its first tile, the tail to its last), processed by a whole block;
 //   * small tensors (one tile, cost <= kPackMaxCost) are packed, in table order, into shared tiles
 //     whose total cost stays within kTileVecs; a block processes a shared tile one tensor per warp;
-//   * blocks walk the tiles grid-stride; a block finds a tile's rows by binary search over the
-//     table's first_tile column (non-decreasing; no per-launch limit on the number of tensors).
+//   * blocks walk the tiles grid-stride (or, built with AMP_GRAPH_CONTIGUOUS_TILES=1, each block
+//     a contiguous run of them: block_tiles); a block finds a tile's rows by binary search over
+//     the table's first_tile column (non-decreasing; no per-launch limit on the number of tensors).
 #pragma once
 
 #include <stdint.h>
@@ -36,6 +37,9 @@ namespace amp_graph {
 #ifndef AMP_GRAPH_TILE_VECS
 #define AMP_GRAPH_TILE_VECS 2048
 #endif
+#ifndef AMP_GRAPH_CONTIGUOUS_TILES
+#define AMP_GRAPH_CONTIGUOUS_TILES 0
+#endif
 
 constexpr int64_t kVecBytes = 16;        // one vectorized load or store
 constexpr int kBlockThreads = 256;       // threads per block
@@ -46,6 +50,7 @@ constexpr int64_t kTileVecs = AMP_GRAPH_TILE_VECS;  // 16-byte vectors per tile 
 constexpr int64_t kRowCost = 32;         // packing cost of a row beyond its vectors (its scalars,
                                          // its loop set-up), in vectors
 constexpr int64_t kPackMaxCost = kTileVecs / 4;  // rows at most this costly share tiles
+constexpr bool kContiguousTiles = AMP_GRAPH_CONTIGUOUS_TILES != 0;  // block_tiles' order
 
 // One row of the device-side tensor table (three int64, 24 bytes).
 struct TensorDesc {
@@ -219,6 +224,24 @@ AG_HD int64_t grid_size(int64_t total_tiles, int64_t max_grid) {
   const int64_t cap = max_grid > 0 ? max_grid : 1;
   const int64_t grid = total_tiles < cap ? total_tiles : cap;
   return grid > 0 ? grid : 1;
+}
+
+// The tiles one block of a launch walks: tiles begin, begin + stride, ... below end.
+//   grid-stride (contiguous == false): block, block + grid, ... -- neighbouring blocks read
+//     neighbouring 32 KiB tiles at the same moment;
+//   contiguous: the block's own run of floor-divided length, [block * total / grid,
+//     (block + 1) * total / grid) -- each block streams one region of memory, and runs differ
+//     by at most one tile.
+// Either way the blocks of one launch cover every tile of [0, total) exactly once.
+struct TileSpan {
+  int64_t begin;
+  int64_t end;
+  int64_t stride;
+};
+
+AG_HD TileSpan block_tiles(int64_t block, int64_t grid, int64_t total, bool contiguous) {
+  if (!contiguous) return {block, total, grid};
+  return {block * total / grid, (block + 1) * total / grid, 1};
 }
 
 // Finiteness straight from the bits (immune to fast-math flags): all-ones exponent = inf or nan.
