@@ -209,6 +209,31 @@ def test_bad_arguments_are_refused() -> None:
         AmpGraphPrecision(modules=["nett"]).compile_modules(_model())
 
 
+def test_the_mode_is_amp_graph_compiles_and_checked_early() -> None:
+    """``mode=`` reaches amp_graph.compile: "default" runs the children's graphs through
+    inductor, with the eager graph's results; a misspelt mode is refused when the plugin is
+    made, a CUDA-graph mode when it meets a CPU model (not at the first step)."""
+    with pytest.raises(ValueError, match=r"AmpGraphPrecision\(mode=\.\.\.\).*'defualt'.*'default'"):
+        AmpGraphPrecision(mode="defualt")
+    with pytest.raises(amp_graph.CudaGraphError, match="'reduce-overhead' is for CUDA graphs"):
+        AmpGraphPrecision(dtype=torch.bfloat16, mode="reduce-overhead").compile_modules(_model())
+    x = torch.randn(BATCH, 4)
+    outputs = {}
+    for mode in ("eager", "default"):
+        model = _model()
+        AmpGraphPrecision(dtype=torch.bfloat16, mode=mode).compile_modules(model)
+        compiled = model.net._compiled_call_impl.compiled
+        assert compiled.mode.name == mode
+        outputs[mode] = model.net(x)
+        outputs[mode].float().sum().backward()
+        assert (compiled._inductor is None) == (mode == "eager")
+        assert mode == "eager" or len(compiled._inductor) == 1  # the graph went to inductor
+        outputs[mode] = (outputs[mode].detach(), model.net[0].weight.grad)
+    assert outputs["default"][0].dtype == torch.bfloat16
+    torch.testing.assert_close(outputs["default"][0], outputs["eager"][0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outputs["default"][1], outputs["eager"][1], atol=2e-2, rtol=2e-2)
+
+
 def test_a_child_compiled_by_torch_compile_is_refused() -> None:
     """nn.Module.compile() runs the child through torch.compile with no autocast under the
     plugin: float32, which the plugin used to take for compiled and leave without a word."""

@@ -80,6 +80,17 @@ def default_mode(device_type: str, sharded: bool = False) -> str:
     return "eager" if sharded else DEFAULT_MODES.get(device_type, "eager")
 
 
+def check_mode(mode: Any, where: str = "compile") -> None:
+    """``mode`` is one of :data:`MODES` or None (said where it is given, before any capture)."""
+    if mode is not None and not isinstance(mode, str):
+        raise TypeError(f"{where}: mode is one of {list(MODES)} or None; got {mode!r}")
+    if mode is not None and mode not in MODES:
+        raise ValueError(
+            f"{where}: unknown compile mode {mode!r}; the modes are {list(MODES)}."
+            f"{nearest(mode, MODES)}"
+        )
+
+
 def resolve_mode(
     mode: str | None, cuda_graph: bool | None, device_type: str, sharded: bool = False
 ) -> RunMode:
@@ -92,12 +103,7 @@ def resolve_mode(
     that is no mode (naming the nearest)."""
     if cuda_graph is not None and not isinstance(cuda_graph, bool):
         raise TypeError(f"cuda_graph is True or False; got {cuda_graph!r}")
-    if mode is not None and not isinstance(mode, str):
-        raise TypeError(f"mode is one of {list(MODES)} or None; got {mode!r}")
-    if mode is not None and mode not in MODES:
-        raise ValueError(
-            f"unknown compile mode {mode!r}; the modes are {list(MODES)}.{nearest(mode, MODES)}"
-        )
+    check_mode(mode)
     if cuda_graph:
         if mode not in (None, "cudagraphs"):
             raise ValueError(

@@ -56,6 +56,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess by 
         "pip install lightning  (or: pip install 'amp_graph[lightning]')"
     ) from error
 
+from amp_graph.frontends.compile_modes import check_mode
 from amp_graph.frontends.compiler import CompiledModule
 from amp_graph.frontends.compiler import compile as amp_compile
 from amp_graph.monitoring import Monitor, monitor
@@ -67,8 +68,10 @@ __all__ = ["AmpGraphPrecision", "compile_in_place"]
 _PRECISION = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
 
 
-def compile_in_place(module: nn.Module, policy: Policy | str, dtype: torch.dtype) -> None:
-    """Make ``module(...)`` run through ``amp_graph.compile(module, policy, dtype)``.
+def compile_in_place(
+    module: nn.Module, policy: Policy | str, dtype: torch.dtype, mode: str | None = None
+) -> None:
+    """Make ``module(...)`` run through ``amp_graph.compile(module, policy, dtype, mode=mode)``.
 
     What ``nn.Module.compile()`` does for torch.compile: the compiled callable is installed as
     the module's ``_compiled_call_impl``, so the module keeps its class, attributes and
@@ -78,7 +81,8 @@ def compile_in_place(module: nn.Module, policy: Policy | str, dtype: torch.dtype
     is not compiled: torch's ``Module.__getstate__`` drops ``_compiled_call_impl``, so the copy
     runs its own weights through its own forward.
     """
-    object.__setattr__(module, "_compiled_call_impl", _CompiledCall(module, policy, dtype))
+    call = _CompiledCall(module, policy, dtype, mode)
+    object.__setattr__(module, "_compiled_call_impl", call)
 
 
 class _CompiledCall:
@@ -86,9 +90,11 @@ class _CompiledCall:
     except the call the capture itself makes (torch.export calls the module), which runs the
     module's own forward."""
 
-    def __init__(self, module: nn.Module, policy: Policy | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, module: nn.Module, policy: Policy | str, dtype: torch.dtype, mode: str | None
+    ) -> None:
         self.module = module
-        self.compiled = amp_compile(module, policy=policy, dtype=dtype)
+        self.compiled = amp_compile(module, policy=policy, dtype=dtype, mode=mode)
         self.running = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -136,6 +142,10 @@ class AmpGraphPrecision(Precision):
             device taken from the first loss). Refused with bfloat16, as by ``MixedPrecision``.
         modules: names of the LightningModule's direct children to compile. Default: every
             child that holds parameters (so metrics and parameterless losses are left alone).
+        mode: what runs the compiled graphs, :func:`amp_graph.compile`'s ``mode``
+            (``"eager"``, ``"default"`` for inductor, ``"reduce-overhead"``, ...; ``None``:
+            by the device the model trains on, as in ``compile``). Checked here by name, and
+            against the device when Lightning connects the model.
         monitor: options of :func:`amp_graph.monitor` (``{"every": 100, "log_dir": ...}``)
             to watch every compiled child's numerics while training; the plugin's scaler is
             given, and with several children each writes under ``log_dir/<child>``. The
@@ -143,8 +153,9 @@ class AmpGraphPrecision(Precision):
             gradients) is a step; validation runs the graphs as they are.
 
     Raises:
-        ValueError: a dtype other than float16/bfloat16, an unknown name in ``modules``, or
-            a child compiled by ``nn.Module.compile()`` (it would run in float32).
+        ValueError: a dtype other than float16/bfloat16, an unknown ``mode``, an unknown
+            name in ``modules``, or a child compiled by ``nn.Module.compile()`` (it would run
+            in float32).
         MisconfigurationException: a scaler with bfloat16; the LBFGS optimizer.
     """
 
@@ -155,6 +166,7 @@ class AmpGraphPrecision(Precision):
         scaler: GradScaler | None = None,
         *,
         modules: Sequence[str] | None = None,
+        mode: str | None = None,
         monitor: Mapping[str, Any] | None = None,
     ) -> None:
         if dtype not in _PRECISION:
@@ -167,8 +179,10 @@ class AmpGraphPrecision(Precision):
                 f"AmpGraphPrecision(dtype=torch.bfloat16) does not scale the loss, found {scaler}; "
                 "inf/nan steps are skipped without a scaler"
             )
+        check_mode(mode, "AmpGraphPrecision(mode=...)")
         self.policy = policy
         self.dtype = dtype
+        self.mode = mode
         self.precision = _PRECISION[dtype]  # type: ignore[assignment]
         self.modules = None if modules is None else list(modules)
         if monitor is not None and not isinstance(monitor, Mapping):
@@ -224,7 +238,7 @@ class AmpGraphPrecision(Precision):
         self._warn_own_parameters(module)
         for name in names:
             if not _is_compiled(children[name], name):
-                compile_in_place(children[name], self.policy, self.dtype)
+                compile_in_place(children[name], self.policy, self.dtype, self.mode)
             if self.monitor_options is not None and name not in self.monitors:
                 options = dict(self.monitor_options)
                 if options.get("log_dir") is not None and len(names) > 1:
