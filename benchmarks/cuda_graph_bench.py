@@ -157,41 +157,29 @@ def _compiled_loop(
     return step
 
 
-def step_peak_bytes(step: Callable, graph: Any, inputs: tuple) -> int | None:
-    """The device memory one step reserves beyond what is held between steps (None on the
-    CPU): the allocator's reserved bytes at the step's peak, after ``empty_cache``, less those
-    it still reserves outside a CUDA graph's pool before the step. Reserved, not allocated,
-    bytes on both sides, because a captured graph holds its pool's segments whole (a replay
-    allocates nothing the allocator sees); for ``torch.compile``'s CUDA graphs, whose pool
-    this cannot tell apart, the figure leaves their pool out."""
-    if inputs[0].device.type != "cuda":
+def captured_pool(graph: Any) -> Any | None:
+    """The memory pool of a Graph's captured steps (``torch.cuda.graph_pool_handle()``), or
+    None: not a Graph, no ``enable_cuda_graph``, or nothing captured yet."""
+    builder = getattr(graph, "_builder", None)
+    replayer = getattr(builder, "replayer", None)
+    if replayer is None or not replayer.captures:
         return None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    replayer = getattr(graph, "_replayer", None)
-    pool = replayer.device._pool if replayer is not None and replayer.captures else None
-    in_pool = sum(
-        s["total_size"]
-        for s in torch.cuda.memory_snapshot()
-        if pool is not None and s.get("segment_pool_id") == pool
-    )
-    held = torch.cuda.memory_reserved() - in_pool
-    torch.cuda.reset_peak_memory_stats()
-    step(*inputs)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_reserved() - held
+    return replayer.device._pool
 
 
-def pool_breakdown(graph: Any) -> dict[str, Any] | None:
-    """What a captured Graph's memory pool holds after its capture: its segments' MiB by
-    block state (``active_allocated``: tensors alive in the pool, the graph's outputs and
-    anything the capture kept; ``inactive``: free space the capture never reused) and the
-    sizes of the largest blocks of each state, to tell kept tensors from fragmentation."""
-    replayer = getattr(graph, "_replayer", None)
-    pool = replayer.device._pool if replayer is not None and replayer.captures else None
+def pool_segments(snapshot: list[dict[str, Any]], pool: Any | None) -> list[dict[str, Any]]:
+    """The segments of ``torch.cuda.memory_snapshot()`` that belong to ``pool`` (none for
+    None)."""
     if pool is None:
-        return None
-    segments = [s for s in torch.cuda.memory_snapshot() if s.get("segment_pool_id") == pool]
+        return []
+    return [s for s in snapshot if s.get("segment_pool_id") == pool]
+
+
+def segments_breakdown(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """Segments' MiB by block state (``active_allocated``: tensors alive in the pool, the
+    graph's outputs and anything the capture kept; ``inactive``: free space the capture never
+    reused) and the sizes of the largest blocks of each state, to tell kept tensors from
+    fragmentation."""
     by_state: dict[str, float] = {}
     largest: dict[str, list[float]] = {}
     for segment in segments:
@@ -205,6 +193,34 @@ def pool_breakdown(graph: Any) -> dict[str, Any] | None:
         "mib_by_state": by_state,
         "largest_blocks_mib": {k: sorted(v, reverse=True)[:12] for k, v in largest.items()},
     }
+
+
+def step_peak_bytes(step: Callable, graph: Any, inputs: tuple) -> int | None:
+    """The device memory one step reserves beyond what is held between steps (None on the
+    CPU): the allocator's reserved bytes at the step's peak, after ``empty_cache``, less those
+    it still reserves outside a captured Graph's pool before the step. Reserved, not allocated,
+    bytes on both sides, because a captured graph holds its pool's segments whole (a replay
+    allocates nothing the allocator sees); for ``torch.compile``'s CUDA graphs, whose pool
+    this cannot tell apart, the figure leaves their pool out."""
+    if inputs[0].device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    segments = pool_segments(torch.cuda.memory_snapshot(), captured_pool(graph))
+    held = torch.cuda.memory_reserved() - sum(s["total_size"] for s in segments)
+    torch.cuda.reset_peak_memory_stats()
+    step(*inputs)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_reserved() - held
+
+
+def pool_breakdown(graph: Any) -> dict[str, Any] | None:
+    """What a captured Graph's memory pool holds after its capture
+    (:func:`segments_breakdown`), or None when nothing is captured."""
+    pool = captured_pool(graph)
+    if pool is None:
+        return None
+    return segments_breakdown(pool_segments(torch.cuda.memory_snapshot(), pool))
 
 
 def allocated_peak(step: Callable, inputs: tuple) -> float | None:
