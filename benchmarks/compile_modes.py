@@ -9,7 +9,11 @@ One training step each (forward with the loss, backward, fused-or-foreach AdamW 
 * ``torch.compile + autocast`` (and ``... reduce-overhead`` on CUDA): torch's own;
 * ``compile <mode>``: ``amp_graph.compile(model, "O1", mode=<mode>)`` for each mode this device
   runs (``eager``, ``default``, and on CUDA ``cudagraphs`` and ``reduce-overhead``); the row
-  marked ``*`` is what ``mode=None`` gives on this device.
+  marked ``*`` is what ``mode=None`` gives on this device;
+* ``Graph`` and ``Graph enable_compile``: the same step as an ``amp_graph.Graph`` (O1, the
+  optimizer's step and ``zero_grad`` inside it), as it is by default (marked ``*``) and with
+  ``config.enable_compile()`` (inductor): the figures that decide whether the Graph's default
+  should follow ``amp_graph.compile``'s on this device.
 
 Printed per variant: the median step, the median over rounds of its ratio to the reference's
 step in the same round, and the first call's seconds (capture, passes, inductor's compile,
@@ -84,9 +88,7 @@ def train_step(
     device: str,
 ) -> Step:
     """One step of ``forward`` (returning the loss) with AdamW over ``model``'s parameters."""
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, foreach=device != "cuda", fused=device == "cuda"
-    )
+    opt = adamw(model, device)
 
     def step() -> None:
         if autocast is not None:
@@ -99,6 +101,36 @@ def train_step(
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+class GraphStep(amp_graph.Graph):
+    """The benchmark's step as a Graph: the model takes inputs and targets and returns its
+    loss."""
+
+    def __init__(
+        self, model: torch.nn.Module, dtype: torch.dtype, device: str, compiled: bool
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(adamw(model, device))
+        self.config.enable_amp(True, policy="O1", dtype=dtype)
+        if compiled:
+            self.config.enable_compile()
+
+    def build(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.model(inputs, targets)
+        loss.backward()
+        return loss
+
+
+GRAPH_DEFAULT = "Graph"  # the Graph as it comes: uncompiled on every device
+
+
+def adamw(model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
+    """Every variant's optimizer: fused AdamW on CUDA, foreach elsewhere."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=1e-4, foreach=device != "cuda", fused=device == "cuda"
+    )
 
 
 def variants(
@@ -140,6 +172,16 @@ def variants(
         modes += ["cudagraphs", "reduce-overhead"]
     for mode in modes:
         out[f"compile {mode}"] = ours(mode)
+
+    def graph(compiled: bool) -> Callable[[], Step]:
+        def build() -> Step:
+            step = GraphStep(fresh(), dtype, device, compiled)
+            return lambda: step(*inputs)
+
+        return build
+
+    out[GRAPH_DEFAULT] = graph(False)
+    out["Graph enable_compile"] = graph(True)
     return out
 
 
@@ -167,7 +209,7 @@ def measure(
             "median_ms": statistics.median(seconds) * 1e3,
             "vs_autocast_eager": statistics.median(ratios),
             "first_call_s": first[variant],
-            "default": variant == chosen,
+            "default": variant in (chosen, GRAPH_DEFAULT),
         }
     return {"model": name, "rows": rows}
 
@@ -203,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     print(
         f"{where}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
-        f"{args.dtype}; * = mode=None's choice on {args.device} ({default_mode(args.device)})"
+        f"{args.dtype}; * = the defaults on {args.device}: compile's mode=None "
+        f"({default_mode(args.device)}) and the Graph as it comes (uncompiled)"
     )
     results = []
     for name, (model, inputs, shape) in setups(args.device, args.tiny, args.layers).items():

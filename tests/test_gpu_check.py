@@ -90,6 +90,8 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
             "torch.compile + autocast": (0.6, False, 40.0),
             "compile eager": (1.03, False, 1.0),
             "compile default": (0.62, True, 30.0),
+            "Graph": (1.04, True, 1.2),
+            "Graph enable_compile": (0.61, False, 35.0),
         }
         report = {
             "results": [
@@ -176,7 +178,10 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "| <= 0.95x | 0.900x (180.00 ms vs 200.00 ms); 0.900x" in text
     assert "| <= 1.10x | 1.05x (1050 / 1000 MB; pool 100 MB live, 950 MB free) |" in text
     assert "| - | 0.600x; 1.050x; 0.550x |" in text
-    assert "| gpt: eager 1.030, default* 0.620; torch.compile 0.600; first call 30 s |" in text
+    assert (
+        "| gpt: eager 1.030, default* 0.620; torch.compile 0.600; Graph* 1.040; "
+        "Graph enable_compile 0.610; first call 30 s |"
+    ) in text
     assert "| cuda:0: figures; 16384x4096x4096 0.70/0.75; 4096x768x768 1.20/1.10; 2 of 2 " in text
     assert "| >= 40% | 32x1024: 40.4% of 989, 51.3% of the measured matmul's 780 TFLOP/s " in text
     assert (
