@@ -9,6 +9,8 @@
 #                    into BENCHMARKS.md's GPU table. Fails at once, saying so, without a GPU.
 #   make gpu-wheels  (here, with a network) the wheels gpu-check installs from .whl/ on a GPU
 #                    machine that has no network: torchao, the fp8 step's reference
+#   make gpu-check GPU_CHECK_ARGS="--only mfu fp8_step"   some stages alone (the others keep
+#                    an earlier run's figures); .whl/ is git-ignored: carry it to the GPU machine
 #
 # torch: if the Python that creates the venv already has torch (say a CUDA build), the venv
 # sees it (--system-site-packages) and nothing is downloaded; otherwise TORCH_SPEC is
@@ -131,7 +133,7 @@ gpu-check:
 	$(if $(wildcard .whl/*.whl),$(GPU_PYTHON) -m pip install -q --no-index --no-deps \
 		--no-compile --upgrade --target .whl/site .whl/*.whl && \
 		export PYTHONPATH=$(CURDIR)/.whl/site:$$PYTHONPATH &&) \
-		$(GPU_PYTHON) benchmarks/gpu_check.py
+		$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info site

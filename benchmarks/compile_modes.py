@@ -191,12 +191,19 @@ def measure(
     built = variants(model, inputs, dtype, device)
     steps: dict[str, Step] = {}
     first: dict[str, float] = {}
+    failed: dict[str, dict[str, str]] = {}
     for variant, build in built.items():
-        step = build()
-        torch.cuda.synchronize() if device == "cuda" else None
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize() if device == "cuda" else None
+        try:
+            step = build()
+            torch.cuda.synchronize() if device == "cuda" else None
+            start = time.perf_counter()
+            step()
+            torch.cuda.synchronize() if device == "cuda" else None
+        except Exception as error:  # reported in its row; the others are measured
+            if variant == "autocast eager":
+                raise  # the reference: nothing to compare with
+            failed[variant] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            continue
         first[variant] = time.perf_counter() - start
         steps[variant] = step
     times = interleaved_seconds(steps, repeats, warmup=2, device=device)
@@ -211,7 +218,7 @@ def measure(
             "first_call_s": first[variant],
             "default": variant in (chosen, GRAPH_DEFAULT),
         }
-    return {"model": name, "rows": rows}
+    return {"model": name, "rows": rows | failed}
 
 
 def render(result: dict[str, Any], shape: str) -> str:
@@ -220,6 +227,9 @@ def render(result: dict[str, Any], shape: str) -> str:
         f"  {'variant':42s} {'median ms':>10s} {'/ autocast eager':>17s} {'first call s':>13s}",
     ]
     for variant, row in result["rows"].items():
+        if "error" in row:
+            lines.append(f"  {variant:42s} FAILED: {row['error']}")
+            continue
         mark = " *" if row["default"] else "  "
         lines.append(
             f"{mark}{variant:42s} {row['median_ms']:10.2f} {row['vs_autocast_eager']:17.3f} "

@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 NOT_MEASURED = "not yet measured (no GPU lent)"
+NO_FIGURE = ("not yet measured", "not measured")  # cells that hold no measurement
 GPU_SKIP_REASONS = ("needs a cuda", "needs a gpu")  # tests/conftest.py marks these `cuda`
 FIGURES = [  # (key, what, target)
     ("tests", "CUDA tests (`pytest -m cuda`)", "all pass, none skipped"),
@@ -475,6 +476,9 @@ def run_compile_modes(seconds: float, results: Results) -> None:
     cells = []
     for model in report["results"]:
         rows = model["rows"]
+        failed = [f"{name}: {row['error']}" for name, row in rows.items() if "error" in row]
+        results.failures += [f"compile_modes.py, {model['model']}, {line}" for line in failed]
+        rows = {name: row for name, row in rows.items() if "error" not in row}
         ratios = ", ".join(
             f"{name.removeprefix('compile ')}{'*' if row['default'] else ''} "
             f"{row['vs_autocast_eager']:.3f}"
@@ -493,12 +497,16 @@ def run_compile_modes(seconds: float, results: Results) -> None:
             if name.startswith("Graph")
         )
         first = next(
-            row["first_call_s"]
-            for name, row in rows.items()
-            if row["default"] and name.startswith("compile ")
+            (
+                f"{row['first_call_s']:.0f} s"
+                for name, row in rows.items()
+                if row["default"] and name.startswith("compile ")
+            ),
+            "failed",
         )
+        errors = f"; failed: {', '.join(line.split(':')[0] for line in failed)}" if failed else ""
         cells.append(
-            f"{model['model']}: {ratios}; {torch_rows}{graph_rows}; first call {first:.0f} s"
+            f"{model['model']}: {ratios}; {torch_rows}{graph_rows}; first call {first}{errors}"
         )
     results.cells["compile_modes"] = "; ".join(cells)
 
@@ -548,20 +556,25 @@ def run_fp8_step(seconds: float, results: Results) -> None:
     results.raw["fp8_step"] = report
     steps = report["steps"]
     base, ours, torchao = (steps.get(v, {}) for v in variants)
-    if "ms" not in base or "ms" not in ours:
+    # interleaved medians; a run cut short before them has each variant timed alone
+    timed = "ms" if "ms" in base and "ms" in ours else "solo_ms"
+    if timed not in base or timed not in ours:
         errors = "; ".join(f"{v}: {row['error']}" for v, row in steps.items() if "error" in row)
         raise GpuCheckError(f"fp8_step.py measured no fp8 against bf16 ({errors})")
+    rates = f", {ours['tflops']:.0f} vs {base['tflops']:.0f} TFLOP/s" if timed == "ms" else ""
     cell = (
-        f"ours {ours['speedup_vs_bf16']:.2f}x bf16 ({ours['ms']:.1f} ms vs {base['ms']:.1f} ms, "
-        f"{ours['tflops']:.0f} vs {base['tflops']:.0f} TFLOP/s)"
+        f"ours {base[timed] / ours[timed]:.2f}x bf16 ({ours[timed]:.1f} ms vs "
+        f"{base[timed]:.1f} ms{rates})"
     )
-    if "ms" in torchao:
+    if timed in torchao:
         cell += (
-            f"; torchao {torchao['speedup_vs_bf16']:.2f}x bf16; ours / torchao's step "
-            f"{torchao['ms'] / ours['ms']:.2f}x"
+            f"; torchao {base[timed] / torchao[timed]:.2f}x bf16; ours / torchao's step "
+            f"{torchao[timed] / ours[timed]:.2f}x"
         )
     else:
         cell += f"; torchao not measured ({torchao.get('error', 'not run')[:80]})"
+    if timed == "solo_ms":
+        cell += " (each timed alone after its compile: the interleaved rounds did not run)"
     results.cells["fp8_step"] = cell
     loss = report.get("loss")
     if loss is None or "within" not in loss:
@@ -652,7 +665,7 @@ def earlier_figures(path: Path, keys: tuple[str, ...]) -> dict[str, str]:
     return {
         key: figures[key] if EARLIER.search(figures[key]) else figures[key] + when
         for key in keys
-        if figures.get(key) and not figures[key].startswith(NOT_MEASURED)
+        if figures.get(key) and not figures[key].startswith(NO_FIGURE)
     }
 
 
@@ -670,7 +683,7 @@ def measured_on(path: Path, keys: tuple[str, ...]) -> str:
     dates = []
     for key in keys:
         cell = figures.get(key)
-        if not cell or cell.startswith(NOT_MEASURED):
+        if not cell or cell.startswith(NO_FIGURE):
             return ""
         earlier = EARLIER.search(cell)
         dates.append(earlier.group(1) if earlier else str(record.get("date", "")))
@@ -696,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--log-dir", type=Path, default=None, help="keep each stage's whole output here"
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[stage.__name__.removeprefix("run_") for stage, _ in STAGES],
+        help="run these stages alone (the others keep an earlier run's figures)",
+    )
     args = parser.parse_args(argv)
     LOG_DIR[:] = [args.log_dir] if args.log_dir else []
 
@@ -714,15 +733,20 @@ def main(argv: list[str] | None = None) -> int:
     took: dict[str, float] = {}
     results.raw["stage_seconds"] = took  # to fit the stages into the budget next time
     for stage, seconds in stage_order(args.results_json):
+        if args.only and stage.__name__.removeprefix("run_") not in args.only:
+            results.cells |= earlier_figures(args.results_json, STAGE_FIGURES[stage])
+            continue
         left = deadline - time.monotonic()
         start = time.monotonic()
         try:
             if left < max(10.0, seconds / 2):  # a stage given under half its time: not started
-                results.cells |= earlier_figures(args.results_json, STAGE_FIGURES[stage])
                 raise GpuCheckError("out of time before this stage")
             stage(min(seconds, left), results)
-        except GpuCheckError as error:
-            results.failures.append(f"{stage.__name__}: {error}")
+        except Exception as error:  # a stage's fault must not cost the other stages' figures
+            kind = "" if isinstance(error, GpuCheckError) else f"{type(error).__name__}: "
+            results.failures.append(f"{stage.__name__}: {kind}{error}")
+            earlier = earlier_figures(args.results_json, STAGE_FIGURES[stage])
+            results.cells |= {k: v for k, v in earlier.items() if k not in results.cells}
         took[stage.__name__] = round(time.monotonic() - start, 1)
     section = render(results)
     print(section)

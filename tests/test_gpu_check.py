@@ -362,3 +362,134 @@ def test_a_stand_in_names_the_run_that_measured_it(tmp_path: Path) -> None:
     figures = {"sweep": "0.9x (earlier run: 2026-01-01, GPU-A)", "mfu": gpu_check.NOT_MEASURED}
     record.write_text(json.dumps({"date": "2026-02-01", "device": "GPU-B", "figures": figures}))
     assert gpu_check.earlier_figures(record, ("sweep", "mfu")) == {"sweep": figures["sweep"]}
+
+
+def _earlier_record(path: Path, figures: dict[str, str]) -> None:
+    path.write_text(json.dumps({"date": "2026-01-01", "device": "GPU-A", "figures": figures}))
+
+
+def _run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> tuple[int, str]:
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text((ROOT / "BENCHMARKS.md").read_text())
+    monkeypatch.setattr(gpu_check, "preflight", lambda: [])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU-B")
+    record = tmp_path / "gpu-check.json"
+    code = gpu_check.main(["--benchmarks-md", str(md), "--results-json", str(record), *extra])
+    return code, md.read_text()
+
+
+def test_a_stage_that_breaks_costs_neither_the_run_nor_its_earlier_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception in a stage (here a report without the key its reader wants) is that
+    stage's failure: the other stages are measured, both files are written, and the broken
+    stage's cells keep the earlier run's figures, saying so."""
+    _earlier_record(tmp_path / "gpu-check.json", {"fp8_cost": "all right", "mfu": "41%"})
+
+    def broken(seconds: float, results: gpu_check.Results) -> None:
+        raise KeyError("rows")
+
+    monkeypatch.setattr(gpu_check, "_run", _fake_run)
+    stages = [(broken if s is gpu_check.run_fp8_cost else s, t) for s, t in gpu_check.STAGES]
+    monkeypatch.setattr(gpu_check, "STAGES", stages)
+    monkeypatch.setitem(gpu_check.STAGE_FIGURES, broken, ("fp8_cost",))
+    code, text = _run_main(tmp_path, monkeypatch)
+    assert code == 1
+    assert "broken: KeyError: 'rows'" in text
+    assert "| all right (earlier run: 2026-01-01, GPU-A) |" in text
+    assert "| >= 40% | 32x1024: 40.4% of 989" in text  # the stage after it was measured
+    record = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert record["device"] == "GPU-B" and record["figures"]["fp8_cost"].startswith("all right")
+
+
+def test_only_runs_the_stages_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--only mfu``: that stage alone runs (the tests too are left out); every other cell
+    shows the earlier run's figure, saying so."""
+    _earlier_record(tmp_path / "gpu-check.json", {"tests": "48 passed", "mfu": "30%"})
+    commands: list[list[str]] = []
+
+    def run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        commands.append(command)
+        return _fake_run(command, seconds)
+
+    monkeypatch.setattr(gpu_check, "_run", run)
+    code, text = _run_main(tmp_path, monkeypatch, "--only", "mfu")
+    assert code == 0
+    assert len(commands) == 1 and "benchmarks/mfu.py" in commands[0]
+    assert "| 48 passed (earlier run: 2026-01-01, GPU-A) |" in text
+    assert "| >= 40% | 32x1024: 40.4% of 989" in text
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--only", "mfuu"])  # argparse names the stages
+
+
+def test_a_cell_that_says_not_measured_is_no_figure(tmp_path: Path) -> None:
+    """fp8_step's "not measured (cut short)" loss cell: its stage ranks as never measured,
+    and the cell is not carried into the next run as an earlier figure."""
+    record = tmp_path / "gpu-check.json"
+    figures = {"fp8_step": "1.3x", "fp8_loss": "not measured (cut short)"}
+    _earlier_record(record, figures)
+    assert gpu_check.measured_on(record, ("fp8_step", "fp8_loss")) == ""
+    assert gpu_check.earlier_figures(record, ("fp8_step", "fp8_loss")) == {
+        "fp8_step": "1.3x (earlier run: 2026-01-01, GPU-A)"
+    }
+
+
+def test_an_fp8_step_cut_short_shows_each_variant_timed_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def cut_run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        if "benchmarks/fp8_step.py" not in command:
+            return _fake_run(command, seconds)
+        steps = {
+            "bf16 torch.compile": {"solo_ms": 130.0},
+            "fp8 amp_graph tensorwise": {"solo_ms": 100.0},
+        }  # killed while torchao's variant compiled
+        Path(command[command.index("--json") + 1]).write_text(json.dumps({"steps": steps}))
+        return subprocess.CompletedProcess(command, gpu_check.TIMED_OUT, "", "killed")
+
+    monkeypatch.setattr(gpu_check, "_run", cut_run)
+    code, text = _run_main(tmp_path, monkeypatch, "--only", "fp8_step")
+    assert code == 1  # the timeout is a failure
+    assert "ours 1.30x bf16 (100.0 ms vs 130.0 ms); torchao not measured (not run) (each " in text
+    assert "timed alone after its compile: the interleaved rounds did not run)" in text
+
+
+def test_a_compile_mode_that_fails_is_named_and_the_others_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compile_modes.py reports a variant that failed in its row; the check names it among
+    the failures and in the cell, and shows the rest."""
+
+    def run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        done = _fake_run(command, seconds)
+        if "benchmarks/compile_modes.py" in command:
+            out = Path(command[command.index("--json") + 1])
+            report = json.loads(out.read_text())
+            report["results"][0]["rows"]["compile default"] = {"error": "BackendCompilerFailed"}
+            out.write_text(json.dumps(report))
+        return done
+
+    monkeypatch.setattr(gpu_check, "_run", run)
+    code, text = _run_main(tmp_path, monkeypatch, "--only", "compile_modes")
+    assert code == 1
+    assert "compile_modes.py, gpt, compile default: BackendCompilerFailed" in text
+    assert "| gpt: eager 1.030; torch.compile 0.600; Graph* 1.040; " in text
+    assert "first call failed; failed: compile default |" in text
+
+
+def test_compile_modes_reports_a_variant_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import compile_modes
+
+    model, inputs, _ = compile_modes.setups("cpu", tiny=True, layers=1)["gpt"]
+    real = compile_modes.variants
+
+    def with_a_broken_one(*args: object) -> dict:
+        built = {k: v for k, v in real(*args).items() if "compile" not in k}  # no inductor
+        built["compile default"] = lambda: (_ for _ in ()).throw(RuntimeError("no compiler"))
+        return built
+
+    monkeypatch.setattr(compile_modes, "variants", with_a_broken_one)
+    result = compile_modes.measure("gpt", model, inputs, torch.bfloat16, "cpu", repeats=2)
+    assert result["rows"]["compile default"] == {"error": "RuntimeError: no compiler"}
+    assert result["rows"]["Graph"]["default"] and result["rows"]["Graph"]["median_ms"] > 0
+    assert "compile default" in compile_modes.render(result, "tiny")
