@@ -141,10 +141,17 @@ def time_steps(
     device: str,
     eager: bool,
     repeats: int,
+    on_row: Callable[[dict[str, dict[str, Any]]], None] = lambda rows: None,
 ) -> dict[str, dict[str, Any]]:
-    """Each variant's median step ms, interleaved, on one model's shared parameters."""
+    """Each variant's median step ms, interleaved, on one model's shared parameters.
+
+    Before the interleaved rounds, each variant is timed alone right after its compile
+    (``solo_ms``) and ``on_row`` is handed the rows so far: a run killed during a later
+    variant's compile keeps the figures of the earlier ones. A failure in the interleaved
+    rounds is reported in every row, which then keep their solo figures."""
     torch.manual_seed(0)
-    model = models.LlamaWithLoss(**config).to(device)
+    with torch.device(device):  # initialized where it runs: 1.2B parameters on one CPU core
+        model = models.LlamaWithLoss(**config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     idx = torch.randint(0, config["vocab"], tokens, device=device)
     targets = torch.randint(0, config["vocab"], tokens, device=device)
@@ -160,9 +167,18 @@ def time_steps(
             sync(device)
             rows[variant] = {"first_calls_s": time.perf_counter() - start}
             steps[variant] = lambda s=step: s(idx, targets)
+            solo = interleaved_seconds({variant: steps[variant]}, repeats, device=device)
+            rows[variant]["solo_ms"] = statistics.median(solo[variant]) * 1e3
         except Exception as error:  # reported in its row; the others are measured
             rows[variant] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-    times = interleaved_seconds(steps, repeats, device=device)
+            steps.pop(variant, None)
+        on_row(rows)
+    try:
+        times = interleaved_seconds(steps, repeats, device=device)
+    except Exception as error:  # say so; the solo figures stand
+        times = {}
+        for variant in steps:
+            rows[variant]["error"] = f"interleaved rounds: {type(error).__name__}: {error}"[:300]
     for variant, seconds in times.items():
         ms = statistics.median(seconds) * 1e3
         rows[variant] |= {"ms": ms, "tflops": flops / ms / 1e9}
@@ -272,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"device": name, "torch": torch.__version__, "config": config}
     report["tokens"] = list(tokens)
     print(f"torch {torch.__version__} on {name}; Llama stack {config}, {tokens} tokens, AdamW")
-    report["steps"] = time_steps(config, tokens, variants, device, args.eager, args.repeats)
+
+    def save(rows: dict[str, dict[str, Any]]) -> None:
+        if args.json:  # each variant as it is measured: a run cut short keeps them
+            args.json.write_text(json.dumps(report | {"steps": rows}, indent=1))
+
+    report["steps"] = time_steps(
+        config, tokens, variants, device, args.eager, args.repeats, on_row=save
+    )
     for variant, row in report["steps"].items():
         if "error" in row:
             print(f"{variant:<26} FAILED: {row['error']}")

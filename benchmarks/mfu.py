@@ -155,13 +155,13 @@ def measure_batch(
         row: dict[str, Any] = {"batch": setup.inputs[0].shape[0], "variant": name}
         try:
             step = build()
+            if device == "cuda":  # from here: a capture's pool counts (a replay allocates none)
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             for _ in range(5):  # warm-up steps, the capture, inductor's compilation
                 step(*setup.inputs)
             sync(device)
             row["first_calls_s"] = time.perf_counter() - start
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
             times = interleaved_seconds(
                 {name: lambda s=step: s(*setup.inputs)}, repeats, device=device
             )[name]
@@ -171,6 +171,7 @@ def measure_batch(
                 row[f"mfu_{peak_name}"] = None if peak is None else row["tflops"] / peak
             if device == "cuda":
                 row["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                row["peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
             del step
         except Exception as error:  # reported in the row; the other variants still run
             row["error"] = f"{type(error).__name__}: {str(error)[:300]}"

@@ -96,6 +96,30 @@ def test_without_torchao_its_row_says_so_and_the_others_are_measured(
     assert rows[fp8_step.BASELINE]["ms"] > 0
 
 
+def test_each_variant_is_kept_as_it_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run killed during a later compile keeps the earlier variants' figures: each is timed
+    alone after its compile and handed on at once; interleaved rounds that fail leave those
+    solo figures and say why in every row."""
+    variants = [fp8_step.BASELINE, "bf16 amp_graph"]
+    seen: list[list[str]] = []
+    real = fp8_step.interleaved_seconds
+
+    def failing_rounds(steps: dict, repeats: int, **kw: object) -> dict:
+        if len(steps) > 1:  # the interleaved rounds, not a variant's solo timing
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real(steps, repeats, **kw)
+
+    monkeypatch.setattr(fp8_step, "interleaved_seconds", failing_rounds)
+    rows = fp8_step.time_steps(
+        fp8_step.TINY, (2, 16), variants, "cpu", True, repeats=2,
+        on_row=lambda rows: seen.append([v for v, row in rows.items() if row["solo_ms"] > 0]),
+    )  # fmt: skip
+    assert seen == [variants[:1], variants]
+    for row in rows.values():
+        assert row["solo_ms"] > 0 and "ms" not in row
+        assert row["error"].startswith("interleaved rounds: RuntimeError: CUDA error")
+
+
 def test_without_a_gpu_the_cuda_run_refuses(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
