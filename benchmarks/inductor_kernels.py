@@ -19,7 +19,16 @@ backend), and ``amp_graph O1, every cast recomputed`` (``Policy(recompute_casts=
 cast tagged for recompute, what ``"auto"`` did under AOTAutograd before issue 58). Nothing is
 timed: the counts do not depend on the load.
 
+``--models llama``: fp8's kernels. A Llama stack (:class:`models.LlamaWithLoss`), its head kept
+in bf16 as in ``fp8_step.py``, compiled as ``autocast`` (bf16, for scale), ``torchao fp8
+tensorwise`` (``convert_to_float8_training``, then ``torch.compile`` under autocast: the
+reference here) and ``amp_graph fp8 tensorwise`` (the ``"fp8"`` policy through the backend):
+whether inductor fuses amp_graph's amax, scale and cast as it fuses torchao's. amp_graph's
+``fp8_linear`` is one opaque call that takes the high-precision ``x`` and weight only for
+their gradients; its kernel reads their float8 copies, so its bytes here leave those two out.
+
     python benchmarks/inductor_kernels.py                 # GPT and ConvNet, CPU (2-3 minutes)
+    python benchmarks/inductor_kernels.py --models llama  # fp8 against torchao (3 minutes)
     python benchmarks/inductor_kernels.py --device cuda --models gpt --json out.json
 """
 
@@ -87,7 +96,7 @@ class Recorder:
         before = len(metrics.nodes_num_elem)
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         for node, elements in metrics.nodes_num_elem[before:]:
-            size = elements * 4  # inductor's count_bytes: bytes // 4
+            size = elements * 4 - _unread_bytes(node)  # inductor's count_bytes: bytes // 4
             name = _kernel_name(node)
             if node.is_extern():
                 figures.extern += 1
@@ -103,6 +112,17 @@ class Recorder:
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         return compile_fx(gm, example_inputs, inner_compile=self.inner)
+
+
+def _unread_bytes(node: Any) -> int:
+    """Bytes inductor counts for an extern call that its kernel does not read: amp_graph's
+    ``fp8_linear`` takes ``x`` and the weight for their gradients alone (the kernel reads
+    their float8 copies, also arguments)."""
+    kernel = getattr(node.node, "op_overload", None)
+    if not node.is_extern() or str(kernel) != "amp_graph.fp8_linear.default":
+        return 0
+    unread = node.node.inputs[:2]  # x, weight: the schema's first two
+    return sum(int(t.get_numel()) * t.get_dtype().itemsize for t in unread)
 
 
 def _kernel_name(node: Any) -> str:
@@ -143,6 +163,14 @@ def make(name: str, device: str) -> tuple[torch.nn.Module, tuple]:
         batch = 8 if large else 16
         idx = torch.randint(0, dims["vocab"], (batch, dims["block"]), device=device)
         return model, (idx, torch.roll(idx, -1, dims=1))
+    if name == "llama":
+        large = device == "cuda"
+        dims = dict(vocab=32000, dim=4096, blocks=1, heads=32, hidden=14336) if large else dict(
+            vocab=512, dim=256, blocks=2, heads=4, hidden=768)  # fmt: skip
+        model = models.LlamaWithLoss(**dims).to(device)
+        batch, seq = (2, 2048) if large else (8, 128)
+        idx = torch.randint(0, dims["vocab"], (batch, seq), device=device)
+        return model, (idx, torch.roll(idx, -1, dims=1))
     model = models.ConvNet(in_channels=1, channels=32, classes=10).to(device)
     images = torch.randn(64, 1, 28, 28, device=device)
     labels = torch.randint(0, 10, (64,), device=device)
@@ -166,9 +194,18 @@ def variant_step(
             loss.backward()
 
         return step
+    if variant == "torchao fp8 tensorwise":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        model = convert_to_float8_training(model, config=config, module_filter_fn=not_the_head)
+        return variant_step("autocast", model, inputs, device, dtype, recorder)
     policy: Any = {"amp_graph O1": "O1", "amp_graph autocast": "autocast"}.get(variant)
     if variant == "amp_graph O1, every cast recomputed":
         policy = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=True)
+    if variant == "amp_graph fp8 tensorwise":
+        fp8 = amp_graph.Policy.preset("fp8")
+        policy = fp8.with_fp8(recipe="tensorwise", module_filter=not_the_head)
     backend = amp_graph.backend(policy, dtype, inner=recorder.backend)
     compiled = torch.compile(model, backend=backend)
 
@@ -178,12 +215,19 @@ def variant_step(
     return step
 
 
+def not_the_head(module: torch.nn.Module, path: str) -> bool:
+    """The fp8 layer filter, amp_graph's and torchao's (``fp8_step.py``'s): the head stays bf16."""
+    return path != "head"
+
+
 VARIANTS = ("autocast", "amp_graph O1", "amp_graph autocast", "amp_graph O1, every cast recomputed")
+FP8_VARIANTS = ("autocast", "torchao fp8 tensorwise", "amp_graph fp8 tensorwise")
+REFERENCE = {"llama": "torchao fp8 tensorwise"}  # the others: "autocast"
 
 
 def measure(name: str, device: str, dtype: torch.dtype) -> dict[str, dict[str, GraphFigures]]:
     out = {}
-    for variant in VARIANTS:
+    for variant in FP8_VARIANTS if name == "llama" else VARIANTS:
         torch._dynamo.reset()
         model, inputs = make(name, device)
         recorder = Recorder()
@@ -211,9 +255,18 @@ def render(name: str, result: dict[str, dict[str, GraphFigures]]) -> str:
                 f"{g.extern_bytes / MIB:7.2f} {g.casts:5d} {g.cast_bytes / MIB:6.2f} "
                 f"{g.saved_parameter_bytes / MIB:13.2f} {g.saved_activation_bytes / MIB:11.2f}"
             )
-    reference = result["autocast"]
+    for variant, graphs in result.items():  # forward and backward together
+        kept = list(graphs.values())
+        fused, extern = sum(g.fused_bytes for g in kept), sum(g.extern_bytes for g in kept)
+        kernels = sum(g.fused + g.extern for g in kept)
+        lines.append(
+            f"  {variant:36s} both     {kernels:4d} kernels, fused {fused / MIB:.2f} MiB + extern "
+            f"{extern / MIB:.2f} MiB = {(fused + extern) / MIB:.2f} MiB"
+        )
+    reference_name = REFERENCE.get(name, "autocast")
+    reference = result[reference_name]
     for variant, graphs in result.items():
-        if variant == "autocast":
+        if variant in ("autocast", reference_name):
             continue
         for kind in ("forward", "backward"):
             ours = Counter(graphs.get(kind, GraphFigures()).kernels)
