@@ -92,7 +92,8 @@ FIGURES = [  # (key, what, target)
     ),
     (
         "mfu",
-        "GPT-2 small (124M, vocabulary 50257, 1024 tokens), Graph O1 bf16 with "
+        "GPT-2 small (124M, vocabulary 50257 in a head of 50304 rows as llm.c's, 1024 tokens), "
+        "Graph O1 bf16 with "
         "`enable_compile()` and `enable_cuda_graph`: share of bf16 peak at the smallest batch "
         "that reaches it (`mfu.py`)",
         ">= 40%",

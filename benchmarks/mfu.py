@@ -8,6 +8,10 @@ The step: ``amp_graph.Graph`` with ``config.enable_amp(True, policy="O1", dtype=
 AdamW, ``config.enable_compile()`` (inductor) and ``config.enable_cuda_graph(True)`` (the whole
 step replayed as one CUDA graph) on CUDA. On the CPU there is no capture and the Graph runs
 eagerly unless ``--compile``: the CPU run checks the script, not the hardware.
+The head has 50304 rows (``--vocab``): GPT-2's 50257 tokens padded to a multiple of 64, as
+llm.c (its ``Vp``) and nanoGPT build it, since an odd row count leaves the head's matrix
+products unaligned; the batches' tokens are GPT-2's 50257. ``--vocab 50257`` measures the
+unpadded head.
 ``--reference`` adds, at each batch measured, torch's own best loop:
 ``torch.compile(model, mode="reduce-overhead")`` under ``torch.autocast`` with fused AdamW.
 
@@ -51,6 +55,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from amp_graph.demo import models
 
 GPT2_SMALL = {"vocab": 50257, "block": 1024, "dim": 768, "heads": 12, "layers": 12}
+# GPT-2's 50257 tokens in a head of 50304 rows (a multiple of 64), as llm.c (its Vp) and
+# nanoGPT build it: an odd row count leaves the head's matrix products unaligned. The 47
+# extra rows are never a target; they add 0.03% to the FLOPs, counted as nanoGPT counts them.
+PADDED_VOCAB = 50304
 TINY = {"vocab": 512, "block": 64, "dim": 64, "heads": 4, "layers": 2}
 TARGET = 0.40
 # Dense (no sparsity) bf16 tensor-core TFLOP/s by the vendor's datasheets; the first name
@@ -71,11 +79,14 @@ def spec_peak_tflops(device_name: str) -> float | None:
     return next((tflops for name, tflops in SPEC_BF16_TFLOPS if name in device_name), None)
 
 
-def gpt_setup(config: dict[str, int], batch: int, device: str) -> Setup:
+def gpt_setup(config: dict[str, int], batch: int, device: str, tokens: int | None = None) -> Setup:
+    """The GPT of ``config`` and a batch of token ids below ``tokens`` (the vocabulary's
+    size, ``config["vocab"]`` unless the head is padded beyond it)."""
     torch.manual_seed(0)
     model = models.GPTWithLoss(**config).to(device)
-    idx = torch.randint(0, config["vocab"], (batch, config["block"]), device=device)
-    targets = torch.randint(0, config["vocab"], (batch, config["block"]), device=device)
+    tokens = tokens or config["vocab"]
+    idx = torch.randint(0, tokens, (batch, config["block"]), device=device)
+    targets = torch.randint(0, tokens, (batch, config["block"]), device=device)
     name = f"GPT ({config['layers']} layers, dim {config['dim']}, {batch}x{config['block']})"
     return Setup(name, model, adamw, (idx, targets), True)
 
@@ -201,13 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true", help=f"also {REFERENCE!r}")
     parser.add_argument("--compile", action="store_true", help="enable_compile on the CPU too")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=PADDED_VOCAB,
+        help=f"GPT-2 small's head rows ({PADDED_VOCAB}: its 50257 tokens padded, as llm.c does)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("mfu.py --device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2
-    config = TINY if args.tiny else GPT2_SMALL
+    if args.vocab < GPT2_SMALL["vocab"]:
+        parser.error(f"--vocab {args.vocab}: GPT-2's {GPT2_SMALL['vocab']} tokens need a row each")
+    config = TINY if args.tiny else dict(GPT2_SMALL, vocab=args.vocab)
+    tokens = TINY["vocab"] if args.tiny else GPT2_SMALL["vocab"]
     name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     spec = args.peak_tflops or (spec_peak_tflops(name) if device == "cuda" else None)
     peaks = {"spec": spec, "matmul": matmul_tflops(device)}
@@ -219,14 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         "target": args.target,
         "rows": [],
     }
-    print(f"torch {torch.__version__} on {name}; GPT {config}, bf16 O1, fused AdamW")
+    print(
+        f"torch {torch.__version__} on {name}; GPT {config} ({tokens} tokens), bf16 O1, fused AdamW"
+    )
     print(
         f"bf16 peak: datasheet {spec or 'unknown'} TFLOP/s; "
         f"measured matmul {peaks['matmul']:.1f} TFLOP/s"
     )
     key = "mfu_spec" if spec is not None else "mfu_matmul"
     for batch in sorted(args.batches):
-        setup = gpt_setup(config, batch, device)
+        setup = gpt_setup(config, batch, device, tokens)
         flops = step_flops(setup.model, batch)
         counted = counted_flops(setup)
         print(

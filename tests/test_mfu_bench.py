@@ -80,3 +80,22 @@ def test_without_a_gpu_the_cuda_run_refuses(
     monkeypatch.setattr(mfu.torch.cuda, "is_available", lambda: False)
     assert mfu.main(["--device", "cuda"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_a_padded_head_is_trained_on_the_real_vocabulary() -> None:
+    """llm.c's padding: the head has more rows than there are tokens, and the batch's ids and
+    targets stay below the vocabulary's size; the padding's FLOPs are counted as built."""
+    padded = dict(mfu.TINY, vocab=mfu.TINY["vocab"] + 64)
+    setup = mfu.gpt_setup(padded, batch=64, device="cpu", tokens=mfu.TINY["vocab"])
+    assert setup.model.gpt.tok.weight.shape[0] == padded["vocab"]
+    assert all(int(t.max()) < mfu.TINY["vocab"] for t in setup.inputs)
+    unpadded = mfu.gpt_setup(mfu.TINY, batch=64, device="cpu")
+    extra = 6 * 64 * mfu.TINY["dim"] * 64 * mfu.TINY["block"]  # 64 more rows, 6 FLOPs a weight
+    assert mfu.step_flops(setup.model, 64) - mfu.step_flops(unpadded.model, 64) == extra
+    assert mfu.PADDED_VOCAB % 64 == 0 and mfu.GPT2_SMALL["vocab"] <= mfu.PADDED_VOCAB
+
+
+def test_a_head_smaller_than_the_vocabulary_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        mfu.main(["--device", "cpu", "--vocab", "50000"])
+    assert "GPT-2's 50257 tokens need a row each" in capsys.readouterr().err
