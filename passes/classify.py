@@ -26,7 +26,16 @@ import torch.nn as nn
 from amp_graph.policy import Decision, OpFacts, Policy, Rule, op_key_name, python_ops
 
 from . import schema
-from .meta import AMP, KEPT_FUNCTION, NO_MODULE, REGION, AmpInfo, Role, model_root
+from .meta import (
+    AMP,
+    KEPT_FUNCTION,
+    NO_MODULE,
+    REGION,
+    AmpInfo,
+    Role,
+    model_root,
+    sets_a_dtype,
+)
 from .regions import AutocastRegion
 from .result import PassResult
 
@@ -175,12 +184,6 @@ def _builtin_candidates(name: str) -> tuple[str, ...]:
     return candidates
 
 
-def _explicit_dtype(node: fx.Node) -> bool:
-    """The call passes a dtype itself (``softmax(x, 1, torch.float16)`` or ``dtype=``)."""
-    given = [*node.args, node.kwargs.get("dtype")]
-    return any(isinstance(arg, torch.dtype) for arg in given)
-
-
 _INPLACE_DETAIL = "writes into {written}: an in-place op is never cast, so the write reaches it"
 _USER_CAST_DETAIL = "a cast written in the model: kept as written"
 _VIEW_DETAIL = (
@@ -251,7 +254,7 @@ def op_facts(node: fx.Node, gm: nn.Module, known_types: dict[str, type] | None =
 def _refine(decision: Decision, node: fx.Node, facts: OpFacts) -> Decision:
     """The few cases where the table's answer would be wrong for this particular call."""
     aten = facts.aten[0] if facts.aten else None
-    if decision.source == "table" and decision.rule is Rule.DENY and _explicit_dtype(node):
+    if decision.source == "table" and decision.rule is Rule.DENY and sets_a_dtype(node):
         return Decision(
             Rule.FOLLOW,
             "fixed",

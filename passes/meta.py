@@ -289,6 +289,15 @@ LOSSLESS: frozenset[tuple[torch.dtype, torch.dtype]] = frozenset(
 )
 
 
+def sets_a_dtype(node: fx.Node) -> bool:
+    """The call names a dtype itself, positionally or by keyword (``softmax(x, 1,
+    torch.float16)``, ``sum(x, dtype=torch.float32)``, ``_scaled_mm(..., out_dtype=...)``):
+    its result's dtype is the argument's, not its inputs'. torch.autocast leaves such calls
+    alone, and no pass may treat their dtype as following their inputs'."""
+    args = [*node.args, *node.kwargs.values()]
+    return any(isinstance(arg, torch.dtype) for arg in args)
+
+
 def size_hint(size: int | torch.SymInt) -> int | None:
     """A size as an int: a symbolic one at its hint (the size its example was captured with),
     None where it has none."""

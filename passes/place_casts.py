@@ -82,6 +82,7 @@ from .meta import (
     AmpInfo,
     Role,
     has_cast_role,
+    sets_a_dtype,
     size_hint,
     tensor_facts,
 )
@@ -155,7 +156,7 @@ class _Builder:
             and base_name(amp.aten or "") not in _PRODUCTS
             and node.op == "call_function"
             and not schema.is_mutating(node)
-            and not _takes_a_dtype(node)
+            and not sets_a_dtype(node)
             and not node.meta.get(DTYPE_READ, False)
             and KEPT_FUNCTION not in node.meta
             # raised, its backward would hold these in float32
@@ -336,11 +337,6 @@ def _alias_source(node: fx.Node, amp: AmpInfo | None) -> fx.Node | None:
     is_alias = node.target is operator.getitem or schema.is_view(node)
     first = node.args[0] if node.args else None
     return first if is_alias and isinstance(first, fx.Node) else None
-
-
-def _takes_a_dtype(node: fx.Node) -> bool:
-    args = [*node.args, *node.kwargs.values()]
-    return any(isinstance(a, torch.dtype) for a in args)
 
 
 def _numel(value: object) -> int:
