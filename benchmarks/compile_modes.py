@@ -40,6 +40,7 @@ from typing import Any
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="amp_graph_modes_"))
 
 import torch
+from graph_bench import Setup, StepGraph
 from measure import cpu_name, interleaved_seconds
 
 import amp_graph
@@ -88,7 +89,7 @@ def train_step(
     device: str,
 ) -> Step:
     """One step of ``forward`` (returning the loss) with AdamW over ``model``'s parameters."""
-    opt = adamw(model, device)
+    opt = adamw(device)(model.parameters())
 
     def step() -> None:
         if autocast is not None:
@@ -103,33 +104,14 @@ def train_step(
     return step
 
 
-class GraphStep(amp_graph.Graph):
-    """The benchmark's step as a Graph: the model takes inputs and targets and returns its
-    loss."""
-
-    def __init__(
-        self, model: torch.nn.Module, dtype: torch.dtype, device: str, compiled: bool
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(adamw(model, device))
-        self.config.enable_amp(True, policy="O1", dtype=dtype)
-        if compiled:
-            self.config.enable_compile()
-
-    def build(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.model(inputs, targets)
-        loss.backward()
-        return loss
-
-
 GRAPH_DEFAULT = "Graph"  # the Graph as it comes: uncompiled on every device
 
 
-def adamw(model: torch.nn.Module, device: str) -> torch.optim.Optimizer:
-    """Every variant's optimizer: fused AdamW on CUDA, foreach elsewhere."""
-    return torch.optim.AdamW(
-        model.parameters(), lr=1e-4, foreach=device != "cuda", fused=device == "cuda"
+def adamw(device: str) -> Callable[[Any], torch.optim.Optimizer]:
+    """Every variant's optimizer, given its parameters: fused AdamW on CUDA, foreach
+    elsewhere."""
+    return lambda params: torch.optim.AdamW(
+        params, lr=1e-4, foreach=device != "cuda", fused=device == "cuda"
     )
 
 
@@ -175,7 +157,10 @@ def variants(
 
     def graph(compiled: bool) -> Callable[[], Step]:
         def build() -> Step:
-            step = GraphStep(fresh(), dtype, device, compiled)
+            m = fresh()  # each model here returns its loss
+            step = StepGraph(Setup("compile_modes", m, adamw(device), inputs, True), m, "O1", dtype)
+            if compiled:
+                step.config.enable_compile()
             return lambda: step(*inputs)
 
         return build

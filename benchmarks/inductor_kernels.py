@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
+from fp8_step import not_the_head  # the fp8 step's layer filter: the head stays bf16
 from torch._inductor import metrics
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -213,11 +214,6 @@ def variant_step(
         compiled(*inputs).backward()
 
     return step
-
-
-def not_the_head(module: torch.nn.Module, path: str) -> bool:
-    """The fp8 layer filter, amp_graph's and torchao's (``fp8_step.py``'s): the head stays bf16."""
-    return path != "head"
 
 
 VARIANTS = ("autocast", "amp_graph O1", "amp_graph autocast", "amp_graph O1, every cast recomputed")
