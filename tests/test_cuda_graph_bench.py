@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-
-import amp_graph
+from test_cuda_graph_step import RerunCapture, Step, batch, fused_sgd, mlp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -28,55 +25,32 @@ POOL = (0, 7)  # torch.cuda.graph_pool_handle()'s form: a pair of ints
 MIB = 2**20
 
 
-class PooledRerunCapture:
-    """Stands in for the CUDA capture on the CPU: reruns the step at each replay and holds a
-    pool handle once it has captured, as the CUDA capture does."""
+class PooledRerunCapture(RerunCapture):
+    """test_cuda_graph_step's stand-in for the CUDA capture, holding a pool handle once it
+    has captured, as the CUDA capture does."""
 
-    def __init__(self) -> None:
-        self._pool: Any = None
+    _pool: Any = None
 
-    def check_devices(self, named: Any) -> None:
-        pass
-
-    def warmup(self, fn: Any) -> Any:
-        return fn()
-
-    def capture(self, fn: Any) -> Any:
+    def capture(self, fn: Any) -> list:
         self._pool = POOL
-        return fn
-
-    def replay(self, captured: Any) -> Any:
-        return captured()
-
-    def release(self) -> None:
-        self._pool = None
+        return super().capture(fn)
 
 
-class Step(amp_graph.Graph):
+class PooledStep(Step):
     _step_capture = PooledRerunCapture
 
-    def __init__(self, captured: bool) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-        lr = torch.tensor(0.1)
-        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=lr, fused=True))
-        self.config.enable_amp(True, policy="O1", dtype=torch.bfloat16)
-        if captured:
-            self.config.enable_cuda_graph(True, warmup_steps=1)
 
-    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        return loss
+def _graph(captured: bool) -> PooledStep:
+    model = mlp()
+    return PooledStep(model, fused_sgd(model), captured=captured, warmup_steps=1)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(8, 16), torch.randint(0, 4, (8,))
+    return batch(torch.Generator().manual_seed(0), 8)
 
 
 def test_the_pool_of_a_captured_graph_is_found_once_it_has_captured() -> None:
-    graph = Step(captured=True)
+    graph = _graph(captured=True)
     assert cuda_graph_bench.captured_pool(graph) is None  # not called yet
     graph(*_batch())  # the warm-up
     assert cuda_graph_bench.captured_pool(graph) is None
@@ -85,7 +59,7 @@ def test_the_pool_of_a_captured_graph_is_found_once_it_has_captured() -> None:
 
 
 def test_an_uncaptured_graph_or_a_plain_loop_has_no_pool() -> None:
-    graph = Step(captured=False)
+    graph = _graph(captured=False)
     for _ in range(3):
         graph(*_batch())
     assert cuda_graph_bench.captured_pool(graph) is None
@@ -124,7 +98,7 @@ def test_the_breakdown_tells_kept_tensors_from_unused_space() -> None:
 
 
 def test_on_the_cpu_there_are_no_device_figures() -> None:
-    graph = Step(captured=False)
+    graph = _graph(captured=False)
     x, y = _batch()
     assert cuda_graph_bench.step_peak_bytes(graph, graph, (x, y)) is None
     assert cuda_graph_bench.pool_breakdown(graph) is None
