@@ -7,13 +7,16 @@ BENCHMARKS.md's GPU table.
 Stages, each with its own time limit, all within --budget seconds (460 by default: the command
 within 8 minutes, issue 58). The tests run first; then the stages whose figures the results JSON
 has never held, then those with the oldest (:func:`stage_order`; among equals, the order
-below). A stage that would get less than half its limit is not started and shows the earlier
-run's figures: one call cannot hold every stage (the last run's took 386 s, and four stages new
-since are held to 520 s), so each call measures what the one before left out.
+below). A stage is started only with the time it took when it last completed left (with a
+margin; half its limit if it never completed; :func:`seconds_needed`), else it shows the
+earlier run's figures and the time goes to the stages after it: one call cannot hold every
+stage (the last run's took 386 s, and four stages new since are held to 520 s), so each call
+measures what the one before left out.
 
 1. the CUDA tests: ``pytest -m cuda``: every test that skips without a GPU (tests/conftest.py
    marks them) and tests/test_kernel_host.py (the CUDA sources compiled and their host logic);
-   on a GPU none may skip;
+   on a GPU none may skip; in 4 pytest-xdist processes sharing the GPU (they compile on the
+   CPU: 140 s in one process on 2026-11-28);
 1b. ``benchmarks/compile_modes.py --device cuda``: ``amp_graph.compile``'s modes (the default,
    inductor, first) against the eager autocast loop and torch.compile's, on a 2-layer GPT of
    width 768 (8x512 tokens);
@@ -56,11 +59,14 @@ as FAILED in the table and the exit status is 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -243,17 +249,26 @@ def _run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
     back with exit status ``TIMED_OUT`` and what it had printed (its report, if it writes one
     as it goes, is read all the same)."""
     print("$", " ".join(command), flush=True)
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, timeout=max(seconds, 1), capture_output=True, text=True
+    # its own process group, killed whole at its end: pytest-xdist's workers and inductor's
+    # compile workers must not live on into the next stage and share its GPU or its cores;
+    # output to files, not pipes, which a stray child would hold open
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=err, text=True, start_new_session=True
         )
-    except subprocess.TimeoutExpired as error:
-
-        def text(out: str | bytes | None) -> str:
-            return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
-
-        stderr = text(error.stderr) + f"\n[gpu_check: killed at its {seconds:.0f} s limit]"
-        done = subprocess.CompletedProcess(command, TIMED_OUT, text(error.stdout), stderr)
+        try:
+            returncode = process.wait(timeout=max(seconds, 1))
+        except subprocess.TimeoutExpired:
+            returncode = TIMED_OUT
+        finally:
+            _kill_group(process)
+            process.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if returncode == TIMED_OUT:
+        stderr += f"\n[gpu_check: killed at its {seconds:.0f} s limit]"
+    done = subprocess.CompletedProcess(command, returncode, stdout, stderr)
     print(done.stdout[-6000:], done.stderr[-3000:], sep="\n", flush=True)
     for folder in LOG_DIR:  # the whole output, where the tail above cuts it
         folder.mkdir(parents=True, exist_ok=True)
@@ -263,6 +278,12 @@ def _run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
     return done
 
 
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kills every process of ``process``'s group (its own session, so never gpu_check)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 def gpu_skipped(suite: ElementTree.Element) -> int:
     """Skipped tests of a junit report whose reason is a missing GPU (the ones
     tests/conftest.py marks ``cuda``): on a GPU machine, none may skip."""
@@ -270,14 +291,28 @@ def gpu_skipped(suite: ElementTree.Element) -> int:
     return sum(r.lower().removeprefix("skipped: ").startswith(GPU_SKIP_REASONS) for r in reasons)
 
 
+TEST_WORKERS = 4  # pytest-xdist processes sharing the one GPU (the GPU machines have 16 cores)
+
+
+def cuda_tests_command(report: Path, workers: int) -> list[str]:
+    """The CUDA tests' pytest command, writing its JUnit report to ``report``. With ``workers``
+    above 1 (and pytest-xdist installed) the files run in that many processes sharing the GPU:
+    the tests check results, not times, and the ones that compile (inductor, nvcc) are bound
+    by the CPU, of which a GPU machine has 16 cores and one process uses one."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
+    command += [f"--junitxml={report}", "-m", "cuda", "--durations=15"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        command.append("--timeout=150")  # a hung capture fails its test, not the stage
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        # loadfile: a file's tests in one process, in order, as `make test` runs them
+        command += ["-n", str(workers), "--dist", "loadfile"]
+    return command
+
+
 def run_tests(seconds: float, results: Results) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
-        command += [f"--junitxml={report}", "-m", "cuda", "--durations=15"]
-        if importlib.util.find_spec("pytest_timeout") is not None:
-            command.append("--timeout=150")  # a hung capture fails its test, not the stage
-        done = _run(command, seconds)
+        done = _run(cuda_tests_command(report, TEST_WORKERS), seconds)
         if done.returncode == TIMED_OUT:
             raise GpuCheckError(f"the CUDA tests ran past their {seconds:.0f} s")
         if not report.exists():
@@ -691,6 +726,28 @@ def measured_on(path: Path, keys: tuple[str, ...]) -> str:
     return min(dates)
 
 
+def completed_seconds(path: Path) -> dict[str, float]:
+    """Each stage's seconds in the last run that completed it, from the results JSON at
+    ``path`` (a stage that failed, was cut short or never ran has none)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    failed = {failure.split(":", 1)[0] for failure in record.get("failures") or []}
+    seconds = record.get("stage_seconds") or {}
+    return {name: float(t) for name, t in seconds.items() if name not in failed}
+
+
+def seconds_needed(limit: float, completed_in: float | None) -> float:
+    """The time left that a stage limited to ``limit`` seconds is started with: what it took
+    when it last completed, with a margin (it would not finish in less, so the time goes to
+    the stages after it), or, never completed, half its limit (it writes its figures as it
+    goes, so a stage cut short still gives some)."""
+    if completed_in is None:
+        return max(10.0, limit / 2)
+    return max(10.0, min(limit, 1.2 * completed_in + 5.0))
+
+
 def stage_order(path: Path) -> list[tuple[Stage, float]]:
     """The tests first, then the stages by the age of their figures in the results JSON at
     ``path``, never measured first (in STAGES' order among equals): a budget that cannot hold
@@ -731,8 +788,8 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}."
     )
     deadline = time.monotonic() + args.budget
+    completed = completed_seconds(args.results_json)
     took: dict[str, float] = {}
-    results.raw["stage_seconds"] = took  # to fit the stages into the budget next time
     for stage, seconds in stage_order(args.results_json):
         if args.only and stage.__name__.removeprefix("run_") not in args.only:
             results.cells |= earlier_figures(args.results_json, STAGE_FIGURES[stage])
@@ -740,15 +797,17 @@ def main(argv: list[str] | None = None) -> int:
         left = deadline - time.monotonic()
         start = time.monotonic()
         try:
-            if left < max(10.0, seconds / 2):  # a stage given under half its time: not started
-                raise GpuCheckError("out of time before this stage")
+            if left < seconds_needed(seconds, completed.get(stage.__name__)):
+                raise GpuCheckError(f"out of time before this stage ({left:.0f} s left)")
             stage(min(seconds, left), results)
+            took[stage.__name__] = round(time.monotonic() - start, 1)
         except Exception as error:  # a stage's fault must not cost the other stages' figures
             kind = "" if isinstance(error, GpuCheckError) else f"{type(error).__name__}: "
             results.failures.append(f"{stage.__name__}: {kind}{error}")
             earlier = earlier_figures(args.results_json, STAGE_FIGURES[stage])
             results.cells |= {k: v for k, v in earlier.items() if k not in results.cells}
-        took[stage.__name__] = round(time.monotonic() - start, 1)
+    # each stage's seconds when it last completed, to fit the stages into the budget next time
+    results.raw["stage_seconds"] = completed | took
     section = render(results)
     print(section)
     if not args.no_write:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,59 @@ def test_run_keeps_whole_logs_and_a_timeout(
     assert "started" in log and "killed at its 3 s limit" in log
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie no init has reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+# a command that starts a child of its own (as pytest-xdist and inductor's compile pool do),
+# prints the child's pid and then sleeps (or exits at once, leaving the child running)
+_SPAWNS = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen(['sleep', '60'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(float(sys.argv[1]))\n"
+)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to see the child")
+@pytest.mark.parametrize("sleeps", [30, 0], ids=["killed at its limit", "exits, child left"])
+def test_a_stage_leaves_no_process_behind(
+    sleeps: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_check, "LOG_DIR", [])
+    done = gpu_check._run([sys.executable, "-c", _SPAWNS, str(sleeps)], 3)
+    assert done.returncode == (gpu_check.TIMED_OUT if sleeps else 0)
+    child = int(done.stdout.split()[0])
+    for _ in range(50):  # SIGKILL is delivered at once; its reaping may take a moment
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child), "the stage's child outlived it"
+
+
+def test_the_cuda_tests_share_the_gpu_in_several_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = tmp_path / "junit.xml"
+    command = gpu_check.cuda_tests_command(report, 4)
+    assert command[command.index("-m", 3) + 1] == "cuda" and f"--junitxml={report}" in command
+    assert command[command.index("-n") + 1] == "4"
+    assert command[command.index("--dist") + 1] == "loadfile"
+    assert "-n" not in gpu_check.cuda_tests_command(report, 1)
+    real_find_spec = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(
+        gpu_check.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "xdist" else real_find_spec(name, *a),
+    )
+    assert "-n" not in gpu_check.cuda_tests_command(report, 4), "xdist missing: one process"
+
+
 def test_a_failing_variant_leaves_the_others_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     import cuda_graph_bench
 
@@ -493,3 +547,69 @@ def test_compile_modes_reports_a_variant_that_fails(monkeypatch: pytest.MonkeyPa
     assert result["rows"]["compile default"] == {"error": "RuntimeError: no compiler"}
     assert result["rows"]["Graph"]["default"] and result["rows"]["Graph"]["median_ms"] > 0
     assert "compile default" in compile_modes.render(result, "tiny")
+
+
+def test_a_stage_starts_only_with_the_time_it_took_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage is started only if the time it took when it last completed is left: one that
+    would not finish is skipped, and its time goes to a quick one after it. A stage never
+    completed (or whose last run failed) is started with half its limit left."""
+    now, ran = [0.0], []
+    monkeypatch.setattr(gpu_check, "time", type("Clock", (), {"monotonic": lambda: now[0]}))
+
+    def stage(name: str, takes: float) -> gpu_check.Stage:
+        def run(seconds: float, results: gpu_check.Results) -> None:
+            now[0] += min(takes, seconds)
+            ran.append(name)
+
+        run.__name__ = f"run_{name}"
+        return run
+
+    tests, slow, quick, broke, new = (
+        stage(name, takes)
+        for name, takes in (("tests", 0), ("slow", 90), ("quick", 10), ("broke", 5), ("new", 20))
+    )
+    monkeypatch.setattr(
+        gpu_check,
+        "STAGES",
+        [(tests, 10.0), (slow, 100.0), (quick, 100.0), (broke, 100.0), (new, 60.0)],
+    )
+    for name, run in (
+        ("tests", tests),
+        ("slow", slow),
+        ("quick", quick),
+        ("broke", broke),
+        ("new", new),
+    ):
+        monkeypatch.setitem(gpu_check.STAGE_FIGURES, run, (name,))
+    record = tmp_path / "gpu-check.json"
+    record.write_text(
+        json.dumps(
+            {
+                "date": "2026-01-01",
+                "figures": {},
+                "stage_seconds": {"run_slow": 90, "run_quick": 10, "run_broke": 5},
+                "failures": ["run_broke: it broke"],
+            }
+        )
+    )
+    assert gpu_check.completed_seconds(record) == {"run_slow": 90.0, "run_quick": 10.0}
+    assert gpu_check.seconds_needed(100.0, None) == 50.0
+    assert gpu_check.seconds_needed(100.0, 90.0) == 100.0  # a limit it met: at most the limit
+    assert gpu_check.seconds_needed(100.0, 10.0) == 17.0
+
+    code, _ = _run_main(tmp_path, monkeypatch, "--budget", "60")
+    assert code == 1
+    written = json.loads(record.read_text())
+    # slow needs 100 of 60 left: skipped; quick (17 needed) runs; broke (last run failed: 50
+    # needed, 50 left) runs and takes 5; new (30 needed, 45 left) runs
+    assert ran == ["tests", "quick", "broke", "new"]
+    assert written["failures"] == ["run_slow: out of time before this stage (60 s left)"]
+    assert written["stage_seconds"] == {
+        "run_slow": 90.0,  # carried from the run that completed it
+        "run_tests": 0.0,
+        "run_quick": 10.0,
+        "run_broke": 5.0,
+        "run_new": 20.0,
+    }
