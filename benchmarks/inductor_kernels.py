@@ -15,9 +15,10 @@ for the forward and the backward graphs inductor compiled:
 
 Variants: ``autocast`` (``torch.compile(model)`` called under ``torch.autocast``, the reference),
 ``amp_graph O1`` and ``amp_graph autocast`` (torch.autocast's own op lists through the
-backend), and ``amp_graph O1, every cast recomputed`` (``Policy(recompute_casts=True)``: each
-cast tagged for recompute, what ``"auto"`` did under AOTAutograd before issue 58). Nothing is
-timed: the counts do not depend on the load.
+backend), ``amp_graph O1, every cast recomputed`` (``Policy(recompute_casts=True)``: each
+cast tagged for recompute, what ``"auto"`` did under AOTAutograd before issue 58) and ``Graph
+O1, enable_compile`` (an ``amp_graph.Graph`` step whose build inductor compiles: what the MFU
+and the captured step run on a GPU). Nothing is timed: the counts do not depend on the load.
 
 ``--models llama``: fp8's kernels. A Llama stack (:class:`models.LlamaWithLoss`), its head kept
 in bf16 as in ``fp8_step.py``, compiled as ``autocast`` (bf16, for scale), ``torchao fp8
@@ -201,6 +202,8 @@ def variant_step(
         config = Float8LinearConfig.from_recipe_name("tensorwise")
         model = convert_to_float8_training(model, config=config, module_filter_fn=not_the_head)
         return variant_step("autocast", model, inputs, device, dtype, recorder)
+    if variant == GRAPH_VARIANT:
+        return graph_step(model, inputs, dtype, recorder)
     policy: Any = {"amp_graph O1": "O1", "amp_graph autocast": "autocast"}.get(variant)
     if variant == "amp_graph O1, every cast recomputed":
         policy = dataclasses.replace(amp_graph.Policy.preset("O1"), recompute_casts=True)
@@ -216,7 +219,40 @@ def variant_step(
     return step
 
 
-VARIANTS = ("autocast", "amp_graph O1", "amp_graph autocast", "amp_graph O1, every cast recomputed")
+class _StepGraph(amp_graph.Graph):
+    """One training step as a Graph (a model called with its inputs and targets, returning its
+    loss; backward; SGD), O1, its build compiled by ``backend``."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, backend: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+        self.config.enable_amp(True, policy="O1", dtype=dtype)
+        self.config.enable_compile(backend=backend)
+
+    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x, y)
+        loss.backward()
+        return loss
+
+
+def graph_step(
+    model: torch.nn.Module, inputs: tuple, dtype: torch.dtype, recorder: Recorder
+) -> Callable[[], None]:
+    """A ``Graph`` step with ``config.enable_compile()``: what the MFU and the captured step
+    run on a GPU (the optimizer step stays eager, as in a hand-written loop)."""
+    graph = _StepGraph(model, dtype, recorder.backend)
+    return lambda: graph(*inputs)
+
+
+GRAPH_VARIANT = "Graph O1, enable_compile"
+VARIANTS = (
+    "autocast",
+    "amp_graph O1",
+    "amp_graph autocast",
+    "amp_graph O1, every cast recomputed",
+    GRAPH_VARIANT,
+)
 FP8_VARIANTS = ("autocast", "torchao fp8 tensorwise", "amp_graph fp8 tensorwise")
 REFERENCE = {"llama": "torchao fp8 tensorwise"}  # the others: "autocast"
 

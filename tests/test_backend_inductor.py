@@ -133,3 +133,38 @@ def test_the_backend_generates_torch_compiles_kernels_one_for_one():
     torch._dynamo.reset()
     tagged, extern = _kernels(lambda: ours(True))
     assert extern == reference[1] and tagged != reference[0]  # the casts fuse elsewhere
+
+
+def test_a_compiled_graph_step_generates_torch_compiles_kernels_one_for_one():
+    """``Graph`` with ``config.enable_compile()`` hands inductor the same forward and backward
+    as the backend does: its kernels are torch.compile's under torch.autocast, one for one
+    (what the GPU's MFU target then rests on: the step's compiled part is torch's own)."""
+    from amp_graph import Graph
+
+    model = models.GPTWithLoss(layers=1)
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(idx, -1, dims=1)
+
+    def theirs() -> None:
+        with torch.autocast("cpu", BF16):
+            loss = torch.compile(model)(idx, targets)
+        loss.backward()
+
+    class Step(Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+            self.config.enable_amp(True, policy="autocast", dtype=BF16)
+            self.config.enable_compile()
+
+        def build(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = self.model(idx, targets)
+            loss.backward()
+            return loss
+
+    reference = _kernels(theirs)
+    torch._dynamo.reset()
+    step = Step()
+    fused, extern = _kernels(lambda: step(idx, targets))
+    assert fused and (fused, extern) == reference
