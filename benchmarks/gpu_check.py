@@ -726,6 +726,9 @@ def measured_on(path: Path, keys: tuple[str, ...]) -> str:
     return min(dates)
 
 
+OUT_OF_TIME = "out of time before this stage"
+
+
 def completed_seconds(path: Path) -> dict[str, float]:
     """Each stage's seconds in the last run that completed it, from the results JSON at
     ``path`` (a stage that failed, was cut short or never ran has none)."""
@@ -733,7 +736,11 @@ def completed_seconds(path: Path) -> dict[str, float]:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    failed = {failure.split(":", 1)[0] for failure in record.get("failures") or []}
+    failed = {  # a stage not started for want of time keeps the seconds carried for it
+        failure.split(":", 1)[0]
+        for failure in record.get("failures") or []
+        if OUT_OF_TIME not in failure
+    }
     seconds = record.get("stage_seconds") or {}
     return {name: float(t) for name, t in seconds.items() if name not in failed}
 
@@ -798,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         try:
             if left < seconds_needed(seconds, completed.get(stage.__name__)):
-                raise GpuCheckError(f"out of time before this stage ({left:.0f} s left)")
+                raise GpuCheckError(f"{OUT_OF_TIME} ({left:.0f} s left)")
             stage(min(seconds, left), results)
             took[stage.__name__] = round(time.monotonic() - start, 1)
         except Exception as error:  # a stage's fault must not cost the other stages' figures

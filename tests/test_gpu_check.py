@@ -590,10 +590,11 @@ def test_a_stage_starts_only_with_the_time_it_took_left(
                 "date": "2026-01-01",
                 "figures": {},
                 "stage_seconds": {"run_slow": 90, "run_quick": 10, "run_broke": 5},
-                "failures": ["run_broke: it broke"],
+                "failures": ["run_broke: it broke", "run_slow: out of time before this stage"],
             }
         )
     )
+    # a failure forgets the seconds; a stage not started for want of time keeps them
     assert gpu_check.completed_seconds(record) == {"run_slow": 90.0, "run_quick": 10.0}
     assert gpu_check.seconds_needed(100.0, None) == 50.0
     assert gpu_check.seconds_needed(100.0, 90.0) == 100.0  # a limit it met: at most the limit
@@ -606,6 +607,7 @@ def test_a_stage_starts_only_with_the_time_it_took_left(
     # needed, 50 left) runs and takes 5; new (30 needed, 45 left) runs
     assert ran == ["tests", "quick", "broke", "new"]
     assert written["failures"] == ["run_slow: out of time before this stage (60 s left)"]
+    assert gpu_check.completed_seconds(record)["run_slow"] == 90.0  # for the next call
     assert written["stage_seconds"] == {
         "run_slow": 90.0,  # carried from the run that completed it
         "run_tests": 0.0,
