@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 from graph_bench import DTYPES, Setup, StepGraph, handwritten, ratio
-from measure import interleaved_seconds
+from measure import interleaved_seconds, release
 
 import amp_graph
 from amp_graph.demo import models
@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 setup, DTYPES[name], compiled, args.repeats, args.graph_compile, args.only
             )
             rows.append(row)
+            release(args.device)  # this row's Graphs, compiled models and pools
             print(f"== {row['setup']}, {row['dtype']}, AdamW")
             for variant, cell in row.items():
                 if isinstance(cell, dict) and "error" in cell:

@@ -20,6 +20,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def release(device: str) -> None:
+    """Let go of what earlier measurements left on the device: dynamo's compiled graphs
+    (and the CUDA graph pools torch.compile's reduce-overhead trees hold), the reference
+    cycles a ``Graph`` or a compiled module sits in, and the allocator's cached blocks. A
+    script that measures one setup after another calls it between them, so that a later
+    setup's peak memory is its own and an 80 GB GPU holds it."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def interleaved_seconds(
     steps: dict[str, Callable[[], object]],
     repeats: int,

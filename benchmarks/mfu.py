@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from cuda_graph_bench import _compiled_loop, adamw, capturable_adamw
 from graph_bench import Setup, StepGraph
-from measure import cpu_name, interleaved_seconds, sync
+from measure import cpu_name, interleaved_seconds, release, sync
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -273,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         del setup
         # the next batch starts from empty compile caches: the graphs compiled for this one,
         # and what they hold on the device, are let go before its memory is measured
-        torch._dynamo.reset()
-        gc.collect()
+        release(device)
         reached = smallest_at_target(report["rows"], args.target, key)
         report["at_target"] = reached
         if args.json:  # after each batch: a run cut short keeps its figures

@@ -102,3 +102,31 @@ def test_on_the_cpu_there_are_no_device_figures() -> None:
     x, y = _batch()
     assert cuda_graph_bench.step_peak_bytes(graph, graph, (x, y)) is None
     assert cuda_graph_bench.pool_breakdown(graph) is None
+
+
+def test_each_row_lets_go_of_what_it_held_before_the_next(monkeypatch: Any) -> None:
+    """A row's Graphs sit in reference cycles (the Graph and its step builder) and its
+    reduce-overhead variants' pools in dynamo's trees: unless each row lets go of them, an
+    80 GB GPU holds the 8x512 rows' pools while the 64x512 rows capture theirs."""
+    import gc
+    import weakref
+
+    import measure
+
+    graph = _graph(captured=False)
+    graph(*_batch())
+    graphs = [weakref.ref(graph)]
+    gc.disable()  # no collection but the one release makes
+    try:
+        del graph
+        assert graphs[0]() is not None, "no cycle: nothing for release to do"
+        measure.release("cpu")
+        assert graphs[0]() is None
+    finally:
+        gc.enable()
+
+    calls: list[str] = []
+    monkeypatch.setattr(cuda_graph_bench, "release", lambda device: calls.append(device))
+    argv = ["--device", "cpu", "--tiny", "--batch", "4", "--dtype", "bf16", "fp16"]
+    assert cuda_graph_bench.main([*argv, "--repeats", "2", "--only", "Graph O1"]) == 0
+    assert calls == ["cpu", "cpu"]  # after each of the two rows

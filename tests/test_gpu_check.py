@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -547,6 +548,53 @@ def test_compile_modes_reports_a_variant_that_fails(monkeypatch: pytest.MonkeyPa
     assert result["rows"]["compile default"] == {"error": "RuntimeError: no compiler"}
     assert result["rows"]["Graph"]["default"] and result["rows"]["Graph"]["median_ms"] > 0
     assert "compile default" in compile_modes.render(result, "tiny")
+
+
+def test_compile_modes_compiles_each_variant_cold_and_reports_a_failing_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each variant's first call runs in an inductor cache of its own (its compile is cold,
+    whatever compiled before it), and a variant that fails after its first call (where
+    reduce-overhead records and replays its CUDA graphs) is reported in its row while the
+    others are measured."""
+    import os
+
+    import compile_modes
+
+    model, inputs, _ = compile_modes.setups("cpu", tiny=True, layers=1)["gpt"]
+    real = compile_modes.variants
+    cache_dirs: dict[str, str] = {}
+
+    def seeing_its_cache(name: str, build: Callable) -> Callable:
+        def built() -> Callable:
+            cache_dirs[name] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            return build()
+
+        return built
+
+    def replay_fails() -> Callable:
+        calls = []
+
+        def step() -> None:
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("replay failed")
+
+        return step
+
+    def variants(*args: object) -> dict:
+        built = {k: v for k, v in real(*args).items() if "compile" not in k}  # no inductor
+        built = {name: seeing_its_cache(name, build) for name, build in built.items()}
+        built["compile reduce-overhead"] = replay_fails
+        return built
+
+    monkeypatch.setattr(compile_modes, "variants", variants)
+    result = compile_modes.measure("gpt", model, inputs, torch.bfloat16, "cpu", repeats=2)
+    rows = result["rows"]
+    assert rows["compile reduce-overhead"] == {"error": "RuntimeError: replay failed"}
+    assert rows["autocast eager"]["median_ms"] > 0 and rows["Graph"]["median_ms"] > 0
+    assert len(set(cache_dirs.values())) == len(cache_dirs) >= 3, cache_dirs
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] not in cache_dirs.values()
 
 
 def test_a_stage_starts_only_with_the_time_it_took_left(
