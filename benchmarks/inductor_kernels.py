@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 from fp8_step import not_the_head  # the fp8 step's layer filter: the head stays bf16
+from graph_bench import Setup, StepGraph, sgd
 from torch._inductor import metrics
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -219,29 +220,14 @@ def variant_step(
     return step
 
 
-class _StepGraph(amp_graph.Graph):
-    """One training step as a Graph (a model called with its inputs and targets, returning its
-    loss; backward; SGD), O1, its build compiled by ``backend``."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, backend: Callable) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-        self.config.enable_amp(True, policy="O1", dtype=dtype)
-        self.config.enable_compile(backend=backend)
-
-    def build(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
-        loss.backward()
-        return loss
-
-
 def graph_step(
     model: torch.nn.Module, inputs: tuple, dtype: torch.dtype, recorder: Recorder
 ) -> Callable[[], None]:
-    """A ``Graph`` step with ``config.enable_compile()``: what the MFU and the captured step
-    run on a GPU (the optimizer step stays eager, as in a hand-written loop)."""
-    graph = _StepGraph(model, dtype, recorder.backend)
+    """A ``Graph`` step (graph_bench's: the model returns its loss; fused SGD) with
+    ``config.enable_compile()``: what the MFU and the captured step run on a GPU (the
+    optimizer step stays eager, as in a hand-written loop)."""
+    graph = StepGraph(Setup("inductor_kernels", model, sgd, inputs, gpt=True), model, "O1", dtype)
+    graph.config.enable_compile(backend=recorder.backend)
     return lambda: graph(*inputs)
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -108,12 +109,9 @@ def _kernels(step) -> tuple[list[str], Counter]:
     return fused, Counter(re.findall(r"extern_kernels\.(\w+)\(", code))
 
 
-def test_the_backend_generates_torch_compiles_kernels_one_for_one():
-    """Under torch.autocast's own op lists, the backend hands inductor a graph from which it
-    generates the kernels torch.compile generates for the model under torch.autocast, in
-    the forward and in the backward: the recompute's default leaves what backward keeps to
-    the partitioner. Tagging every cast for recompute (True) changes them (standalone casts in
-    the backward, other fusions in the forward)."""
+def _gpt_under_torch_compile() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Callable]:
+    """A one-layer GPT, a batch, and the reference step: torch.compile(model) under
+    torch.autocast, forward and backward."""
     model = models.GPTWithLoss(layers=1)
     idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     targets = torch.roll(idx, -1, dims=1)
@@ -122,6 +120,17 @@ def test_the_backend_generates_torch_compiles_kernels_one_for_one():
         with torch.autocast("cpu", BF16):
             loss = torch.compile(model)(idx, targets)
         loss.backward()
+
+    return model, idx, targets, theirs
+
+
+def test_the_backend_generates_torch_compiles_kernels_one_for_one():
+    """Under torch.autocast's own op lists, the backend hands inductor a graph from which it
+    generates the kernels torch.compile generates for the model under torch.autocast, in
+    the forward and in the backward: the recompute's default leaves what backward keeps to
+    the partitioner. Tagging every cast for recompute (True) changes them (standalone casts in
+    the backward, other fusions in the forward)."""
+    model, idx, targets, theirs = _gpt_under_torch_compile()
 
     def ours(recompute: bool | str) -> None:
         policy = dataclasses.replace(Policy.preset("autocast"), recompute_casts=recompute)
@@ -141,14 +150,7 @@ def test_a_compiled_graph_step_generates_torch_compiles_kernels_one_for_one():
     (what the GPU's MFU target then rests on: the step's compiled part is torch's own)."""
     from amp_graph import Graph
 
-    model = models.GPTWithLoss(layers=1)
-    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
-    targets = torch.roll(idx, -1, dims=1)
-
-    def theirs() -> None:
-        with torch.autocast("cpu", BF16):
-            loss = torch.compile(model)(idx, targets)
-        loss.backward()
+    model, idx, targets, theirs = _gpt_under_torch_compile()
 
     class Step(Graph):
         def __init__(self) -> None:
