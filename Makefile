@@ -7,6 +7,7 @@
 # and on a machine with an NVIDIA GPU:
 #   make gpu-check   every CUDA test and the GPU benchmarks (< 10 minutes); writes the figures
 #                    into BENCHMARKS.md's GPU table. Fails at once, saying so, without a GPU.
+#                    Installs this checkout into the machine's Python first if it lacks it.
 #   make gpu-wheels  (here, with a network) the wheels gpu-check installs from .whl/ on a GPU
 #                    machine that has no network: torchao, the fp8 step's reference
 #   make gpu-check GPU_CHECK_ARGS="--only mfu fp8_step"   some stages alone (the others keep
@@ -128,8 +129,15 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
 
-# The wheels in .whl/ (make gpu-wheels), if any, go into .whl/site for this run alone.
+# A fresh GPU machine's Python lacks amp_graph: the checkout goes into it first (offline, as an
+# editable install, so its tests and benchmarks import this tree), unless this tree's
+# amp_graph.passes already imports there. The wheels in .whl/ (make gpu-wheels), if any, go into
+# .whl/site for this run alone.
+GPU_HAS_CHECKOUT := import amp_graph.passes as p, pathlib, sys; \
+	sys.exit(pathlib.Path(p.__file__).resolve().parent != pathlib.Path('passes').resolve())
 gpu-check:
+	$(GPU_PYTHON) -c "$(GPU_HAS_CHECKOUT)" 2>/dev/null || \
+		$(GPU_PYTHON) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	$(if $(wildcard .whl/*.whl),$(GPU_PYTHON) -m pip install -q --no-index --no-deps \
 		--no-compile --upgrade --target .whl/site .whl/*.whl && \
 		export PYTHONPATH=$(CURDIR)/.whl/site:$$PYTHONPATH &&) \

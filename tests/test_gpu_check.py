@@ -663,3 +663,32 @@ def test_a_stage_starts_only_with_the_time_it_took_left(
         "run_broke": 5.0,
         "run_new": 20.0,
     }
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_make_gpu_check_installs_the_checkout_into_a_fresh_python_first(
+    tmp_path: Path, installed: bool
+) -> None:
+    """A GPU machine is bare: its Python has torch but not amp_graph, and gpu_check.py refuses
+    to run without it. ``make gpu-check`` installs this checkout there (offline, editable, no
+    dependencies) when its ``amp_graph.passes`` does not import, and only then. The stand-in
+    Python runs the Makefile's import check for real (with ``-S``: no site packages, so no
+    installed amp_graph, for the fresh machine) and logs every other command."""
+    log = tmp_path / "log"
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-c" ]; then exec {sys.executable} {"" if installed else "-S"} "$@"; fi\n'
+        f'echo "$*" >> {log}\n'
+    )
+    stub.chmod(0o755)
+    done = subprocess.run(
+        ["make", "-s", "--no-print-directory", "gpu-check", f"GPU_PYTHON={stub}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    commands = log.read_text().splitlines()
+    install = "-m pip install -q --no-deps --no-build-isolation --no-index -e ."
+    expected = ([] if installed else [install]) + ["benchmarks/gpu_check.py"]
+    # the wheels' install into .whl/site, if this checkout has wheels, comes between
+    assert [c for c in commands if "--target .whl/site" not in c] == expected
