@@ -64,22 +64,26 @@ def cpu_scaled_mm_is_slow() -> bool:
     :func:`emulated_scaled_mm` (timed once per process; False where it cannot run)."""
     if not hasattr(torch, "_scaled_mm"):
         return False
-    gen = torch.Generator().manual_seed(0)
-    size = _PROBE_SIZE
-    a = torch.randn(size, size, generator=gen).to(torch.float8_e4m3fn)
-    b = torch.randn(size, size, generator=gen).to(torch.float8_e4m3fn).t()
-    one = torch.ones((), dtype=torch.float32)
-
-    def torch_kernel() -> torch.Tensor:
-        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
-    def emulation() -> torch.Tensor:
-        return emulated_scaled_mm(a, b, one, one, None, torch.bfloat16)
-
     from torch.utils._python_dispatch import _disable_current_modes
 
-    try:  # real tensors, whatever trace or mode the first fp8 linear runs under
+    size = _PROBE_SIZE
+    # real tensors, whatever trace or mode the first fp8 linear runs under (it may call this
+    # while inductor compiles its backward); fixed values, no random generator, which torch
+    # 2.11 refuses there
+    try:
         with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+            values = torch.arange(size * size, dtype=torch.float32).reshape(size, size)
+            values = values % 13 / 4 - 1.5
+            one = torch.ones((), dtype=torch.float32)
+            a = values.to(torch.float8_e4m3fn)
+            b = values.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major
+
+            def torch_kernel() -> torch.Tensor:
+                return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+            def emulation() -> torch.Tensor:
+                return emulated_scaled_mm(a, b, one, one, None, torch.bfloat16)
+
             torch_kernel(), emulation()  # warm up (oneDNN builds its primitive once)
             ours = _median_seconds(emulation)
             theirs = _median_seconds(torch_kernel, repeats=1 if ours * 50 < 0.01 else 3)
