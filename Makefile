@@ -8,6 +8,8 @@
 #   make gpu-check   every CUDA test and the GPU benchmarks (< 10 minutes); writes the figures
 #                    into BENCHMARKS.md's GPU table. Fails at once, saying so, without a GPU.
 #                    Installs this checkout into the machine's Python first if it lacks it.
+#   make gpu-rehearsal  (here, before a GPU session) gpu-check's scripts on the CPU under the
+#                    GPU machine's torch 2.11 and torchao 0.17: what would fail there
 #   make gpu-wheels  (here, with a network) the wheels gpu-check installs from .whl/ on a GPU
 #                    machine that has no network: torchao, the fp8 step's reference
 #   make gpu-check GPU_CHECK_ARGS="--only mfu fp8_step"   some stages alone (the others keep
@@ -27,7 +29,7 @@ STAMP := $(VENV)/.installed
 VENV_READY := $(VENV)/.torch
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-full test test-hf-fx test-torch-latest lint bench install clean gpu-check docs \
+.PHONY: demo demo-full test test-hf-fx test-torch-latest lint bench install clean gpu-check gpu-rehearsal docs \
 	gpu-wheels
 
 # The venv with torch in it (see the top of this file).
@@ -142,6 +144,22 @@ gpu-check:
 		--no-compile --upgrade --target .whl/site .whl/*.whl && \
 		export PYTHONPATH=$(CURDIR)/.whl/site:$$PYTHONPATH &&) \
 		$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# gpu-check's scripts on the CPU under the GPU machine's torch and torchao (a venv of its own,
+# about 5 GB: torch's CUDA build, run on the CPU), before a GPU session spends its minutes on
+# them (benchmarks/gpu_rehearsal.py; about 9 minutes here).
+GPU_REHEARSAL_VENV := $(VENV)/torch-gpu
+GPU_MACHINE_TORCH := torch==2.11.0
+
+$(GPU_REHEARSAL_VENV)/.installed: pyproject.toml
+	@[ -x $(GPU_REHEARSAL_VENV)/bin/python ] || $(PYTHON) -m venv $(GPU_REHEARSAL_VENV)
+	$(GPU_REHEARSAL_VENV)/bin/pip install -q $(GPU_MACHINE_TORCH) $(GPU_WHEELS) networkx numpy \
+		pytest pytest-xdist pytest-timeout ninja wheel "setuptools>=64"
+	$(GPU_REHEARSAL_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
+gpu-rehearsal: $(GPU_REHEARSAL_VENV)/.installed
+	$(GPU_REHEARSAL_VENV)/bin/python benchmarks/gpu_rehearsal.py $(GPU_REHEARSAL_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info site
