@@ -19,7 +19,11 @@ Printed per variant: the median step, the median over rounds of its ratio to the
 step in the same round, and the first call's seconds (capture, passes, inductor's compile,
 one step; each variant compiles into a fresh inductor cache, after a throwaway compile has
 loaded inductor and started its workers, so every first call is a cold compile and none
-profits from another's kernels). Each variant's next two calls (where reduce-overhead
+profits from another's kernels). With ``--cold default`` only the default's first call is
+cold: it runs first, in the run's own fresh cache, and the variants after it may reuse its
+kernels (their first calls are marked ``w``); gpu-check uses it, for which five cold inductor
+compiles on a GPU would not fit its stage. The report is rewritten after each variant's first
+calls, so that a run cut short keeps them. Each variant's next two calls (where reduce-overhead
 records and first replays its CUDA graphs) run before the timed rounds, so that a variant
 that fails in them is reported in its row. The target: the default's ratio at most 1.0 on
 every setup measured.
@@ -194,47 +198,78 @@ def start_inductor(device: str) -> None:
     torch._dynamo.reset()
 
 
+COLD = ("every", "default")  # --cold: whose first call compiles into a fresh cache
+
+
+def build_order(built: list[str], chosen: str, cold: str) -> list[str]:
+    """The order the variants are built and first called in: as listed, but with ``cold ==
+    "default"`` the default first, cold in the run's own fresh cache, so that the variants
+    after it reuse its kernels (part 2: torch.compile's are the same one for one)."""
+    return sorted(built, key=lambda variant: variant != chosen) if cold == "default" else built
+
+
 def measure(
-    name: str, model: torch.nn.Module, inputs: tuple, dtype: torch.dtype, device: str, repeats: int
+    name: str,
+    model: torch.nn.Module,
+    inputs: tuple,
+    dtype: torch.dtype,
+    device: str,
+    repeats: int,
+    cold: str = "every",
+    progress: Callable[[dict[str, Any]], None] = lambda partial: None,
 ) -> dict[str, Any]:
+    """The model's rows. ``progress`` gets the rows so far after each variant's first calls
+    (first call only), so that a run cut short keeps them."""
     built = variants(model, inputs, dtype, device)
+    chosen = f"compile {default_mode(device)}"
     steps: dict[str, Step] = {}
-    first: dict[str, float] = {}
+    first: dict[str, dict[str, Any]] = {}
     failed: dict[str, dict[str, str]] = {}
-    for variant, build in built.items():
+    for variant in build_order(list(built), chosen, cold):
+        warm = cold == "default" and variant != chosen  # may reuse the default's kernels
         try:
-            with cold_compile():
-                step = build()
+            with contextlib.nullcontext() if cold == "default" else cold_compile():
+                step = built[variant]()
                 sync(device)
                 start = time.perf_counter()
                 step()
                 sync(device)
-                first[variant] = time.perf_counter() - start
+                seconds = time.perf_counter() - start
+            first[variant] = {
+                "first_call_s": seconds,
+                "first_call_warm": warm,
+                "default": variant in (chosen, GRAPH_DEFAULT),
+            }
             for _ in range(2):  # reduce-overhead records its CUDA graphs, then replays them
                 step()
         except Exception as error:  # reported in its row; the others are measured
             if variant == "autocast eager":
                 raise  # the reference: nothing to compare with
+            first.pop(variant, None)
             failed[variant] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
             continue
         steps[variant] = step
+        progress({"model": name, "rows": listed(built, first | failed)})
     try:
         times = interleaved_seconds(steps, repeats, warmup=2, device=device)
     except Exception as error:  # the rounds of all variants together: say so in every row
         message = f"interleaved rounds: {type(error).__name__}: {str(error)[:300]}"
         return {"model": name, "rows": {v: {"error": message} for v in built}}
     reference = times["autocast eager"]
-    chosen = f"compile {default_mode(device)}"
     rows = {}
     for variant, seconds in times.items():
         ratios = [s / r for s, r in zip(seconds, reference, strict=True)]
         rows[variant] = {
             "median_ms": statistics.median(seconds) * 1e3,
             "vs_autocast_eager": statistics.median(ratios),
-            "first_call_s": first[variant],
-            "default": variant in (chosen, GRAPH_DEFAULT),
+            **first[variant],
         }
-    return {"model": name, "rows": rows | failed}
+    return {"model": name, "rows": listed(built, rows | failed)}
+
+
+def listed(built: dict[str, Any], rows: dict[str, Any]) -> dict[str, Any]:
+    """``rows`` in the variants' listed order (the order they were built in may differ)."""
+    return {variant: rows[variant] for variant in built if variant in rows}
 
 
 def render(result: dict[str, Any], shape: str) -> str:
@@ -247,10 +282,13 @@ def render(result: dict[str, Any], shape: str) -> str:
             lines.append(f"  {variant:42s} FAILED: {row['error']}")
             continue
         mark = " *" if row["default"] else "  "
+        warm = "w" if row["first_call_warm"] else " "
         lines.append(
             f"{mark}{variant:42s} {row['median_ms']:10.2f} {row['vs_autocast_eager']:17.3f} "
-            f"{row['first_call_s']:13.1f}"
+            f"{row['first_call_s']:12.1f}{warm}"
         )
+    if any(row.get("first_call_warm") for row in result["rows"].values()):
+        lines.append("  (w: a first call that may reuse the default's kernels: --cold default)")
     return "\n".join(lines)
 
 
@@ -262,7 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: the code path only")
     parser.add_argument("--layers", type=int, help="the GPT's layers (12 on CUDA, 4 on the CPU)")
-    parser.add_argument("--json", help="write the figures here (rewritten after each model)")
+    parser.add_argument(
+        "--cold",
+        choices=COLD,
+        default="every",
+        help="whose first call compiles cold: every variant's (each in a fresh cache), or the "
+        "default's alone (first; the others may reuse its kernels: quicker, for gpu-check)",
+    )
+    parser.add_argument(
+        "--json", help="write the figures here (rewritten after each variant's first call)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("compile_modes.py --device cuda needs a CUDA GPU", file=sys.stderr)
@@ -274,19 +321,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.dtype}; * = the defaults on {args.device}: compile's mode=None "
         f"({default_mode(args.device)}) and the Graph as it comes (uncompiled)"
     )
-    results = []
+    results: list[dict[str, Any]] = []
+
+    def write(partial: dict[str, Any] | None = None) -> None:
+        if args.json:  # a run cut short keeps what it measured
+            done = results + ([partial] if partial else [])
+            with open(args.json, "w") as out:
+                report = {"device": where, "torch": torch.__version__, "results": done}
+                json.dump(report, out, indent=1)
+
     start_inductor(args.device)
     for name, (model, inputs, shape) in setups(args.device, args.tiny, args.layers).items():
         if name not in args.models:
             continue
-        result = measure(name, model, inputs, dtype, args.device, args.repeats)
+        result = measure(
+            name, model, inputs, dtype, args.device, args.repeats, args.cold,
+            progress=lambda partial, shape=shape: write(partial | {"shape": shape}),
+        )  # fmt: skip
         result["shape"] = shape
         print(render(result, shape), flush=True)
         results.append(result)
-        if args.json:  # after each model: a run cut short keeps what it measured
-            with open(args.json, "w") as out:
-                report = {"device": where, "torch": torch.__version__, "results": results}
-                json.dump(report, out, indent=1)
+        write()
     return 0
 
 

@@ -692,3 +692,82 @@ def test_make_gpu_check_installs_the_checkout_into_a_fresh_python_first(
     expected = ([] if installed else [install]) + ["benchmarks/gpu_check.py"]
     # the wheels' install into .whl/site, if this checkout has wheels, comes between
     assert [c for c in commands if "--target .whl/site" not in c] == expected
+
+
+def test_compile_modes_cold_default_compiles_the_default_first_in_the_runs_own_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--cold default`` (gpu-check's): the default variant is built and called first, every
+    variant in the run's own cache (so that those after the default reuse its kernels), only
+    the default's first call counts as cold, and the report is handed over after each
+    variant's first calls, in the listed order."""
+    import os
+
+    import compile_modes
+
+    model, inputs, _ = compile_modes.setups("cpu", tiny=True, layers=1)["gpt"]
+    real = compile_modes.variants
+    built_in: list[tuple[str, str]] = []
+    inductor = ("torch.compile", "default", "enable_compile", "reduce-overhead", "cudagraphs")
+
+    def variants(*args: object) -> dict:
+        def seen(name: str, build: Callable) -> Callable:
+            return lambda: (
+                built_in.append((name, os.environ["TORCHINDUCTOR_CACHE_DIR"])),
+                build(),
+            )[1]
+
+        kept = {k: v for k, v in real(*args).items() if not any(w in k for w in inductor)}
+        return {name: seen(name, build) for name, build in kept.items()}
+
+    monkeypatch.setattr(compile_modes, "variants", variants)
+    partials: list[dict] = []
+    result = compile_modes.measure(
+        "gpt", model, inputs, torch.bfloat16, "cpu", 2, "default", progress=partials.append
+    )
+    chosen = "compile eager"  # the CPU's default
+    assert built_in[0][0] == chosen
+    assert {cache for _, cache in built_in} == {os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+    rows = result["rows"]
+    assert list(rows) == ["autocast eager", "autocast eager [again]", "compile eager", "Graph"]
+    assert {name: row["first_call_warm"] for name, row in rows.items()} == {
+        name: name != chosen for name in rows
+    }
+    assert [list(p["rows"]) for p in partials] == [
+        ["compile eager"],
+        ["autocast eager", "compile eager"],
+        ["autocast eager", "autocast eager [again]", "compile eager"],
+        ["autocast eager", "autocast eager [again]", "compile eager", "Graph"],
+    ]
+    assert all("median_ms" not in row for p in partials for row in p["rows"].values())
+    assert "(w: a first call that may reuse the default's kernels" in compile_modes.render(
+        result, "tiny"
+    )
+
+
+def test_compile_modes_cut_short_gives_its_first_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compile_modes.py killed at its limit before the timed rounds (its report then holds
+    first calls only) gives those first calls in its cell, and the timeout is a failure."""
+
+    def run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        if "benchmarks/compile_modes.py" not in command:
+            return _fake_run(command, seconds)
+        assert command[command.index("--cold") + 1] == "default"
+        rows = {
+            "torch.compile + autocast": {"first_call_s": 20.0, "first_call_warm": True},
+            "compile default": {"first_call_s": 41.0, "first_call_warm": False},
+        }
+        report = {"results": [{"model": "gpt", "rows": rows}]}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
+        return subprocess.CompletedProcess(command, gpu_check.TIMED_OUT, "", "killed")
+
+    monkeypatch.setattr(gpu_check, "_run", run)
+    code, text = _run_main(tmp_path, monkeypatch, "--only", "compile_modes")
+    assert code == 1
+    assert (
+        "| gpt: cut short before the timed rounds; first calls torch.compile + autocast 20 s, "
+        "compile default 41 s cold |" in text
+    )
+    assert "compile_modes.py ran past its" in text
