@@ -26,7 +26,10 @@ of small tensors the call's host work, not the kernel, sets the pace. Ours is th
 the list's fingerprint (``csrc/launch_plan.h``) and the unboxed call (``csrc/python_entry.cpp``).
 
 ``copy`` is a float32 ``copy_`` of a buffer as large as the gradients (reads and writes the same
-number of bytes): the practical bandwidth limit. GB/s counts the bytes each variant must move
+number of bytes): the practical bandwidth limit. ``in place`` is a float32 ``mul_`` of such a
+buffer by a one-element tensor: torch's own in-place pass over the same bytes, reading and
+writing the same addresses as an in-place unscale must (the ceiling for such a kernel, where
+it sits below the copy's). GB/s counts the bytes each variant must move
 (unscale/norm: read + write; check: read). Ours, torch's and the copy are timed in interleaved
 rounds (one of each per round, CUDA events on a GPU); the figures are medians over ``--reps``
 rounds. Gradients hold finite values and inv_scale is 1.0, so repeated runs leave them unchanged
@@ -114,6 +117,9 @@ class Row:
     fraction_of_copy: float
     ours_host_ns_per_tensor: float = math.nan
     torch_host_ns_per_tensor: float = math.nan
+    inplace_ms: float = math.nan  # torch's float32 mul_ in place over the same bytes
+    inplace_gbps: float = math.nan
+    fraction_of_inplace: float = math.nan
 
 
 def _time_ms(fn: Callable[[], object], device: str) -> float:
@@ -200,6 +206,7 @@ def measure(
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
+    in_place = torch.ones_like(src)  # multiplied by one: it stays ones
     found = torch.zeros((), device=device)
     inv = torch.ones((), device=device)
 
@@ -223,7 +230,7 @@ def measure(
     for variant, (ours, theirs, passes) in variants.items():
         if only and variant not in only:
             continue
-        fns = {"ours": ours, "copy": lambda: dst.copy_(src)}
+        fns = {"ours": ours, "copy": lambda: dst.copy_(src), "in place": lambda: in_place.mul_(inv)}
         if torch_runs(theirs):
             fns["torch"] = theirs
         med = interleaved_medians(fns, device, reps)
@@ -232,10 +239,11 @@ def measure(
         host = {  # ours and torch's: the copy's host time means nothing here
             name: host_ns_per_tensor(fn, len(grads), device, reps)
             for name, fn in fns.items()
-            if name != "copy"
+            if name not in ("copy", "in place")
         }
         ours_gbps = passes * nbytes / ours_ms / 1e6
         copy_gbps = 2 * nbytes / copy_ms / 1e6
+        inplace_gbps = 2 * nbytes / med["in place"] / 1e6
         rows.append(
             Row(
                 case=case,
@@ -254,6 +262,9 @@ def measure(
                 fraction_of_copy=ours_gbps / copy_gbps,
                 ours_host_ns_per_tensor=host["ours"],
                 torch_host_ns_per_tensor=host.get("torch", math.nan),
+                inplace_ms=med["in place"],
+                inplace_gbps=inplace_gbps,
+                fraction_of_inplace=ours_gbps / inplace_gbps,
             )
         )
         print(format_row(rows[-1]), flush=True)
@@ -274,7 +285,7 @@ def bench(device: str, reps: int, peak: float | None, only: set[str] | None) -> 
 HEADER = (
     f"{'case':<12} {'dtype':<5} {'variant':<8} {'MB':>8} {'ours ms':>9} {'torch ms':>9} "
     f"{'copy ms':>9} {'ours GB/s':>10} {'torch GB/s':>10} {'copy GB/s':>10} {'%peak':>6} "
-    f"{'x torch':>8} {'/copy':>6} {'host ns/t ours':>14} {'torch':>6}"
+    f"{'x torch':>8} {'/copy':>6} {'/in place':>9} {'host ns/t ours':>14} {'torch':>6}"
 )
 
 
@@ -284,6 +295,7 @@ def format_row(r: Row) -> str:
         f"{r.case:<12} {r.dtype:<5} {r.variant:<8} {r.mbytes:>8.1f} {r.ours_ms:>9.3f} "
         f"{r.torch_ms:>9.3f} {r.copy_ms:>9.3f} {r.ours_gbps:>10.1f} {r.torch_gbps:>10.1f} "
         f"{r.copy_gbps:>10.1f} {pct:>6} {r.speedup_vs_torch:>8.2f} {r.fraction_of_copy:>6.2f} "
+        f"{r.fraction_of_inplace:>9.2f} "
         f"{r.ours_host_ns_per_tensor:>14.0f} {r.torch_host_ns_per_tensor:>6.0f}"
     )
 
@@ -327,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"medians of {reps} interleaved rounds; 'x torch' = torch ms / ours ms; "
-        "'/copy' = ours GB/s / copy GB/s"
+        "'/copy' = ours GB/s / copy GB/s; '/in place' = ours GB/s / an in-place mul_'s"
     )
     print(HEADER)
     only = set(args.variants.split(",")) if args.variants else None

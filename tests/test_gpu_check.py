@@ -771,3 +771,27 @@ def test_compile_modes_cut_short_gives_its_first_calls(
         "compile default 41 s cold |" in text
     )
     assert "compile_modes.py ran past its" in text
+
+
+def test_the_kernels_bandwidth_is_also_shown_against_an_in_place_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernel_bench.py's reports since 2026-12-06 time torch's in-place mul_ of the same bytes
+    beside the copy: the ceiling of a kernel that reads and writes the same addresses. The
+    check shows ours against it, and it against the copy."""
+
+    def run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        done = _fake_run(command, seconds)
+        if "benchmarks/kernel_bench.py" in command:
+            out = Path(command[command.index("--json") + 1])
+            report = json.loads(out.read_text())
+            for row in report["rows"]:
+                row["inplace_gbps"] = 3000.0
+            out.write_text(json.dumps(report))
+        return done
+
+    monkeypatch.setattr(gpu_check, "_run", run)
+    code, text = _run_main(tmp_path, monkeypatch, "--only", "kernel_bench")
+    assert code == 0
+    assert "| 3100 GB/s, 93% of 3350 GB/s; 0.97x copy_ (3200 GB/s); 1.03x an in-place " in text
+    assert "| 3200 GB/s, 96% of 3350 GB/s; an in-place mul_ 3000 GB/s, 0.94x copy_ |" in text
