@@ -423,6 +423,22 @@ def _earlier_record(path: Path, figures: dict[str, str]) -> None:
     path.write_text(json.dumps({"date": "2026-01-01", "device": "GPU-A", "figures": figures}))
 
 
+def _fake_run_editing(script: str, edit: Callable[[dict], None]) -> Callable:
+    """``_fake_run``, with the report of ``script`` changed by ``edit`` before the check reads
+    it."""
+
+    def run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
+        done = _fake_run(command, seconds)
+        if f"benchmarks/{script}" in command:
+            out = Path(command[command.index("--json") + 1])
+            report = json.loads(out.read_text())
+            edit(report)
+            out.write_text(json.dumps(report))
+        return done
+
+    return run
+
+
 def _run_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> tuple[int, str]:
     md = tmp_path / "BENCHMARKS.md"
     md.write_text((ROOT / "BENCHMARKS.md").read_text())
@@ -515,16 +531,10 @@ def test_a_compile_mode_that_fails_is_named_and_the_others_measured(
     """compile_modes.py reports a variant that failed in its row; the check names it among
     the failures and in the cell, and shows the rest."""
 
-    def run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
-        done = _fake_run(command, seconds)
-        if "benchmarks/compile_modes.py" in command:
-            out = Path(command[command.index("--json") + 1])
-            report = json.loads(out.read_text())
-            report["results"][0]["rows"]["compile default"] = {"error": "BackendCompilerFailed"}
-            out.write_text(json.dumps(report))
-        return done
+    def fail_default(report: dict) -> None:
+        report["results"][0]["rows"]["compile default"] = {"error": "BackendCompilerFailed"}
 
-    monkeypatch.setattr(gpu_check, "_run", run)
+    monkeypatch.setattr(gpu_check, "_run", _fake_run_editing("compile_modes.py", fail_default))
     code, text = _run_main(tmp_path, monkeypatch, "--only", "compile_modes")
     assert code == 1
     assert "compile_modes.py, gpt, compile default: BackendCompilerFailed" in text
@@ -780,17 +790,11 @@ def test_the_kernels_bandwidth_is_also_shown_against_an_in_place_pass(
     beside the copy: the ceiling of a kernel that reads and writes the same addresses. The
     check shows ours against it, and it against the copy."""
 
-    def run(command: list[str], seconds: float) -> subprocess.CompletedProcess:
-        done = _fake_run(command, seconds)
-        if "benchmarks/kernel_bench.py" in command:
-            out = Path(command[command.index("--json") + 1])
-            report = json.loads(out.read_text())
-            for row in report["rows"]:
-                row["inplace_gbps"] = 3000.0
-            out.write_text(json.dumps(report))
-        return done
+    def with_in_place(report: dict) -> None:
+        for row in report["rows"]:
+            row["inplace_gbps"] = 3000.0
 
-    monkeypatch.setattr(gpu_check, "_run", run)
+    monkeypatch.setattr(gpu_check, "_run", _fake_run_editing("kernel_bench.py", with_in_place))
     code, text = _run_main(tmp_path, monkeypatch, "--only", "kernel_bench")
     assert code == 0
     assert "| 3100 GB/s, 93% of 3350 GB/s; 0.97x copy_ (3200 GB/s); 1.03x an in-place " in text
