@@ -247,8 +247,8 @@ def measure(
                 raise  # the reference: nothing to compare with
             first.pop(variant, None)
             failed[variant] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-            continue
-        steps[variant] = step
+        else:
+            steps[variant] = step
         progress({"model": name, "rows": listed(built, first | failed)})
     try:
         times = interleaved_seconds(steps, repeats, warmup=2, device=device)
