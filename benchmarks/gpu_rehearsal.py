@@ -39,8 +39,11 @@ class OnTheCpu:
     drop: tuple[str, ...] = ()
 
     def command(self, script: str, stage_args: list[str]) -> list[str]:
-        args = ["cpu" if a == "cuda" and i and stage_args[i - 1] == "--device" else a
-                for i, a in enumerate(stage_args) if a not in self.drop]  # fmt: skip
+        args = [
+            "cpu" if arg == "cuda" and i and stage_args[i - 1] == "--device" else arg
+            for i, arg in enumerate(stage_args)
+            if arg not in self.drop
+        ]
         if "--device" not in args:
             args = ["--device", "cpu", *args]
         return [sys.executable, f"benchmarks/{script}", *args, *self.add]
@@ -72,14 +75,15 @@ TEST_WORKERS = 2  # this machine's cores
 @dataclasses.dataclass(frozen=True)
 class Rehearsal:
     name: str
-    command: list[str] | None  # None: not rehearsed
+    command: list[str] | None  # None: not rehearsed (see why_not); the tests build theirs
     why_not: str = ""
     writes_report: bool = True
+    tests: bool = False  # the CUDA tests, as gpu-check runs them (rehearse_tests)
 
 
 def rehearsals() -> list[Rehearsal]:
     """The CUDA tests, each stage's script (in STAGES' order) and kernel_sweep.py's builds."""
-    runs = [Rehearsal("CUDA tests", [], writes_report=False)]
+    runs = [Rehearsal("CUDA tests", None, writes_report=False, tests=True)]
     for stage, _ in gpu_check.STAGES[1:]:
         for script, stage_args in stage_scripts(stage):
             how = CPU_RUNS[script]
@@ -167,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     for run in rehearsals():
         start = time.monotonic()
-        if run.command is None:
+        if run.command is None and not run.tests:
             outcomes.append((run.name, f"not rehearsed ({run.why_not})"))
             continue
-        fault = rehearse_tests(args.seconds) if not run.command else rehearse(run, args.seconds)
+        fault = rehearse_tests(args.seconds) if run.tests else rehearse(run, args.seconds)
         took = f"ran ({time.monotonic() - start:.0f} s)"
         outcomes.append((run.name, f"FAILED: {fault}" if fault else took))
     print(f"\n== gpu-check's scripts on the CPU under {versions}")
