@@ -9,13 +9,13 @@ GPU machine's torch: an API that torch 2.11 or torchao 0.17 lacks, or a code pat
 GPU takes, fails there and costs that stage's figures (on 2026-12-06, fp8_step.py's amp_graph
 variant failed inductor's compile on 2.11 on the CPU; b9259da fixed it).
 
-Each stage's script runs as :data:`CPU_RUNS` says: the stage's own arguments, on the CPU, at
-the smallest size that runs its code; it passes if it exits 0 and writes its report (the
-figures mean nothing here). The CUDA tests run as
-gpu-check runs them (``pytest -m cuda``): here they skip but for those that need no GPU
-(the kernel's sources compiled with nvcc against this torch's headers, and its host logic).
-What a rehearsal cannot show: the CUDA-only paths (captures, kernels, CUDA events), and the
-scripts with no CPU path at all, which it names. Nothing is measured and nothing is written.
+Each stage's script runs as :data:`CPU_RUNS` says: the stage's own arguments, on the CPU, at the
+smallest size that runs its code; it passes if it exits 0 and writes its report (the figures
+mean nothing here). The CUDA tests run as gpu-check runs them (``pytest -m cuda``): here they
+skip but for those that need no GPU (the kernel's sources compiled with nvcc against this
+torch's headers, and its host logic). What a rehearsal cannot show: the CUDA-only paths
+(captures, kernels, CUDA events), and the scripts with no CPU path at all, which it names.
+Nothing is measured and nothing is written.
 """
 
 from __future__ import annotations
