@@ -314,6 +314,12 @@ def cuda_tests_command(report: Path, workers: int) -> list[str]:
     return command
 
 
+def junit_suite(report: Path) -> ElementTree.Element:
+    """The test suite of pytest's JUnit report (``<testsuites>`` around it or not)."""
+    root = ElementTree.parse(report).getroot()
+    return root if root.tag == "testsuite" else root.find("testsuite")
+
+
 def run_tests(seconds: float, results: Results) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
@@ -322,8 +328,7 @@ def run_tests(seconds: float, results: Results) -> None:
             raise GpuCheckError(f"the CUDA tests ran past their {seconds:.0f} s")
         if not report.exists():
             raise GpuCheckError(f"pytest wrote no report (exit status {done.returncode})")
-        suite = ElementTree.parse(report).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        suite = junit_suite(report)
         counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
         gpu_skips = gpu_skipped(suite)
     # a module that skips as a whole (an optional extra missing) reports a skip even under -m

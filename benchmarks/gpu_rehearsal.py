@@ -127,8 +127,7 @@ def rehearse_tests(seconds: float) -> str:
         done = gpu_check._run(gpu_check.cuda_tests_command(report, TEST_WORKERS), seconds)
         if not report.exists():
             return f"pytest wrote no report (exit status {done.returncode})"
-        suite = gpu_check.ElementTree.parse(report).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        suite = gpu_check.junit_suite(report)
         failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
         if failed or done.returncode != 0:
             return f"{failed} failed (exit status {done.returncode})"
