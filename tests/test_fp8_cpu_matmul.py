@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dispatch_helpers import CountOps
 
 from amp_graph.ops import fp8_cpu_matmul as cpu_matmul
 from amp_graph.ops.fp8_ops import linear
@@ -84,22 +85,11 @@ def test_the_probe_makes_no_tensor_in_the_callers_mode(fresh_probe, monkeypatch)
     """The first fp8 linear may run the probe while a trace is on (inductor compiling its
     backward, under a fake-tensor mode): every tensor the probe times must be real, made with
     the caller's modes off. On torch 2.11 a random generator made there failed the compile."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     monkeypatch.setattr(cpu_matmul, "SLOWER", 0.0)  # any kernel that ran counts as slow
-    with Record() as seen, warnings.catch_warnings():
+    with CountOps() as seen, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert cpu_matmul.cpu_scaled_mm_is_slow()
-    assert seen.ops == []
+    assert not seen.ops, seen.ops
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
