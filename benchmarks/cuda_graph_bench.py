@@ -42,6 +42,11 @@ captures, so that the capture's own peak can be set beside the eager step's and 
 pool's segments (on the H200 the pool held 1.69x the eager step's reserved peak, cause not
 yet established), and a captured Graph's ``pool``: its segments' bytes by block state after
 the capture (:func:`pool_breakdown`: kept tensors or free space the capture did not reuse).
+``first_calls_reserved_mb``: the bytes reserved at the peak of the build and the first five
+calls, cached blocks included (:func:`reserved_peak_since`): what the variant needs to get
+going. A capture cannot use the blocks its warm-ups cached, so until amp_graph handed them
+back before each capture (2026-12-06) a captured Graph's first calls reserved the eager
+step's transient memory twice.
 """
 
 from __future__ import annotations
@@ -237,6 +242,28 @@ def allocated_peak(step: Callable, inputs: tuple) -> float | None:
     return (torch.cuda.max_memory_allocated() - held) / 2**20
 
 
+def reserved_from_here(device: str) -> int | None:
+    """Starts a count of what the allocator reserves from here on (None on the CPU): the
+    cache emptied, the peak reset; returns the bytes reserved now."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_reserved()
+
+
+def reserved_peak_since(start: int | None) -> float | None:
+    """The MiB the allocator reserved at its peak since :func:`reserved_from_here` returned
+    ``start``, beyond ``start`` (None on the CPU). Over a variant's first calls this counts
+    its cached blocks too: a captured Graph's warm-ups cache blocks that its capture's pool
+    cannot use, which ``step_peak_bytes`` (after ``empty_cache``) does not see."""
+    if start is None:
+        return None
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_reserved() - start) / 2**20
+
+
 def measure(
     setup: Setup,
     dtype: torch.dtype,
@@ -250,16 +277,19 @@ def measure(
     steps: dict[str, Built] = {}
     peaks: dict[str, int | None] = {}
     call_peaks: dict[str, list[float | None]] = {}
+    first_reserved: dict[str, float | None] = {}
     pools: dict[str, Any] = {}
     built = variants(setup, dtype, compiled, device == "cuda", graph_compile and compiled)
     for name, build in built.items():
         if only and name != "hand" and name not in only:
             continue
         try:
+            start = reserved_from_here(device)
             step, graph = build()
             # warm-up steps, the capture, compilation: each call's peak allocated bytes,
             # the capture's included (what a captured graph's pool has to hold at least)
             call_peaks[name] = [allocated_peak(step, setup.inputs) for _ in range(5)]
+            first_reserved[name] = reserved_peak_since(start)
             peaks[name] = step_peak_bytes(step, graph, setup.inputs)
             if device == "cuda":
                 pools[name] = pool_breakdown(graph)
@@ -279,6 +309,7 @@ def measure(
             "vs_hand": ratio(times, name, "hand"),
             "peak_step_mb": None if peaks[name] is None else peaks[name] / 2**20,
             "first_calls_peak_alloc_mb": call_peaks[name],
+            "first_calls_reserved_mb": first_reserved[name],
             "pool": pools.get(name),
         }
     for mine, key in (
@@ -390,10 +421,11 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(cell, dict) and "error" in cell:
                     print(f"{variant:<32} FAILED: {cell['error']}")
                 elif isinstance(cell, dict):
-                    peak = cell["peak_step_mb"]
+                    peak, first = cell["peak_step_mb"], cell["first_calls_reserved_mb"]
                     print(
                         f"{variant:<32} {cell['ms']:>9.2f} ms {cell['vs_hand']:>7.3f}x hand"
                         + ("" if peak is None else f"   step peak {peak:>8.1f} MB")
+                        + ("" if first is None else f"   first calls {first:>8.1f} MB")
                     )
             for key in ("captured_vs_compile", "compiled_captured_vs_compile"):
                 if key in row:

@@ -114,6 +114,18 @@ def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     current.wait_stream(stream)
 
 
+def release_cached_blocks() -> None:
+    """Hands the caching allocator's unused blocks back to the device; called right before a
+    capture. A capture allocates from its own pool, and while one is underway the allocator
+    frees no other pool's cached blocks to make room (CUDACachingAllocator releases them only
+    when no capture is underway). Without this, the blocks the warm-up steps cached would sit
+    beside the capture's pool: the first capture would reserve about twice the step's
+    transient memory, and a step that fits uncaptured could run out of memory in its capture.
+    Costs one device synchronization per capture, and later uncaptured allocations may have
+    to ask the device again (``torch.cuda.empty_cache``'s usual cost)."""
+    torch.cuda.empty_cache()
+
+
 class LeastRecentlyUsed(Generic[V]):
     """Captured graphs by signature, at most ``limit``: putting one more drops the least
     recently used (a log line each on ``logger``, naming ``owner``), so that the graphs'
@@ -214,6 +226,7 @@ def capture_forward_backward(
     # torch 2.11, dropping them first made the backward capture fail: "operation would make
     # the legacy stream depend on a capturing blocking stream")
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    release_cached_blocks()
     with torch.cuda.graph(forward, pool=pool):
         outputs = module(*statics)
     needing = [o for o in outputs if o.requires_grad]

@@ -47,6 +47,7 @@ from amp_graph.frontends.graphed_calls import (
     is_sharded,
     on_side_stream,
     refuse_off_cuda,
+    release_cached_blocks,
     signature_of,
     static_copy,
 )
@@ -276,6 +277,8 @@ class _CudaCaptured:
 class CudaGraphCapture:
     """Warm-up and capture on one side stream, into one memory pool shared
     by all of this step's graphs (they never run at once); replay on the caller's stream.
+    Each capture first hands the warm-ups' cached blocks back to the device
+    (:func:`~amp_graph.frontends.graphed_calls.release_cached_blocks`).
 
     One stream for all of it, because autograd runs a parameter's gradient accumulation on
     the stream its AccumulateGrad node was created on, and that node outlives a step while
@@ -304,6 +307,7 @@ class CudaGraphCapture:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        release_cached_blocks()  # the warm-ups' cached blocks, which the capture cannot use
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream()):
                 outputs = fn()
