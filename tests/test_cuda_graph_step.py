@@ -131,14 +131,18 @@ def fused_sgd(model: nn.Module) -> torch.optim.Optimizer:
         {"pad_batches": "0"},
         {"pad_batches": ()},
         {"pad_batches": (0.0, None)},
+        {"set_to_none": 1},
     ],
 )
 def test_options_are_checked_when_set(options: dict) -> None:
     config = amp_graph.Graph().config
     with pytest.raises(ValueError, match=next(iter(options))):
         config.enable_cuda_graph(True, **options)
-    config.enable_cuda_graph(True, warmup_steps=2, max_graphs=3, pad_batches=0)
-    assert "CudaGraphOptions(warmup_steps=2, max_graphs=3, pad_batches=(0,))" in repr(config)
+    config.enable_cuda_graph(True, warmup_steps=2, max_graphs=3, pad_batches=0, set_to_none=True)
+    assert (
+        "CudaGraphOptions(warmup_steps=2, max_graphs=3, pad_batches=(0,), set_to_none=True)"
+        in repr(config)
+    )
     config.enable_cuda_graph(False)
     assert config.cuda_graph is None and "cuda_graph" not in repr(config)
 
@@ -303,6 +307,67 @@ def test_replayed_steps_equal_uncaptured_ones_bit_for_bit() -> None:
     assert graph._builder.replayer.captures == 2 and graph._builder.replayer.replays == 10
     step = graph.step_graph.code
     assert "zero_grad_in_place" in step and "lr_step" not in step
+
+
+@pytest.mark.parametrize(("policy", "dtype"), [("O1", torch.float16), ("O2", torch.bfloat16)])
+def test_gradients_set_to_none_replay_as_the_uncaptured_steps(
+    policy: str, dtype: torch.dtype
+) -> None:
+    """``set_to_none=True``: the step sets its gradients to None before its backward, as the
+    uncaptured step does (no zeroing in place), and still computes what it computes."""
+    kw: dict[str, Any] = {"policy": policy, "dtype": dtype}
+    ref, ref_model, _, ref_losses = _run(Step, "cpu", ROWS, {7}, captured=False, **kw)
+    graph, model, _, losses = _run(RerunStep, "cpu", ROWS, {7}, set_to_none=True, **kw)
+    assert _same(losses, ref_losses)
+    assert _same(list(model.parameters()), list(ref_model.parameters()))
+    assert graph.skipped_steps == ref.skipped_steps == 1
+    step = graph.step_graph.code
+    assert "zero_grad(" in step and "zero_grad_in_place" not in step
+    grads, params = graph._builder.replayer.grads, len(list(model.parameters()))
+    assert len(grads.dropped) == params  # the optimizer's: the masters under O2
+    assert len(grads.held) == params * (2 if policy == "O2" else 1)  # O2: the low copies too
+
+
+class PythonOnlyCapture(RerunCapture):
+    """A capture that runs the step's Python once, as a CUDA capture does (it sets ``.grad``
+    to the tensors the graph then writes), and replays that write nothing."""
+
+    def capture(self, fn: Any) -> Any:
+        self.events.append("capture")
+        return fn()
+
+    def replay(self, captured: Any) -> Any:
+        self.events.append("replay")
+        return captured
+
+
+def test_each_graph_keeps_its_gradients_and_dot_grad_follows_the_graph_replayed() -> None:
+    param = nn.Parameter(torch.zeros(2))
+    at_capture: list[torch.Tensor | None] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if (
+            isinstance(x, torch.Tensor)
+            and len(replayer.device.events)
+            and (replayer.device.events[-1] == "capture")
+        ):
+            at_capture.append(param.grad)
+        param.grad = torch.full((2,), float(x.shape[0]))  # a new tensor, as a backward's
+        return x.sum()
+
+    grads = cuda_graphs.GradsPerGraph(dropped=(param,), held=(param,))
+    options = cuda_graphs.CudaGraphOptions(warmup_steps=1, set_to_none=True)
+    replayer = cuda_graphs.StepReplayer("test", options, PythonOnlyCapture(), grads=grads)
+    seen = []
+    for rows in [8, 8, 8, 4, 4, 8, 8, 4, 8]:
+        replayer.run("step", step, [torch.ones(rows)])
+        seen.append(param.grad)
+    # calls 1 and 4 warm up (their own gradients); 2 and 5 capture; the rest replay
+    captured_8, captured_4 = seen[1], seen[4]
+    assert at_capture == [None, None]  # dropped before each capture
+    assert [g is captured_8 for g in seen] == [0, 1, 1, 0, 0, 1, 1, 0, 1]
+    assert [g is captured_4 for g in seen] == [0, 0, 0, 0, 1, 0, 0, 1, 0]
+    assert float(captured_8[0]) == 8 and float(captured_4[0]) == 4
 
 
 def test_what_a_replay_returns_survives_the_next_replay() -> None:
@@ -558,6 +623,37 @@ def test_captured_steps_equal_uncaptured_ones_on_the_gpu(policy: str, dtype: tor
     assert (
         graph._builder.replayer.captures == 2 and graph.skipped_steps == ref[0].skipped_steps == 2
     )
+
+
+def _grads_after_each_call(captured: bool, policy: str, dtype: torch.dtype, **kw: Any) -> list:
+    model = mlp("cuda")
+    opt = _adamw(model)
+    graph = CudaStep(model, opt, captured=captured, policy=policy, dtype=dtype, **kw)
+    gen = torch.Generator().manual_seed(2)
+    seen: list[torch.Tensor] = []
+    for i, n in enumerate([8] * 4 + [16] * 4 + [8, 16, 8, 8, 16]):
+        seen.append(graph(*batch(gen, n, "cuda", inf=i == 9)))
+        # the optimizer's parameters (O2: the masters, swapped in) and the model's
+        owners = [p for group in opt.param_groups for p in group["params"]]
+        owners += list(model.parameters())
+        seen += [torch.tensor([]) if p.grad is None else p.grad.clone() for p in owners]
+    return [*seen, *model.parameters()]
+
+
+@cuda
+@no_stream_mismatch
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize(("policy", "dtype"), [("O1", torch.float16), ("O2", torch.bfloat16)])
+def test_dot_grad_after_each_call_equals_the_uncaptured_steps_across_graphs(
+    set_to_none: bool, policy: str, dtype: torch.dtype
+) -> None:
+    """Two batch sizes, so two graphs replayed in turn: after every call each parameter's
+    ``.grad`` (O2: the masters' and the low copies') is what the uncaptured step leaves."""
+    got = _grads_after_each_call(True, policy, dtype, warmup_steps=2, set_to_none=set_to_none)
+    ref = _grads_after_each_call(False, policy, dtype)
+    assert len(got) == len(ref)
+    for x, y in zip(got, ref, strict=True):  # bit for bit; the skipped step's nan included
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
 
 
 class Featured(Step):

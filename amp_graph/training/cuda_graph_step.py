@@ -91,12 +91,15 @@ class CudaGraphOptions:
     warmup_steps: int = 3
     max_graphs: int = 8
     pad_batches: tuple[PadValue, ...] | None = None  # batch_padding
+    set_to_none: bool = False  # gradients set to None (each graph its own) or zeroed in place
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "max_graphs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"enable_cuda_graph: {name} is a positive int; got {value!r}")
+        if not isinstance(self.set_to_none, bool):
+            raise ValueError(f"enable_cuda_graph: set_to_none is a bool; got {self.set_to_none!r}")
         object.__setattr__(self, "pad_batches", checked_pad_values(self.pad_batches))
 
 
@@ -339,11 +342,29 @@ def detached(outputs: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, outputs)
 
 
+@dataclass(frozen=True)
+class GradsPerGraph:
+    """``enable_cuda_graph(set_to_none=True)``: the step sets its gradients to None before its
+    backward, as the uncaptured step does, so that each capture allocates gradients of its
+    own in the graphs' pool, where its forward's activations were (no zeroing pass, no
+    accumulating add, no gradients held beside the activations). A replay writes the
+    gradients of its own capture, so :class:`StepReplayer` keeps each graph's and points
+    ``.grad`` back at them when another graph ran last.
+
+    ``dropped``: the parameters whose gradients the step drops first (the optimizers');
+    ``held``: every parameter whose ``.grad`` a capture sets (those, and O2's low copies,
+    whose gradients move to their masters)."""
+
+    dropped: tuple[torch.Tensor, ...]
+    held: tuple[torch.Tensor, ...]
+
+
 @dataclass
 class _Entry:
     statics: list[Any]  # the inputs the capture reads: tensors (copied into) and values
     captured: Any
     pinned: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, attr, value)
+    grads: list[torch.Tensor | None] | None = None  # GradsPerGraph.held's, after the capture
 
 
 class StepReplayer:
@@ -354,7 +375,9 @@ class StepReplayer:
     signature run the step eagerly (on a side stream); the next captures it, reading static
     copies of the inputs, and replays it; later calls copy their inputs into the statics and
     replay. ``pins`` are ``(owner, attribute)`` pairs whose values the capture set from
-    Python (a replay runs none): each replay puts back its own capture's values.
+    Python (a replay runs none): each replay puts back its own capture's values. ``grads``
+    (:class:`GradsPerGraph`): each graph's gradients, put back as ``.grad`` when another
+    graph or an eager step ran last.
     """
 
     def __init__(
@@ -363,13 +386,16 @@ class StepReplayer:
         options: CudaGraphOptions,
         capture: StepCapture,
         pins: Sequence[tuple[Any, str]] = (),
+        grads: GradsPerGraph | None = None,
     ) -> None:
         self.name = name
         self.options = options
         self.device = capture
         self.pins = list(pins)
+        self.grads = grads
         self._graphs: LeastRecentlyUsed[_Entry] = LeastRecentlyUsed(name, options.max_graphs, log)
         self._warmed: Counter[Signature] = Counter()
+        self._grads_of: _Entry | None = None  # whose gradients .grad holds now, if a graph's
         self.captures = 0  # graphs captured so far (evicted ones included)
         self.replays = 0
 
@@ -404,6 +430,7 @@ class StepReplayer:
         """Drop every captured graph (the next calls warm up and capture again)."""
         self._graphs.clear()
         self._warmed.clear()
+        self._grads_of = None
         self.device.release()
 
     def run(self, key: Any, step: Callable[..., Any], leaves: Sequence[Any]) -> Any:
@@ -412,6 +439,7 @@ class StepReplayer:
         if entry is None:
             if self._warmed[signature] < self.options.warmup_steps:
                 self._warmed[signature] += 1
+                self._grads_of = None  # an eager step sets .grad itself
                 return detached(self.device.warmup(lambda: step(*leaves)))
             entry = self._capture(signature, step, leaves)
         else:
@@ -421,15 +449,28 @@ class StepReplayer:
         outputs = self.device.replay(entry.captured)
         for owner, attr, value in entry.pinned:
             setattr(owner, attr, value)
+        if self.grads is not None and self._grads_of is not entry:
+            for param, grad in zip(self.grads.held, entry.grads or (), strict=True):
+                param.grad = grad
+            self._grads_of = entry
         self.replays += 1
         # the outputs live in the graph's memory, which the next replay overwrites
         return _copied_out(outputs)
 
     def _capture(self, signature: Signature, step: Callable[..., Any], leaves: Sequence) -> _Entry:
         statics = [static_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        if self.grads is not None:
+            # the step drops them first anyway; dropped before the capture, they go back to
+            # the device with the warm-ups' cache rather than sit beside the pool (the graphs
+            # captured before keep theirs)
+            for param in self.grads.dropped:
+                param.grad = None
         captured = self.device.capture(lambda: step(*statics))
         pinned = [(owner, attr, getattr(owner, attr, None)) for owner, attr in self.pins]
         entry = _Entry(statics, captured, pinned)
+        if self.grads is not None:
+            entry.grads = [param.grad for param in self.grads.held]
+            self._grads_of = entry
         for old in self._graphs.put(signature, entry):
             del self._warmed[old]  # a dropped signature warms up again before its capture
         self.captures += 1
@@ -457,6 +498,7 @@ __all__ = [
     "CudaGraphCapture",
     "CudaGraphError",
     "CudaGraphOptions",
+    "GradsPerGraph",
     "StepCapture",
     "StepReplayer",
     "host_reads",

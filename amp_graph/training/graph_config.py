@@ -106,6 +106,7 @@ class GraphConfig:
         warmup_steps: int = 3,
         max_graphs: int = 8,
         pad_batches: Any = None,
+        set_to_none: bool = False,
     ) -> None:
         """Run the whole step (forward, backward, unscale and check, clipping, optimizer
         steps, O2 masters, scale update) as one CUDA graph, replayed each call.
@@ -115,8 +116,13 @@ class GraphConfig:
         replays it; later calls copy the batch into the captured inputs and replay. At most
         ``max_graphs`` graphs are held (least recently used dropped), sharing one memory
         pool; each capture logs a line. What a call returns is a copy (kept safely across
-        replays). Gradients are zeroed in place rather than set to None (the graph writes
-        them at fixed addresses); LR schedulers step on the host after each call, changing a
+        replays). Gradients are zeroed in place (the graphs share them; each step pays a
+        zeroing pass and an add per gradient, and holds them beside its activations) unless
+        ``set_to_none=True``: then, as in the uncaptured step, they are set to None before
+        the backward, each graph writes gradients of its own where its forward's
+        activations were, and ``.grad`` is pointed at the gradients of the graph that ran
+        last (each graph after the first holds its own: 4 bytes per float32 parameter).
+        LR schedulers step on the host after each call, changing a
         tensor learning rate in place. A monitor's logging steps are a graph of their own
         (captured after ``warmup_steps`` logging steps), writing their statistics into one
         buffer that each step copies out on the device.
@@ -131,7 +137,9 @@ class GraphConfig:
         distributed steps (not captured yet). Set it before the first call.
         """
         self.cuda_graph = (
-            cuda_graphs.CudaGraphOptions(warmup_steps, max_graphs, pad_batches) if mode else None
+            cuda_graphs.CudaGraphOptions(warmup_steps, max_graphs, pad_batches, set_to_none)
+            if mode
+            else None
         )
 
     def enable_monitor(self, every: int = 100, **options: Any) -> Monitor:

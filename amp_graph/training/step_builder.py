@@ -28,6 +28,7 @@ import inspect
 import keyword
 import logging
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -262,7 +263,7 @@ class StepBuilder:
             loss_positions=list(losses),
             micro_batches=config.accumulation_steps if graph.training else 1,
             clip_max_norm=config.clip_max_norm,
-            grads_to_none=config.cuda_graph is None,
+            grads_to_none=config.cuda_graph is None or config.cuda_graph.set_to_none,
             scaler="scaler" if scaler is not None else None,
             guard="guard" if scaler is None and graph.training else None,
         )
@@ -327,9 +328,27 @@ class StepBuilder:
             # a replay runs no Python: it must leave the step's flags where its capture did
             pins = [(scaler, "_last_step_taken")] if scaler else [(graph._guard, "_last_found")]
             self.replayer = cuda_graphs.StepReplayer(
-                self.name, options, graph._step_capture(), pins
+                self.name, options, graph._step_capture(), pins, self._grads_per_graph()
             )
             self.replayed_lrs = cuda_graphs.learning_rates(graph._optimizers)
+
+    def _grads_per_graph(self) -> cuda_graphs.GradsPerGraph | None:
+        """With ``enable_cuda_graph(set_to_none=True)``: the parameters whose gradients the
+        step drops (the optimizers'), and those whose ``.grad`` a capture sets (O2's low
+        copies too); None when gradients are zeroed in place."""
+        options = self.graph.config.cuda_graph
+        if options is None or not options.set_to_none:
+            return None
+        dropped = _unique(
+            p for opt in self.graph._optimizers for g in opt.param_groups for p in g["params"]
+        )
+        low = self.master.low_parameters() if self.master is not None else []
+        return cuda_graphs.GradsPerGraph(dropped, _unique([*dropped, *low]))
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in order, each once (by identity)."""
+    return tuple({id(t): t for t in tensors}.values())
 
 
 def _check_divisible(args: tuple, n: int) -> None:
