@@ -22,12 +22,18 @@ timed in interleaved rounds (medians of the per-round ratio to the hand-written 
   ``amp_graph.compile(model, "O1", dtype)``, with ``mode="eager"`` and ``mode="cudagraphs"``
   (forward and backward replayed; optimizer and scaler eager);
 * ``Graph O1``: ``amp_graph.Graph`` uncaptured;
-* ``Graph O1 cuda_graph``: the same Graph with ``config.enable_cuda_graph(True)``.
+* ``Graph O1 cuda_graph``: the same Graph with ``config.enable_cuda_graph(True)``;
+* ``Graph O1 cuda_graph set_to_none``: with ``enable_cuda_graph(True, set_to_none=True)``:
+  gradients set to None before the backward, each graph writing its own, instead of zeroed in
+  place (no zeroing pass, no accumulating add, no gradients held beside the activations).
 
 ``--host-overhead``: what a replayed step still costs the host, on any machine: a Graph (the
 tiny GPT, fused SGD) whose capture is replaced by one that keeps the outputs and whose replay
 launches nothing, so that a call is the Graph's and the replayer's Python alone (the input
 signature, the batch copied into the static inputs, the outputs copied out).
+
+``--grad-zeroing`` (the CPU): what a captured step's gradients zeroed in place cost beside
+the uncaptured step's set to None, in peak bytes and time (:func:`grad_zeroing`).
 
 ``--graph-compile`` adds ``Graph O1 enable_compile cuda_graph``: the same Graph with
 ``config.enable_compile()`` (inductor's kernels for forward and backward) captured whole.
@@ -63,7 +69,7 @@ from typing import Any
 
 import torch
 from graph_bench import DTYPES, Setup, StepGraph, handwritten, ratio
-from measure import interleaved_seconds, release
+from measure import cpu_name, interleaved_seconds, release
 
 import amp_graph
 from amp_graph.demo import models
@@ -98,12 +104,12 @@ def variants(
     """name -> what builds that variant's step (built one by one, so that one that fails to
     build or to run is reported beside the others' figures)."""
 
-    def graph(captured: bool, inductor: bool = False) -> Built:
+    def graph(captured: bool, inductor: bool = False, set_to_none: bool = False) -> Built:
         opt = capturable_adamw if captured else setup.optimizer
         graph_setup = Setup(setup.name, setup.model, opt, setup.inputs, True)
         step = StepGraph(graph_setup, copy.deepcopy(setup.model), "O1", dtype)
         if captured:
-            step.config.enable_cuda_graph(True)
+            step.config.enable_cuda_graph(True, set_to_none=set_to_none)
         if inductor:
             step.config.enable_compile()
         return step, step
@@ -129,6 +135,7 @@ def variants(
     out["Graph O1"] = lambda: graph(False)
     if capture:
         out["Graph O1 cuda_graph"] = lambda: graph(True)
+        out["Graph O1 cuda_graph set_to_none"] = lambda: graph(True, set_to_none=True)
     if capture and graph_compile:
         out["Graph O1 enable_compile cuda_graph"] = lambda: graph(True, inductor=True)
     return out
@@ -318,6 +325,10 @@ def measure(
     ):
         if "torch.compile reduce-overhead" in steps and mine in steps:
             row[key] = ratio(times, mine, "torch.compile reduce-overhead")
+    if "Graph O1 cuda_graph" in steps and "Graph O1 cuda_graph set_to_none" in steps:
+        row["set_to_none_vs_in_place"] = ratio(
+            times, "Graph O1 cuda_graph set_to_none", "Graph O1 cuda_graph"
+        )
     return row
 
 
@@ -366,6 +377,59 @@ def host_overhead(repeats: int) -> dict[str, float]:
     return out
 
 
+class _RunEach(_NoLaunch):
+    """A capture that runs the step at its capture and at every replay: the captured step's
+    own Python, eagerly (its gradients zeroed in place, as a captured step has them)."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        return fn
+
+    def replay(self, fn: Any) -> Any:
+        return fn()
+
+
+def grad_zeroing(repeats: int) -> dict[str, Any]:
+    """What zeroing the gradients in place (a captured Graph's default) costs beside setting
+    them to None (``set_to_none=True``), on the CPU: the captured step's Python run eagerly
+    both ways (a stand-in capture); each step's peak of allocated bytes from its start
+    (:func:`measure.peak_cpu_next_step_mb`) and its time in interleaved rounds. To None, a
+    step frees the last step's gradients before its forward, whose activations take their
+    place; in place, they stay beside the activations, and each step zeroes them and adds
+    each new gradient into them. GPT 4 layers, width 256, vocabulary 8192, 8x128 tokens, O1
+    bf16, fused SGD."""
+    from measure import peak_cpu_next_step_mb
+
+    torch.manual_seed(0)
+    model = models.GPTWithLoss(vocab=8192, block=128, dim=256, heads=4, layers=4)
+    idx = torch.randint(0, 8192, (8, 128))
+    setup = Setup("GPT 4x256, 8x128 tokens", model, fused_sgd_cpu, (idx, idx), True)
+
+    class RunEachGraph(StepGraph):
+        _step_capture = _RunEach
+
+    steps = {}
+    for name, set_to_none in (("to None", True), ("in place", False)):
+        step = RunEachGraph(setup, copy.deepcopy(model), "O1", torch.bfloat16)
+        step.config.enable_cuda_graph(True, warmup_steps=1, set_to_none=set_to_none)
+        steps[name] = step
+    for step in steps.values():
+        for _ in range(3):  # the warm-up, the capture and a replay: the step's state exists
+            step(*setup.inputs)
+    grads = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    peaks = {
+        name: peak_cpu_next_step_mb(lambda s=step: s(*setup.inputs)) for name, step in steps.items()
+    }
+    calls = {name: (lambda s=step: s(*setup.inputs)) for name, step in steps.items()}
+    times = interleaved_seconds(calls, repeats, device="cpu")
+    return {
+        "setup": setup.name,
+        "gradients_mb": grads,
+        "peak_mb": peaks,
+        "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+        "in_place_vs_to_none": ratio(times, "in place", "to None"),
+    }
+
+
 def fused_sgd_cpu(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=torch.tensor(1e-3), momentum=0.9, fused=True)
 
@@ -393,7 +457,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--host-overhead", action="store_true", help="see the docstring")
+    parser.add_argument("--grad-zeroing", action="store_true", help="see the docstring")
     args = parser.parse_args(argv)
+    if args.grad_zeroing:
+        figures = grad_zeroing(args.repeats)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_name()}")
+        print(
+            f"{figures['setup']}, O1 bf16, fused SGD; "
+            f"fp32 gradients {figures['gradients_mb']:.1f} MB"
+        )
+        for name, peak in figures["peak_mb"].items():
+            print(f"gradients {name:<9} step peak {peak:>7.1f} MB  {figures['ms'][name]:>8.2f} ms")
+        print(
+            f"in place / to None: {figures['in_place_vs_to_none']:.3f} (median of per-round ratios)"
+        )
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=1))
+        return 0
     if args.host_overhead:
         figures = host_overhead(args.repeats * 10)
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, tiny GPT, fused SGD")
@@ -430,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("captured_vs_compile", "compiled_captured_vs_compile"):
                 if key in row:
                     print(f"{key} (/ torch.compile reduce-overhead): {row[key]:.3f}")
+            if "set_to_none_vs_in_place" in row:
+                print(f"set_to_none / in place: {row['set_to_none_vs_in_place']:.3f}")
             if args.json:  # after each row: a run cut short still leaves its figures
                 args.json.write_text(json.dumps(rows, indent=1))
     failed = any(isinstance(c, dict) and "error" in c for row in rows for c in row.values())

@@ -166,6 +166,13 @@ FIGURES = [  # (key, what, target)
         "reserved peak, the warm-ups' cached blocks included",
         "<= 1.10x",
     ),
+    (
+        "step_capture_set_to_none",
+        "`enable_cuda_graph(True, set_to_none=True)` (gradients set to None, each graph its "
+        "own) / zeroed in place, 8x512 bf16: step time; step peak; first five calls' reserved "
+        "peak",
+        "< 1.00x",
+    ),
     ("share", "check+unscale's share of a Graph O1 fp16 step, GPT 12x768, 8x512 tokens", "-"),
     ("sweep", "kernel knobs (`kernel_sweep.py`), 1e8 fp32: default / best variant, / memcpy", "-"),
     (
@@ -504,8 +511,26 @@ def run_step_capture(seconds: float, results: Results) -> None:
                 else ""
             )
         )
+    to_none = timed(row, "Graph O1 cuda_graph set_to_none")
+    if mine is not None and to_none is not None and "set_to_none_vs_in_place" in row:
+        results.cells["step_capture_set_to_none"] = _set_to_none_cell(
+            row["set_to_none_vs_in_place"], to_none, mine
+        )
     if broken:
         raise GpuCheckError("cuda_graph_bench.py: " + "; ".join(broken))
+
+
+def _set_to_none_cell(time_ratio: float, to_none: dict, in_place: dict) -> str:
+    """``set_to_none=True``'s row against the default's (gradients zeroed in place), from
+    cuda_graph_bench.py's cells of one run: time (the median of per-round ratios), step peak,
+    first calls' reserved peak."""
+    parts = [f"{time_ratio:.3f}x ({to_none['ms']:.2f} / {in_place['ms']:.2f} ms)"]
+    for key in ("peak_step_mb", "first_calls_reserved_mb"):
+        ours, theirs = to_none.get(key), in_place.get(key)
+        parts.append(
+            f"{ours / theirs:.2f}x ({ours:.0f} / {theirs:.0f} MB)" if ours and theirs else "-"
+        )
+    return "; ".join(parts)
 
 
 def run_scaler_share(seconds: float, results: Results) -> None:
@@ -710,6 +735,7 @@ STAGE_FIGURES = {  # which figures each stage gives (an earlier run's stand in i
         "step_capture_64",
         "step_capture_user_loop",
         "step_capture_memory",
+        "step_capture_set_to_none",
     ),
     run_recompute: ("recompute",),
     run_graph_step: ("syncs", "captured", "captured_time"),

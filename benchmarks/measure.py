@@ -82,6 +82,29 @@ def peak_cpu_step_mb(step: Callable[[], object]) -> float:
     return peak / 2**20
 
 
+def peak_cpu_next_step_mb(step: Callable[[], object]) -> float:
+    """Like :func:`peak_cpu_step_mb`, but for the second of two steps profiled together, from
+    the bytes live at its start: what a step frees of the step before (gradients set to None)
+    counts, which the profiler cannot attribute for blocks allocated before it started."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+        with record_function("measure.next_step"):
+            step()
+    marker = next(e for e in prof.events() if e.name == "measure.next_step")
+    start, end = marker.time_range.start, marker.time_range.end
+    events = sorted(
+        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
+    )
+    live = peak = 0
+    for event in events:
+        if start <= event.time_range.start <= end:
+            live += event.self_cpu_memory_usage
+            peak = max(peak, live)
+    return peak / 2**20
+
+
 def cpu_name() -> str:
     """The CPU's model name and whether it has AVX512-BF16, from /proc/cpuinfo."""
     try:

@@ -71,6 +71,13 @@ def _fake_run(command: list[str], seconds: float) -> subprocess.CompletedProcess
                 if batch == 8 and dtype == "bfloat16":
                     states = {"active_allocated": 100.0, "inactive": 950.0}
                     row["Graph O1 cuda_graph"]["pool"] = {"mib_by_state": states}
+                    row["Graph O1 cuda_graph set_to_none"] = {
+                        "ms": 11.4,
+                        "vs_hand": 0.38,
+                        "peak_step_mb": 840.0,
+                        "first_calls_reserved_mb": 1232.0,
+                    }
+                    row["set_to_none_vs_in_place"] = 0.95
                     row["torch.compile reduce-overhead"] = {
                         "ms": 15.0,
                         "vs_hand": 0.5,
@@ -187,6 +194,10 @@ def test_figures_land_in_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         "| <= 1.10x | 1.05x (1050 / 1000 MB; pool 100 MB live, 950 MB free); the first five "
         "calls (warm-ups and the capture) reserve 1.10x (1540 / 1400 MB) |"
     ) in text
+    assert (
+        "| < 1.00x | 0.950x (11.40 / 12.00 ms); 0.80x (840 / 1050 MB); 0.80x (1232 / 1540 MB) |"
+        in text
+    )
     assert "| - | 0.600x; 1.050x; 0.550x |" in text
     assert (
         "| gpt: eager 1.030, default* 0.620; torch.compile 0.600; Graph* 1.040; "
