@@ -10,6 +10,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,14 +73,7 @@ def peak_cpu_step_mb(step: Callable[[], object]) -> float:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
-    )
-    live = peak = 0
-    for event in events:
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak / 2**20
+    return _peak_mb(prof.events(), float("-inf"), float("inf"))
 
 
 def peak_cpu_next_step_mb(step: Callable[[], object]) -> float:
@@ -92,16 +86,22 @@ def peak_cpu_next_step_mb(step: Callable[[], object]) -> float:
         step()
         with record_function("measure.next_step"):
             step()
-    marker = next(e for e in prof.events() if e.name == "measure.next_step")
-    start, end = marker.time_range.start, marker.time_range.end
-    events = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
+    events = prof.events()
+    marker = next(e for e in events if e.name == "measure.next_step")
+    return _peak_mb(events, marker.time_range.start, marker.time_range.end)
+
+
+def _peak_mb(events: Any, start: float, end: float) -> float:
+    """The peak, in MiB, of the profiled events' own allocations minus frees, summed in time
+    order over the events that start within [start, end]."""
+    timed = sorted(
+        (e for e in events if e.self_cpu_memory_usage and start <= e.time_range.start <= end),
+        key=lambda e: e.time_range.start,
     )
     live = peak = 0
-    for event in events:
-        if start <= event.time_range.start <= end:
-            live += event.self_cpu_memory_usage
-            peak = max(peak, live)
+    for event in timed:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
     return peak / 2**20
 
 
