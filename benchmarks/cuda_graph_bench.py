@@ -32,8 +32,8 @@ tiny GPT, fused SGD) whose capture is replaced by one that keeps the outputs and
 launches nothing, so that a call is the Graph's and the replayer's Python alone (the input
 signature, the batch copied into the static inputs, the outputs copied out).
 
-``--grad-zeroing`` (the CPU): what a captured step's gradients zeroed in place cost beside
-the uncaptured step's set to None, in peak bytes and time (:func:`grad_zeroing`).
+``--grad-zeroing`` (the CPU): what a captured step's gradients zeroed in place (the default)
+cost beside ``set_to_none=True``'s, in peak bytes and time (:func:`grad_zeroing`).
 
 ``--graph-compile`` adds ``Graph O1 enable_compile cuda_graph``: the same Graph with
 ``config.enable_compile()`` (inductor's kernels for forward and backward) captured whole.
@@ -379,7 +379,8 @@ def host_overhead(repeats: int) -> dict[str, float]:
 
 class _RunEach(_NoLaunch):
     """A capture that runs the step at its capture and at every replay: the captured step's
-    own Python, eagerly (its gradients zeroed in place, as a captured step has them)."""
+    own Python, eagerly (its gradients zeroed in place or set to None, as its
+    ``enable_cuda_graph(set_to_none=...)`` says)."""
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         return fn

@@ -346,11 +346,7 @@ def test_each_graph_keeps_its_gradients_and_dot_grad_follows_the_graph_replayed(
     at_capture: list[torch.Tensor | None] = []
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        if (
-            isinstance(x, torch.Tensor)
-            and len(replayer.device.events)
-            and (replayer.device.events[-1] == "capture")
-        ):
+        if replayer.device.events[-1:] == ["capture"]:
             at_capture.append(param.grad)
         param.grad = torch.full((2,), float(x.shape[0]))  # a new tensor, as a backward's
         return x.sum()
