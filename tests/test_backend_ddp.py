@@ -13,9 +13,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dist_helpers import end_rank, free_port
+from dist_helpers import end_rank, free_port, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 WORLD = 2
@@ -101,7 +100,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_training_on_two_processes(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for result in results:
         assert result["graphs"] >= 2  # DDPOptimizer split the model at bucket boundaries

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_helpers import end_rank, free_port
+from dist_helpers import end_rank, free_port, spawn_ranks
 
 POISONED_ITER = 2
 N_ITERS = 4
@@ -112,7 +111,7 @@ def _train_alone(scaler) -> dict:
 
 
 def test_all_ranks_skip_together_with_a_process_group(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), 2)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
 
     expected_taken = [i != POISONED_ITER for i in range(N_ITERS)]

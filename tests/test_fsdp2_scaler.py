@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_helpers import end_rank, free_port
+from dist_helpers import end_rank, free_port, spawn_ranks
 
 WORLD = 2
 STEPS = 6
@@ -127,7 +126,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_fsdp2_ranks_skip_a_step_poisoned_on_one_shard(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     for result in ranks:

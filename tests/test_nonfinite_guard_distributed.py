@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_helpers import end_rank, free_port
+from dist_helpers import end_rank, free_port, spawn_ranks
 
 WORLD = 2
 BF16 = torch.bfloat16
@@ -128,7 +127,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_guard_agrees_only_where_asked_and_never_blocks(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     for result in ranks:  # 3 steps on rank 0, 1 on rank 1: both finished, nothing skipped
