@@ -35,9 +35,11 @@ every setup measured.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -45,9 +47,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# an inductor cache of this run's own (before torch reads the variable); each variant's first
-# compile also gets a fresh one (cold_compile)
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="amp_graph_modes_"))
+# an inductor cache of this run's own (before torch reads the variable), removed when the run
+# ends; each variant's first compile also gets a fresh one inside it (cold_compile)
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    RUN_CACHE = tempfile.mkdtemp(prefix="amp_graph_modes_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = RUN_CACHE
+    atexit.register(shutil.rmtree, RUN_CACHE, ignore_errors=True)
 
 import torch
 from graph_bench import Setup, StepGraph
@@ -182,11 +187,11 @@ def variants(
 
 def cold_compile() -> contextlib.AbstractContextManager:
     """A fresh inductor (and Triton) cache around one variant's first call, kept on disk (its
-    kernels load from there)."""
+    kernels load from there) inside the run's cache directory."""
     from torch._inductor import utils
 
     fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
-    return fresh(delete=False)
+    return fresh(dir=os.environ["TORCHINDUCTOR_CACHE_DIR"], delete=False)
 
 
 def start_inductor(device: str) -> None:

@@ -72,6 +72,7 @@ def train_step(model: nn.Module, dtype: torch.dtype, optimizer: str = "sgd") -> 
 
 
 def dcp_resume(rank: int, dtype: torch.dtype) -> dict[str, Any]:
+    import shutil
     import tempfile
 
     import torch.distributed.checkpoint as dcp
@@ -108,6 +109,8 @@ def dcp_resume(rank: int, dtype: torch.dtype) -> dict[str, Any]:
         ref_lr=0.7 ** len(data) * 1e-2,
     )
     dist.barrier()  # every rank has read the checkpoint
+    if rank == 0:
+        shutil.rmtree(path[0])
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,10 @@ def test_notebook_runs_top_to_bottom(path: Path) -> None:
         # the kernel on unix sockets: TCP ports picked free can be taken by another process
         # (a gloo rank of the other worker) before the kernel binds them
         manager = jupyter_manager.KernelManager(
-            kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel"
+            kernel_name="python3",
+            transport="ipc",
+            ip=f"{sockets}/kernel",
+            connection_file=f"{sockets}/kernel.json",
         )
         client = nbclient.NotebookClient(
             notebook,
@@ -31,7 +35,9 @@ def test_notebook_runs_top_to_bottom(path: Path) -> None:
             timeout=CELL_TIMEOUT_S,
             resources={"metadata": {"path": str(path.parent)}},
         )
-        client.execute()  # raises CellExecutionError, naming the cell, if one fails
+        # raises CellExecutionError, naming the cell, if one fails; what the notebook (or
+        # torch under it) writes to its temporary directory goes with the sockets'
+        client.execute(env={**os.environ, "TMPDIR": sockets})
     errors = [
         o
         for c in notebook.cells
