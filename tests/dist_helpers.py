@@ -40,6 +40,7 @@ def _scenario_worker(
     timeout_seconds: float,
 ) -> None:
     import datetime
+    import faulthandler
     import importlib
     import traceback
     from pathlib import Path
@@ -47,6 +48,9 @@ def _scenario_worker(
     import torch
     import torch.distributed as dist
 
+    # kept open for the rank's life: on a fatal signal faulthandler writes every thread's stack
+    fault_file = open(Path(out_dir) / f"rank{rank}.fault", "w")  # noqa: SIM115
+    faulthandler.enable(fault_file, all_threads=True)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -66,22 +70,6 @@ def _scenario_worker(
     end_rank()
 
 
-# What the ranks' server process imports once, before it forks each rank (spawn_ranks): torch,
-# amp_graph and the distributed packages the tests' ranks use. With the four distributed
-# packages the nine files of distributed tests took 109 s here, 196 s without them, 296 s with
-# each rank a fresh interpreter (2 xdist workers, 2 vCPUs).
-RANK_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch.distributed.checkpoint",
-    "torch.distributed.fsdp",
-    "torch.distributed.pipelining",
-    "torch.distributed.tensor",
-    "amp_graph",
-    "dist_helpers",
-]
-
-
 def spawn_ranks(
     worker: Any, args: tuple, world: int, join_seconds: float = 150, name: str = "ranks"
 ) -> None:
@@ -89,23 +77,17 @@ def spawn_ranks(
     if a rank raises (its traceback in the error) or is still running after ``join_seconds``
     (an error that names ``name``).
 
-    The ranks start as torch.multiprocessing's ``"forkserver"`` method starts them: each is a
-    fork of one server process that imported :data:`RANK_PRELOAD` once, not a fresh
-    interpreter importing torch and amp_graph again (about 3 s of CPU a rank on these 2-core
-    machines, where four ranks share two cores). The server is itself a fresh interpreter,
-    started once per test process, that has run no torch op: a rank inherits no thread pool,
-    process group or tensor from the test. Nor its environment: a rank's ``os.environ`` is
-    the server's, as it was when the test process first spawned ranks, so what a rank needs
-    goes in ``args``."""
-    import multiprocessing
+    The ranks start as fresh interpreters (torch.multiprocessing's ``"spawn"``). Forks of
+    one server that had imported torch and amp_graph (``"forkserver"``) took the nine files of
+    distributed tests from 296 s to 109 s here, but a rank died of SIGSEGV in the first whole
+    suite run so (not again in ten reruns of its file): until that is understood, each rank
+    pays its imports. A rank of :func:`spawn_scenario` that dies of a signal leaves its
+    threads' Python stacks in ``rank{N}.fault`` (faulthandler), shown in the error."""
     import time
 
     import torch.multiprocessing as mp
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
-    context = mp.start_processes(
-        worker, args=args, nprocs=world, join=False, start_method="forkserver"
-    )
+    context = mp.start_processes(worker, args=args, nprocs=world, join=False)
     deadline = time.monotonic() + join_seconds
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0)):
@@ -132,7 +114,13 @@ def spawn_scenario(
     from pathlib import Path
 
     import torch
+    import torch.multiprocessing as mp
 
     args = (world, module, scenario, free_port(), str(out_dir), collective_timeout_seconds)
-    spawn_ranks(_scenario_worker, args, world, join_seconds, name=scenario)
+    try:
+        spawn_ranks(_scenario_worker, args, world, join_seconds, name=scenario)
+    except mp.ProcessExitedException as died:  # a signal: what its threads were running
+        fault = Path(out_dir) / f"rank{died.error_index}.fault"
+        stacks = fault.read_text() if fault.exists() else "(no faulthandler output)"
+        raise AssertionError(f"{scenario}: {died}\n{stacks}") from died
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
