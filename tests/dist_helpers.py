@@ -40,7 +40,6 @@ def _scenario_worker(
     timeout_seconds: float,
 ) -> None:
     import datetime
-    import faulthandler
     import importlib
     import traceback
     from pathlib import Path
@@ -48,9 +47,6 @@ def _scenario_worker(
     import torch
     import torch.distributed as dist
 
-    # kept open for the rank's life: on a fatal signal faulthandler writes every thread's stack
-    fault_file = open(Path(out_dir) / f"rank{rank}.fault", "w")  # noqa: SIM115
-    faulthandler.enable(fault_file, all_threads=True)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -70,29 +66,54 @@ def _scenario_worker(
     end_rank()
 
 
+def _rank_with_faulthandler(rank: int, worker: Any, out_dir: str, *args: Any) -> None:
+    """``worker(rank, *args)``, with every thread's Python stack written into
+    ``out_dir/rank{rank}.fault`` if the rank dies of a fatal signal (faulthandler)."""
+    import faulthandler
+    from pathlib import Path
+
+    # kept open for the rank's life: faulthandler writes into it when the signal comes
+    fault_file = open(Path(out_dir) / f"rank{rank}.fault", "w")  # noqa: SIM115
+    faulthandler.enable(fault_file, all_threads=True)
+    worker(rank, *args)
+
+
 def spawn_ranks(
-    worker: Any, args: tuple, world: int, join_seconds: float = 150, name: str = "ranks"
+    worker: Any,
+    args: tuple,
+    world: int,
+    out_dir: Any,
+    join_seconds: float = 150,
+    name: str | None = None,
 ) -> None:
     """Run ``worker(rank, *args)`` in ``world`` processes and wait for them; fail, not hang,
-    if a rank raises (its traceback in the error) or is still running after ``join_seconds``
-    (an error that names ``name``).
+    if a rank raises (its traceback in the error), dies of a signal (its threads' Python
+    stacks in the error, from faulthandler's ``out_dir/rank{N}.fault``) or is still running
+    after ``join_seconds``; each error names ``name`` (the worker's, if not given).
 
     The ranks start as fresh interpreters (torch.multiprocessing's ``"spawn"``). Forks of
     one server that had imported torch and amp_graph (``"forkserver"``) took the nine files of
     distributed tests from 296 s to 109 s here, but a rank died of SIGSEGV in the first whole
     suite run so (not again in ten reruns of its file): until that is understood, each rank
-    pays its imports. A rank of :func:`spawn_scenario` that dies of a signal leaves its
-    threads' Python stacks in ``rank{N}.fault`` (faulthandler), shown in the error."""
+    pays its imports."""
     import time
+    from pathlib import Path
 
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=args, nprocs=world, join=False)
+    name = name or worker.__name__
+    context = mp.start_processes(
+        _rank_with_faulthandler, args=(worker, str(out_dir), *args), nprocs=world, join=False
+    )
     deadline = time.monotonic() + join_seconds
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0)):
             if time.monotonic() >= deadline:
                 raise AssertionError(f"{name}: ranks still running after {join_seconds} s")
+    except mp.ProcessExitedException as died:  # a signal: what its threads were running
+        fault = Path(out_dir) / f"rank{died.error_index}.fault"
+        stacks = fault.read_text() if fault.exists() else "(no faulthandler output)"
+        raise AssertionError(f"{name}: {died}\n{stacks}") from died
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -114,13 +135,7 @@ def spawn_scenario(
     from pathlib import Path
 
     import torch
-    import torch.multiprocessing as mp
 
     args = (world, module, scenario, free_port(), str(out_dir), collective_timeout_seconds)
-    try:
-        spawn_ranks(_scenario_worker, args, world, join_seconds, name=scenario)
-    except mp.ProcessExitedException as died:  # a signal: what its threads were running
-        fault = Path(out_dir) / f"rank{died.error_index}.fault"
-        stacks = fault.read_text() if fault.exists() else "(no faulthandler output)"
-        raise AssertionError(f"{scenario}: {died}\n{stacks}") from died
+    spawn_ranks(_scenario_worker, args, world, out_dir, join_seconds, name=scenario)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]

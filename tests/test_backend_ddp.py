@@ -100,7 +100,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_training_on_two_processes(tmp_path):
-    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, tmp_path)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for result in results:
         assert result["graphs"] >= 2  # DDPOptimizer split the model at bucket boundaries

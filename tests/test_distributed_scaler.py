@@ -111,7 +111,7 @@ def _train_alone(scaler) -> dict:
 
 
 def test_all_ranks_skip_together_with_a_process_group(tmp_path: Path) -> None:
-    spawn_ranks(_worker, (free_port(), str(tmp_path)), 2)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), 2, tmp_path)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
 
     expected_taken = [i != POISONED_ITER for i in range(N_ITERS)]

@@ -126,7 +126,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_fsdp2_ranks_skip_a_step_poisoned_on_one_shard(tmp_path: Path) -> None:
-    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     for result in ranks:

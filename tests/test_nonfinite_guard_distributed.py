@@ -127,7 +127,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_guard_agrees_only_where_asked_and_never_blocks(tmp_path: Path) -> None:
-    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     for result in ranks:  # 3 steps on rank 0, 1 on rank 1: both finished, nothing skipped
