@@ -78,6 +78,20 @@ def _rank_with_faulthandler(rank: int, worker: Any, out_dir: str, *args: Any) ->
     worker(rank, *args)
 
 
+# What a forkserver imports once before it forks each rank (AMP_GRAPH_TEST_RANK_START=forkserver,
+# see spawn_ranks): torch, amp_graph and the distributed packages the tests' ranks use.
+RANK_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor",
+    "amp_graph",
+    "dist_helpers",
+]
+
+
 def spawn_ranks(
     worker: Any,
     args: tuple,
@@ -91,19 +105,33 @@ def spawn_ranks(
     stacks in the error, from faulthandler's ``out_dir/rank{N}.fault``) or is still running
     after ``join_seconds``; each error names ``name`` (the worker's, if not given).
 
-    The ranks start as fresh interpreters (torch.multiprocessing's ``"spawn"``). Forks of
-    one server that had imported torch and amp_graph (``"forkserver"``) took the nine files of
-    distributed tests from 296 s to 109 s here, but a rank died of SIGSEGV in the first whole
-    suite run so (not again in ten reruns of its file): until that is understood, each rank
-    pays its imports."""
+    The ranks start as fresh interpreters (torch.multiprocessing's ``"spawn"``).
+    ``AMP_GRAPH_TEST_RANK_START=forkserver`` forks them instead from one server that imported
+    :data:`RANK_PRELOAD` once: the nine files of distributed tests took 109 s here, not 296 s,
+    but a rank died of SIGSEGV in the first whole suite run so (not again in three more whole
+    suites, ten reruns of its file and 30 of its scenario): until that is understood, each
+    rank pays its imports, and the variable is there to look for the crash."""
     import time
     from pathlib import Path
 
     import torch.multiprocessing as mp
 
     name = name or worker.__name__
+    start_method = os.environ.get("AMP_GRAPH_TEST_RANK_START", "spawn")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(
+            f"AMP_GRAPH_TEST_RANK_START={start_method!r}: 'spawn' (the default) or 'forkserver'"
+        )
+    if start_method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
     context = mp.start_processes(
-        _rank_with_faulthandler, args=(worker, str(out_dir), *args), nprocs=world, join=False
+        _rank_with_faulthandler,
+        args=(worker, str(out_dir), *args),
+        nprocs=world,
+        join=False,
+        start_method=start_method,
     )
     deadline = time.monotonic() + join_seconds
     try:
