@@ -108,8 +108,8 @@ def spawn_ranks(
     The ranks start as fresh interpreters (torch.multiprocessing's ``"spawn"``).
     ``AMP_GRAPH_TEST_RANK_START=forkserver`` forks them instead from one server that imported
     :data:`RANK_PRELOAD` once: the nine files of distributed tests took 109 s here, not 296 s,
-    but a rank died of SIGSEGV in the first whole suite run so (not again in three more whole
-    suites, ten reruns of its file and 30 of its scenario): until that is understood, each
+    but a rank died of SIGSEGV in the first whole suite run so (not again in five more whole
+    suites, ten reruns of its file and 80 runs of scenarios): until that is understood, each
     rank pays its imports, and the variable is there to look for the crash."""
     import time
     from pathlib import Path
