@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 from dist_helpers import spawn_ranks
 
 
@@ -47,7 +48,7 @@ def test_an_unknown_start_method_is_refused_by_name(
 
 
 def test_a_failing_rank_fails_the_test_with_its_traceback(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="rank one fails on purpose"):
+    with pytest.raises(mp.ProcessRaisedException, match="rank one fails on purpose"):
         spawn_ranks(_raise_on_rank_one, (), 2, tmp_path)
 
 
