@@ -93,6 +93,17 @@ def autocast_tables(device_type: str) -> tuple[frozenset[str], frozenset[str], f
     )
 
 
+FFT_OPS: frozenset[str] = frozenset(
+    {n for n in _bases(lists.CPU_FP32) if n.startswith("fft_")}
+    | {"_fft_r2c", "_fft_c2c", "_fft_c2r", "stft", "istft"}
+)
+"""Fourier transforms: no device has a bfloat16 kernel for them (torch raises "Unsupported
+dtype BFloat16"), and cuFFT's float16 takes power-of-two sizes only. torch.autocast's CPU
+list keeps them float32; its CUDA list does not name them, so a bf16 input fails there
+(HF's FNet under CUDA autocast). O1, O2 and O3 keep them float32; ``"autocast"`` is the
+device's lists as they are."""
+
+
 @functools.lru_cache(maxsize=1)
 def known_op_names() -> frozenset[str]:
     """Every aten op name: those torch registers, and those the tables know (CUDA-only ops
@@ -406,21 +417,22 @@ class Policy:
             return replace(Policy.preset("O1"), name="fp8", fp8=Fp8Config())
         if name in ("O1", "autocast"):
             allow, deny, promote = autocast_tables("cuda" if name == "O1" else device_type)
-            label = name if name == "O1" else f"autocast[{device_type}]"
-            return Policy(label, allow=allow, deny=deny, promote=promote)
+            if name == "O1":  # where CUDA autocast would run them low and fail
+                return Policy(name, allow=allow, deny=deny | FFT_OPS, promote=promote)
+            return Policy(f"autocast[{device_type}]", allow=allow, deny=deny, promote=promote)
         if name == "O2":
             _, fp32, _ = autocast_tables("cuda")
             mixed = python_ops.MIXED_PRECISION_NORM_OPS
             return Policy(
                 "O2",
-                deny=fp32 | (python_ops.NORMALIZATION_OPS - mixed),
+                deny=fp32 | FFT_OPS | (python_ops.NORMALIZATION_OPS - mixed),
                 follow=mixed,
                 default=Rule.ALLOW,
                 cast_inputs=True,
                 master_weights=True,
             )
         # O3 is "everything low": the placement's raises would contradict it (an option)
-        return Policy("O3", default=Rule.ALLOW, cast_inputs=True, place_casts=False)
+        return Policy("O3", deny=FFT_OPS, default=Rule.ALLOW, cast_inputs=True, place_casts=False)
 
     def with_fp8(self, config: Fp8Config | None = None, **options: Any) -> Policy:
         """A copy whose linear layers run in fp8: ``config``, or ``Fp8Config(**options)``
