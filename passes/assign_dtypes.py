@@ -57,6 +57,7 @@ from .meta import (
     DtypeFact,
     Role,
     cast_fact,
+    is_cast_read,
     is_castable,
     tensor_facts,
 )
@@ -245,6 +246,8 @@ class _Planner(fx.Interpreter):
         self._node, self._amp = node, amp
         if node.op in ("placeholder", "get_attr", "output"):
             value = super().run_node(node)
+        elif is_cast_read(node):  # a consumer's read of a shared cast: that cast
+            value = self.env[node.args[1]]
         elif amp.role is Role.RUNTIME:  # added after the passes: nothing to plan
             value = None
         else:

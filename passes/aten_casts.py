@@ -4,10 +4,13 @@ The passes write their casts as ``x.to(dtype)`` (``call_method``), and recompute
 :func:`amp_graph.ops.recompute_ops.recomputed_cast` (a Python function that asks backward to cast
 again). Both are the same conversion as ``torch.ops.aten._to_copy.default(x, dtype=dtype)``,
 which is what a program for ``torch.export`` (and AOTInductor and ONNX after it) must hold:
-an aten op, not a method call or a Python function.
+an aten op, not a method call or a Python function. A consumer's
+:func:`~amp_graph.ops.cast_reads.cast_read` of a shared cast (a route for its gradient, a
+view of the cast forward) reads the cast itself: a program has no backward.
 
-Reads: ``call_method to`` nodes with one dtype argument; calls of ``recomputed_cast``.
-Writes: those nodes' op and arguments (name, meta and users kept).
+Reads: ``call_method to`` nodes with one dtype argument; calls of ``recomputed_cast`` and
+``cast_read``. Writes: the casts' op and arguments (name, meta and users kept); removes the
+reads.
 Guarantees: every value is computed as before, bit for bit (the cast is the same
 conversion; ``to`` returns its input when the dtype already matches, and no cast the passes
 insert is of that kind); nothing else in the graph changes.
@@ -20,6 +23,7 @@ import torch.fx as fx
 
 from amp_graph.ops.recompute_ops import recomputed_cast
 
+from .meta import is_cast_read
 from .result import PassResult
 
 TO_COPY = torch.ops.aten._to_copy.default
@@ -39,9 +43,13 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
 
 def aten_casts(gm: fx.GraphModule) -> PassResult:
     """Rewrite each ``x.to(dtype)`` and ``recomputed_cast(x, dtype, why)`` as
-    ``aten._to_copy.default(x, dtype=dtype)``."""
+    ``aten._to_copy.default(x, dtype=dtype)``, and each ``cast_read(x, cast)`` as ``cast``."""
     rewritten = 0
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
+        if is_cast_read(node):
+            node.replace_all_uses_with(node.args[1])
+            gm.graph.erase_node(node)
+            continue
         dtype = cast_dtype(node)
         if dtype is None or node.target is TO_COPY:
             continue

@@ -38,6 +38,9 @@ import torch.utils.checkpoint
 from .meta import AMP, CHECKPOINT_REGION, VAL, AmpInfo, Role
 from .result import PassResult
 
+CHECKPOINT_PREFIX = "checkpoint_"
+"""The name of each checkpointed block's submodule, before its number."""
+
 
 def _region_nodes(gm: fx.GraphModule) -> dict[int, list[fx.Node]]:
     """Each region's nodes in graph order, with the casts made for them alone and the
@@ -97,7 +100,7 @@ def _outline(gm: fx.GraphModule, number: int, nodes: list[fx.Node]) -> bool:
     for node in nodes:
         env[node] = body.node_copy(node, lambda a: env[a])
     body.output(tuple(env[n] for n in outputs))
-    name = f"checkpoint_{number}"
+    name = f"{CHECKPOINT_PREFIX}{number}"
     while hasattr(gm, name):
         name = f"{name}_"
     gm.add_submodule(name, fx.GraphModule(gm, body, class_name="CheckpointRegion"))

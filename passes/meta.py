@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph.ops.cast_reads import cast_read
 from amp_graph.ops.recompute_ops import recomputed_cast
 from amp_graph.policy import Rule
 
@@ -216,6 +217,33 @@ def is_dtype_cast(node: fx.Node) -> bool:
         ("call_method", "to"),
         ("call_function", recomputed_cast),
     )
+
+
+def is_cast_read(node: fx.Node) -> bool:
+    """A consumer's read of a shared cast (:func:`~amp_graph.ops.cast_reads.cast_read`):
+    the cast's values, a route for the consumer's gradient; the tools that show the plan
+    look through it."""
+    return node.op == "call_function" and node.target is cast_read
+
+
+def behind_reads(node: fx.Node) -> fx.Node:
+    """``node``, or the cast behind it where it is a :func:`is_cast_read`."""
+    while is_cast_read(node):
+        node = node.args[1]  # type: ignore[assignment]
+    return node
+
+
+def inputs_behind_reads(node: fx.Node) -> list[fx.Node]:
+    """``node``'s input nodes, each read of a shared cast as that cast."""
+    return list(dict.fromkeys(behind_reads(a) for a in node.all_input_nodes))
+
+
+def users_through_reads(node: fx.Node) -> list[fx.Node]:
+    """``node``'s users, each read of a shared cast as the consumers it serves."""
+    found: list[fx.Node] = []
+    for user in node.users:
+        found.extend(users_through_reads(user) if is_cast_read(user) else [user])
+    return list(dict.fromkeys(found))
 
 
 def info(node: fx.Node) -> AmpInfo:

@@ -7,7 +7,8 @@ Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes
 -> (place_casts: ``Policy.place_casts``, where the default rule is ALLOW: O2) ->
 (widen_parameters, given O2's low copies) -> low_extremes
 -> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
--> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts.
+-> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts
+-> (shared_cast_gradients: ``Policy.cast_gradients_per_consumer``, the ``"autocast"`` preset).
 With ``check_each_pass=True`` (the tests use it; ``compile``, the backend and ``Graph``
 take the same flag) the verifier also runs after each pass up to
 simplify_casts, so a pass that breaks an invariant is caught where it happens; the passes
@@ -43,6 +44,7 @@ from .place_casts import place_casts
 from .recompute_casts import recompute_casts
 from .regions import region_left
 from .result import PassResult
+from .shared_cast_gradients import shared_cast_gradients
 from .simplify_casts import simplify_casts
 from .verify import verify
 from .widen_parameters import widen_parameters
@@ -129,6 +131,9 @@ def amp_passes(
             ),
         )
     )
+    # last: the passes before it find a cast's consumers as its direct users
+    if policy.cast_gradients_per_consumer:
+        passes.append(("shared_cast_gradients", shared_cast_gradients))
     return passes
 
 
@@ -199,6 +204,7 @@ def run_passes(
                 "fsdp_planned_reads",
                 "outline_checkpoints",
                 "recompute_casts",
+                "shared_cast_gradients",
             )
             if check_each_pass and name not in skip:
                 materialized = name in ("insert_casts", "simplify_casts")

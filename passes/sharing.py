@@ -24,8 +24,10 @@ mode); reads with equal keys may share one cast, reads with different keys may n
 
 Guarantee: a reader given a shared cast receives, bit for bit, the values of the cast it
 would have made itself, recorded by autograd exactly when its own cast would have been
-(the readers' gradients then meet at the one cast and sum in its dtype, as they do at
-torch.autocast's cached weight casts: README, known limits).
+(the readers' gradients meet at the one cast and sum in its dtype, as they do at
+torch.autocast's cached weight casts; for an activation's cast, ``shared_cast_gradients``,
+under ``Policy.cast_gradients_per_consumer``, routes each reader's gradient to the source
+on its own, as autocast's cast per reader does).
 
 Not seen: writes the graph does not show (a hook, a custom op without a schema that
 says so), and graph inputs that alias each other (``torch.export`` assumes they do not).

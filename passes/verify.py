@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from .assign_dtypes import propagate_dtypes
-from .meta import AMP, UNKNOWN, Role, is_castable, short, tensor_facts
+from .meta import AMP, UNKNOWN, Role, behind_reads, is_castable, short, tensor_facts
 from .result import PassResult
 
 
@@ -36,11 +36,12 @@ def _check_planned_inputs(node: fx.Node) -> None:
         return
 
     def check(value: fx.Node) -> fx.Node:
-        for fact in tensor_facts(value.meta[AMP].out_dtype):  # each tensor of a tuple too
+        read = behind_reads(value)  # a consumer's read of a shared cast: that cast
+        for fact in tensor_facts(read.meta[AMP].out_dtype):  # each tensor of a tuple too
             if is_castable(fact) and fact != amp.compute_dtype:
                 raise VerificationError(
                     f"node {node.name!r} is planned to compute in {short(amp.compute_dtype)} "
-                    f"but input {value.name!r} holds a {short(fact)} tensor: a cast is missing"
+                    f"but input {read.name!r} holds a {short(fact)} tensor: a cast is missing"
                 )
         return value
 

@@ -43,7 +43,13 @@ from amp_graph.capture.autograd_functions import FunctionCall
 from amp_graph.frontends.compiler import CompiledModule
 from amp_graph.frontends.front_door import COMPILE_META, CompileRecord
 from amp_graph.ops.recompute_ops import recomputed_cast, recomputed_quantize
-from amp_graph.passes.meta import AMP, FLOAT8, LOW_PRECISION
+from amp_graph.passes.meta import (
+    AMP,
+    FLOAT8,
+    LOW_PRECISION,
+    inputs_behind_reads,
+    users_through_reads,
+)
 from amp_graph.passes.schema import written_storage
 
 LOW_FLOATS = frozenset(LOW_PRECISION) | FLOAT8
@@ -596,8 +602,8 @@ def shadow_run(
                 op=node.meta[AMP].op,
                 role=_role(node),
                 forward=Measure.of(dtype, rows),
-                inputs=tuple(names[a] for a in node.all_input_nodes),
-                users=tuple(names[u] for u in node.users),
+                inputs=tuple(names[a] for a in inputs_behind_reads(node)),
+                users=tuple(names[u] for u in users_through_reads(node)),
                 decided=node.meta[AMP].source != "fixed",
             )
         )

@@ -13,7 +13,9 @@ forward
 backward
     each of those casts whose input needs a gradient has a backward that casts the
     gradient back (``ToCopyBackward``; for a reduction, autograd's cast of its gradient to
-    the input's dtype): same tensor size, the two dtypes swapped, so the same bytes; and
+    the input's dtype): same tensor size, the two dtypes swapped, so the same bytes; a
+    cast several consumers share converts each consumer's gradient on its own instead
+    (its ``cast_read`` s, one conversion each); and
     an op whose output is wider than one of its floating inputs (``x_fp32 + y_bf16``,
     type promotion) returns its gradient in its output's dtype, which autograd casts to
     each narrower input's dtype. An input *wider* than the output
@@ -45,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.frontends.compiler import as_graph_module
+from amp_graph.ops.cast_reads import cast_read
 from amp_graph.passes.absorb_casts import copies_input
 from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, short, tensor_facts
 
@@ -250,9 +253,26 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
                 continue  # .float() of a float32 tensor returns it: no copy
             kind = "cast" if amp.role is Role.CAST else "model cast"
             backward = grad.get(source.name)
+            # a shared cast's consumers each convert their own gradient (cast_read), and
+            # none reaches the copy
+            reads = [user for user in node.users if user.target is cast_read]
             found.append(
-                _copy(node, source, amp.out_dtype, kind, modules, forward=True, backward=backward)
+                _copy(
+                    node,
+                    source,
+                    amp.out_dtype,
+                    kind,
+                    modules,
+                    forward=True,
+                    backward=backward and not reads,
+                )
             )
+            for read in reads:
+                found.append(
+                    _copy(
+                        read, source, amp.out_dtype, kind, modules, forward=False, backward=backward
+                    )
+                )
         elif amp.cast_absorbed:  # the op widens its input itself (its dtype=)
             source = node.args[0]
             found.append(

@@ -14,7 +14,13 @@ from pathlib import Path
 import torch.fx as fx
 
 from amp_graph.frontends.compiler import unwrap
-from amp_graph.passes.meta import Role, short
+from amp_graph.passes.meta import (
+    Role,
+    inputs_behind_reads,
+    is_cast_read,
+    short,
+    users_through_reads,
+)
 from amp_graph.policy import op_key_name
 
 from .drawing import SVG, finish, title_of
@@ -150,7 +156,7 @@ def _removed_detail(node: fx.Node, after: dict[str, fx.Node]) -> str:
         return f"a no-op: '{source.name}' is already {short(target)}"
     if any(u.meta["amp"].role is Role.CAST for u in node.users):
         return "folded into the cast that follows it (lossless chain)"
-    consumers = [after[u.name] for u in node.users if u.name in after]
+    consumers = [after[u.name] for u in users_through_reads(node) if u.name in after]
     if not consumers:
         return "not in the new graph, nor are its consumers"
     now = ", ".join(f"'{c.name}' now computes in {_dtype(c)}" for c in consumers)
@@ -173,8 +179,8 @@ def _changed_detail(old: fx.Node, new: fx.Node) -> str:
             if old.op == "call_module"
             else f"now {callee}"
         )
-    old_inputs = [a.name for a in old.all_input_nodes]
-    new_inputs = [a.name for a in new.all_input_nodes]
+    old_inputs = [a.name for a in inputs_behind_reads(old)]
+    new_inputs = [a.name for a in inputs_behind_reads(new)]
     if old_inputs != new_inputs:
         fresh = [name for name in new_inputs if name not in old_inputs]
         if fresh:
@@ -202,8 +208,9 @@ def diff(before: fx.GraphModule, after: fx.GraphModule | None = None) -> Diff:
         before, after = before_passes(before), before
     old_gm = before if is_annotated(before) else annotate(before)
     new_gm = after if is_annotated(after) else annotate(after)
-    old = {n.name: n for n in old_gm.graph.nodes}
-    new = {n.name: n for n in new_gm.graph.nodes}
+    # a shared cast's reads are its consumers' gradient routes, not a change of the plan
+    old = {n.name: n for n in old_gm.graph.nodes if not is_cast_read(n)}
+    new = {n.name: n for n in new_gm.graph.nodes if not is_cast_read(n)}
     index = {name: i for i, name in enumerate(new)}
     anchor, position = {}, -1  # removed nodes are listed after the last node both graphs have
     for name in old:

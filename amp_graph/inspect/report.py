@@ -15,7 +15,16 @@ import torch.fx as fx
 from amp_graph.frontends.compiler import as_graph_module, compile_record
 from amp_graph.frontends.front_door import CompileRecord
 from amp_graph.monitoring.selection import is_default, is_quantization
-from amp_graph.passes.meta import AMP, FSDP_MIXED_PRECISION, FSDP_UNIT, AmpInfo, Role, short
+from amp_graph.passes.meta import (
+    AMP,
+    FSDP_MIXED_PRECISION,
+    FSDP_UNIT,
+    AmpInfo,
+    Role,
+    inputs_behind_reads,
+    short,
+    users_through_reads,
+)
 from amp_graph.passes.recompute_casts import copy_dtype
 from amp_graph.policy import Rule, nearest
 from amp_graph.training.fsdp_plan import read_only_low
@@ -321,8 +330,8 @@ def cast_bytes(gm: fx.GraphModule) -> int | None:
 
 def _row(node: fx.Node, module: str) -> NodeRow:
     amp: AmpInfo = node.meta[AMP]
-    casts_in = [a.name for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
-    casts_out = [u.name for u in node.users if u.meta[AMP].role is Role.CAST]
+    casts_in = [a.name for a in inputs_behind_reads(node) if a.meta[AMP].role is Role.CAST]
+    casts_out = [u.name for u in users_through_reads(node) if u.meta[AMP].role is Role.CAST]
     return NodeRow(
         name=node.name,
         op=amp.op or node.op,
@@ -503,11 +512,11 @@ def explain(compiled: Any, node_name: str) -> Explanation:
         )
     if amp.role is Role.RUNTIME:
         return Explanation(
-            f"'{node.name}' ({amp.op}) is a node of amp_graph's runtime (the training step), "
-            f"not a precision decision: {amp.detail}."
+            f"'{node.name}' ({amp.op}) is a node of amp_graph's runtime (the training step, "
+            f"a monitor's probe, a shared cast's read), not a precision decision: {amp.detail}."
         )
     text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
-    casts_in = [a for a in node.all_input_nodes if a.meta[AMP].role is Role.CAST]
+    casts_in = [a for a in inputs_behind_reads(node) if a.meta[AMP].role is Role.CAST]
     decided = amp.role is Role.OP and amp.rule is not None and amp.source != "fixed"
     if amp.role is Role.OP and amp.source == "fixed":  # views, getitem: what the op is decides
         text.append(
@@ -543,7 +552,7 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             )
             + "."
         )
-    casts_out = [u for u in node.users if u.meta[AMP].role is Role.CAST]
+    casts_out = [u for u in users_through_reads(node) if u.meta[AMP].role is Role.CAST]
     if casts_out:
         text.append(
             "Its output is cast by "

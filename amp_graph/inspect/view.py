@@ -24,7 +24,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from amp_graph.passes.meta import AMP, VAL, AmpInfo, Role, short, tensor_facts
+from amp_graph.passes.meta import (
+    AMP,
+    VAL,
+    AmpInfo,
+    Role,
+    inputs_behind_reads,
+    is_cast_read,
+    short,
+    tensor_facts,
+)
 from amp_graph.policy import Rule, nearest
 
 from .modules import node_modules
@@ -103,11 +112,12 @@ def items_of(gm: fx.GraphModule) -> list[Item]:
             n.name,
             n.meta[AMP],
             n.meta.get(VAL),
-            tuple(a.name for a in n.all_input_nodes),
+            tuple(a.name for a in inputs_behind_reads(n)),
             modules[n.name],
             cast_to(n),
         )
         for n in gm.graph.nodes
+        if not is_cast_read(n)  # a shared cast's read: drawn as the cast's edge
     ]
 
 
@@ -123,9 +133,13 @@ def shape_text(val: Any) -> str:
 
 
 def value_numel(node: fx.Node) -> int | None:
-    """Elements of the node's value (a cast's value is shaped like its input); None when
-    unknown or symbolic."""
-    while node.meta[AMP].role is Role.CAST and VAL not in node.meta and node.all_input_nodes:
+    """Elements of the node's value (a cast's value, and a consumer's ``cast_read`` of it,
+    is shaped like its input); None when unknown or symbolic."""
+    while (
+        (node.meta[AMP].role is Role.CAST or is_cast_read(node))
+        and VAL not in node.meta
+        and node.all_input_nodes
+    ):
         node = node.all_input_nodes[0]
     val = node.meta.get(VAL)
     numel = val.numel() if isinstance(val, torch.Tensor) else None

@@ -49,6 +49,7 @@ def policy_as_data(policy: Policy) -> dict[str, Any]:
     data["master_weights"] = policy.master_weights
     data["recompute_casts"] = policy.recompute_casts
     data["place_casts"] = policy.place_casts
+    data["cast_gradients_per_consumer"] = policy.cast_gradients_per_consumer
     data["ops"] = {_key_name(key): rule.value for key, rule in policy.ops.items()}
     data["module_types"] = {_type_name(t): rule.value for t, rule in policy.module_types.items()}
     for name in _RULE_MAPS:
@@ -74,7 +75,16 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
     if data.get("format") != FORMAT:
         raise ValueError(f"not a policy amp_graph stored (format {data.get('format')!r})")
     known = {"format", "name", "default", "cast_inputs", "master_weights", "recompute_casts"}
-    known |= {"place_casts", "ops", "module_types", "fp8", *_SETS, *_RULE_MAPS, *_TEXT_MAPS}
+    known |= {
+        "place_casts",
+        "cast_gradients_per_consumer",
+        "ops",
+        "module_types",
+        "fp8",
+        *_SETS,
+        *_RULE_MAPS,
+        *_TEXT_MAPS,
+    }
     if unknown := set(data) - known:
         raise ValueError(f"unknown policy fields {sorted(unknown)}")
     fp8 = data.get("fp8")
@@ -86,6 +96,7 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
         master_weights=bool(data["master_weights"]),
         recompute_casts=data["recompute_casts"],
         place_casts=bool(data.get("place_casts", False)),  # older data: the plan it had then
+        cast_gradients_per_consumer=bool(data.get("cast_gradients_per_consumer", False)),
         ops={_key(name): Rule(rule) for name, rule in data.get("ops", {}).items()},
         module_types={_type(n): Rule(rule) for n, rule in data.get("module_types", {}).items()},
         **{

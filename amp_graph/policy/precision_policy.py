@@ -336,6 +336,15 @@ class Policy:
             (O2 and policies made from it), so O1, ``autocast`` and fp8 keep
             torch.autocast's per-op dtypes. ``Policy.preset("O3")`` sets False ("everything
             low"); False: the rules' plan.
+        cast_gradients_per_consumer: where several ops read one cast of an activation (the
+            Q, K and V projections of one norm's output), each converts its gradient to the
+            source's dtype on its own and the gradients sum there, as under torch.autocast,
+            which casts once per op (``passes.shared_cast_gradients``; the same copy is read
+            and kept). False: they sum at the shared copy, in the low dtype, and are
+            converted once: other bits than autocast's, a gradient error equal to three
+            digits on an HF Llama, and on the CPU's eager graph about 3% less step time
+            (BENCHMARKS.md). True in ``Policy.preset("autocast")``, whose contract is
+            autocast's arithmetic; False in the others.
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
             it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
             points for CPU models). Such an op computes in float32 whatever else the policy says.
@@ -358,6 +367,7 @@ class Policy:
     recompute_casts: bool | str | int = "auto"
     missing_kernels: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
     place_casts: bool = True
+    cast_gradients_per_consumer: bool = False
 
     def __post_init__(self) -> None:
         """Validate and normalize every field, however the Policy was built (the
@@ -369,7 +379,7 @@ class Policy:
         clash = (self.allow & self.deny) | (self.allow & self.promote) | (self.deny & self.promote)
         if clash:
             raise ValueError(f"op names in more than one Policy table: {sorted(clash)}")
-        for flag in ("cast_inputs", "master_weights"):
+        for flag in ("cast_inputs", "master_weights", "cast_gradients_per_consumer"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
                 raise ValueError(f"Policy {flag} is True or False; got {value!r}")
@@ -419,7 +429,13 @@ class Policy:
             allow, deny, promote = autocast_tables("cuda" if name == "O1" else device_type)
             if name == "O1":  # where CUDA autocast would run them low and fail
                 return Policy(name, allow=allow, deny=deny | FFT_OPS, promote=promote)
-            return Policy(f"autocast[{device_type}]", allow=allow, deny=deny, promote=promote)
+            return Policy(
+                f"autocast[{device_type}]",
+                allow=allow,
+                deny=deny,
+                promote=promote,
+                cast_gradients_per_consumer=True,  # autocast's arithmetic, backward too
+            )
         if name == "O2":
             _, fp32, _ = autocast_tables("cuda")
             mixed = python_ops.MIXED_PRECISION_NORM_OPS

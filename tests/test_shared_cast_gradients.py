@@ -1,0 +1,260 @@
+"""A cast several consumers share: under ``Policy(cast_gradients_per_consumer=True)`` (the
+``"autocast"`` preset) their gradients sum in the source's dtype, as under torch.autocast
+(one cast per consumer), and nothing more is held for backward; the other presets sum them
+at the shared copy."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_graph
+from amp_graph.ops.cast_reads import cast_read
+from tests.hf_configs import small_llama_config
+
+BF16 = torch.bfloat16
+
+
+class SharedInput(nn.Module):
+    """Llama's shape in small: one RMSNorm output read by the Q, K and V projections, one by
+    the SwiGLU's gate and up projections."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.ones(dim))
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.gate, self.up = (nn.Linear(dim, 2 * dim, bias=False) for _ in range(2))
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, t, 4, d // 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(
+            b, t, d
+        )
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TitanBlock(nn.Module):
+    """torchtitan's Llama block, trimmed: RMSNorm in float32, RoPE through complex numbers
+    (``view_as_complex`` of a float32 copy, ``type_as`` back), SDPA, SwiGLU."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, seq: int = 16) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3 = (nn.Linear(dim, 2 * dim, bias=False) for _ in range(2))
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        freqs = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        freqs = self.freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, x_.shape[-1])
+        return torch.view_as_real(x_ * freqs).flatten(3).type_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(b, t, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = self.rope(q), self.rope(k)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _autocast_step(model: nn.Module, inputs: tuple, loss) -> dict[str, torch.Tensor]:
+    with torch.autocast("cpu", BF16):
+        out = model(*inputs)
+    loss(out).backward()
+    return _grads(model)
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = small_llama_config()
+    # eager attention: with SDPA, HF skips the causal mask only where it can look at the
+    # mask's values, which a capture cannot, and the kernels then differ from the eager run's
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    return model, (ids,), lambda out: out.logits.float().logsumexp(-1).mean()
+
+
+def _shared_input():
+    torch.manual_seed(0)
+    weights = torch.randn(2, 16, 32)
+    return SharedInput(), (torch.randn(2, 16, 32),), lambda out: (out.float() * weights).sum()
+
+
+def _policy(name: str, per_consumer: bool, **fields) -> amp_graph.Policy:
+    preset = amp_graph.Policy.preset(name)
+    return dataclasses.replace(preset, cast_gradients_per_consumer=per_consumer, **fields)
+
+
+def _titan():
+    torch.manual_seed(0)
+    weights = torch.randn(2, 16, 32)
+    return TitanBlock(), (torch.randn(2, 16, 32),), lambda out: (out.float() * weights).sum()
+
+
+@pytest.mark.parametrize(
+    "build", [_shared_input, _llama, _titan], ids=["shared_input", "hf_llama", "torchtitan"]
+)
+def test_gradients_are_autocasts_bit_for_bit(build) -> None:
+    model, inputs, loss = build()
+    expected = _autocast_step(copy.deepcopy(model), inputs, loss)
+
+    ours = copy.deepcopy(model)
+    compiled = amp_graph.compile(ours, "autocast", BF16)  # the preset turns it on
+    loss(compiled(*inputs)).backward()
+    reads = [n for n in compiled.graph.nodes if n.target is cast_read]
+    assert len(reads) >= 5 * (2 if build is _llama else 1)  # q, k, v; gate, up (per layer)
+    for name, grad in _grads(ours).items():
+        assert torch.equal(grad, expected[name]), name
+
+    # the same policy with it off: the consumers' gradients sum in bf16 at the shared copy,
+    # and the gradients differ from autocast's
+    shared = copy.deepcopy(model)
+    off = amp_graph.compile(shared, _policy("autocast", False), BF16)
+    loss(off(*inputs)).backward()
+    assert not any(n.target is cast_read for n in off.graph.nodes)
+    assert any(not torch.equal(g, expected[n]) for n, g in _grads(shared).items())
+
+
+def test_only_the_autocast_preset_turns_it_on() -> None:
+    model, inputs, _ = _shared_input()
+    for name in ("O1", "O2", "O3", "fp8", "autocast"):
+        assert amp_graph.Policy.preset(name).cast_gradients_per_consumer is (name == "autocast")
+    o1 = amp_graph.compile(model, "O1", BF16, example_inputs=inputs)
+    assert not any(n.target is cast_read for n in o1.graph.nodes)
+    on = amp_graph.compile(model, _policy("O1", True), BF16, example_inputs=inputs)
+    assert sum(n.target is cast_read for n in on.graph.nodes) == 5
+    with pytest.raises(ValueError, match="cast_gradients_per_consumer is True or False"):
+        _policy("O1", "yes")
+
+
+def test_the_backend_without_inductor_is_autocasts_bit_for_bit() -> None:
+    model, inputs, loss = _shared_input()
+    expected = _autocast_step(copy.deepcopy(model), inputs, loss)
+    for inner in ("eager", "aot_eager"):
+        ours = copy.deepcopy(model)
+        compiled = torch.compile(ours, backend=amp_graph.backend("autocast", BF16, inner=inner))
+        loss(compiled(*inputs)).backward()
+        for name, grad in _grads(ours).items():
+            assert torch.equal(grad, expected[name]), (inner, name)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward during ``fn()``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_backward_holds_one_copy_and_the_graph_shows_the_reads() -> None:
+    """Each consumer reads the one copy (a view of it: nothing more kept for backward);
+    a parameter's casts stay shared, as autocast caches them."""
+    model, inputs, _ = _shared_input()
+    policy = _policy("autocast", True, recompute_casts=False)
+    compiled = amp_graph.compile(model, policy, BF16, example_inputs=inputs)
+    reads = [n for n in compiled.graph.nodes if n.target is cast_read]
+    assert len(reads) == 5  # q, k and v read the first norm's output; gate and up the second
+    for read in reads:
+        source, cast = read.args
+        assert cast.args[0] is source and source.meta["amp"].role.value != "param"
+    held = _saved_bytes(lambda: compiled(*inputs))
+
+    plain = amp_graph.compile(
+        model, _policy("autocast", False, recompute_casts=False), BF16, example_inputs=inputs
+    )
+    assert not any(n.target is cast_read for n in plain.graph.nodes)
+    assert held == _saved_bytes(lambda: plain(*inputs))
+
+
+def test_a_read_is_the_cast_where_autocast_shares_one_or_nothing_needs_a_gradient() -> None:
+    leaf = torch.randn(4, 8, requires_grad=True)
+    source = leaf * 1.0  # an activation
+    cast = source.to(BF16)
+    with torch.no_grad():
+        assert cast_read(source, cast) is cast
+    assert cast_read(source.detach(), cast) is cast
+    # a float32 leaf that requires grad: autocast caches its cast, as a weight's
+    leaf_cast = leaf.to(BF16)
+    assert cast_read(leaf, leaf_cast) is leaf_cast
+    read = cast_read(source, cast)
+    assert read is not cast and read.data_ptr() == cast.data_ptr() and torch.equal(read, cast)
+    read.float().sum().backward()
+    assert leaf.grad.dtype == torch.float32 and torch.equal(leaf.grad, torch.ones(4, 8))
+
+
+class CheckpointedShared(SharedInput):
+    """The attention half under ``torch.utils.checkpoint``: its casts live in the block's
+    submodule, which backward runs again."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            h = self.norm(x)
+            q, k, v = (p(h).view(b, t, 4, d // 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + out.transpose(1, 2).reshape(b, t, d)
+
+        x = torch.utils.checkpoint.checkpoint(attention, x, use_reentrant=False)
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def test_checkpointed_blocks_read_their_shared_casts_too() -> None:
+    torch.manual_seed(0)
+    model, weights = CheckpointedShared(), torch.randn(2, 16, 32)
+    x = torch.randn(2, 16, 32)
+    expected = _autocast_step(copy.deepcopy(model), (x,), lambda out: (out * weights).sum())
+    ours = copy.deepcopy(model)
+    compiled = amp_graph.compile(ours, "autocast", BF16)
+    (compiled(x) * weights).sum().backward()
+    block = compiled.graph_module.get_submodule("checkpoint_0")
+    assert sum(n.target is cast_read for n in block.graph.nodes) == 3  # q, k, v
+    for name, grad in _grads(ours).items():
+        assert torch.equal(grad, expected[name]), name
+
+
+def test_inspection_looks_through_the_reads() -> None:
+    """The diff, the drawing and ``explain`` show the plan: each consumer reads the cast."""
+    model, inputs, _ = _shared_input()
+    compiled = amp_graph.compile(model, "autocast", BF16, example_inputs=inputs)
+    reads = [n for n in compiled.graph.nodes if n.target is cast_read]
+    assert reads
+    diff = amp_graph.inspect.diff(compiled)
+    assert not any(row.node.startswith("cast_read") for row in diff.rows)
+    assert diff.count("added") == amp_graph.report(compiled).casts_kept
+    consumer = next(iter(reads[0].users))
+    cast = reads[0].args[1]
+    assert f"'{cast.name}'" in str(amp_graph.explain(compiled, consumer.name))
