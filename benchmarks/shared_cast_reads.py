@@ -12,11 +12,12 @@ way:
 1. **Gradient error**: each parameter's gradient against the float32 model's,
    ``|g - g32| / |g32|`` by parameter, the median and the worst, and torch.autocast's.
 2. **Step time**: medians of per-round ratios against the torch.autocast step of the same
-   round (rounds interleaved, order shuffled per round). Per consumer adds a Python
-   ``autograd.Function`` call per consumer on the eager path, and backward converts each
-   consumer's gradient and sums in float32, as autocast does.
+   round (rounds interleaved, order shuffled per round; torch.autocast measured twice, the
+   second's ratio the noise floor). Per consumer adds a Python ``autograd.Function`` call
+   per consumer on the eager path, and backward converts each consumer's gradient and sums
+   in float32, as autocast does.
 
-    python benchmarks/shared_cast_reads.py --threads 2          # the run in BENCHMARKS.md
+    python benchmarks/shared_cast_reads.py --repeats 41         # the run in BENCHMARKS.md
     python benchmarks/shared_cast_reads.py --quick
 """
 
