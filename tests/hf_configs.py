@@ -33,3 +33,17 @@ def small_llama_config() -> Any:
         max_position_embeddings=64,
         use_cache=False,
     )
+
+
+def small_fnet_config() -> Any:
+    """``FNetConfig``: 2 layers of width 32, a vocabulary of 100, 64 positions (FNet mixes
+    tokens by Fourier transforms: no attention heads)."""
+    import transformers
+
+    return transformers.FNetConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import amp_graph
+from tests.hf_configs import small_fnet_config
 from tests.oracles import check_training_step
 
 BF16 = torch.bfloat16
@@ -37,15 +38,8 @@ class FourierMixer(nn.Module):
 
 def _hf_fnet():
     transformers = pytest.importorskip("transformers")
-    config = transformers.FNetConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    model = transformers.FNetModel(config).eval()
+    model = transformers.FNetModel(small_fnet_config()).eval()
     return model, (torch.randint(0, 100, (2, 16)),), lambda out: out.last_hidden_state
 
 

@@ -47,9 +47,8 @@ import torch
 import torch.fx as fx
 
 from amp_graph.frontends.compiler import as_graph_module
-from amp_graph.ops.cast_reads import cast_read
 from amp_graph.passes.absorb_casts import copies_input
-from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, short, tensor_facts
+from amp_graph.passes.meta import AMP, FLOAT8, VAL, Role, is_cast_read, short, tensor_facts
 
 from .modules import module_types, node_modules
 from .style import DTYPE_CLASSES, node_class
@@ -255,7 +254,7 @@ def conversions(gm: fx.GraphModule) -> list[Conversion]:
             backward = grad.get(source.name)
             # a shared cast's consumers each convert their own gradient (cast_read), and
             # none reaches the copy
-            reads = [user for user in node.users if user.target is cast_read]
+            reads = [user for user in node.users if is_cast_read(user)]
             found.append(
                 _copy(
                     node,
