@@ -29,15 +29,18 @@ Where recomputing pays: a recompute costs fixed host time (recording the copy, t
 saved-tensor hooks, the recast's dispatch) besides its bytes, so under
 ``Policy(recompute_casts="auto")`` (the default) a copy smaller than what the device casts
 in that time is kept, and so is every copy of a graph where the hooks on all its saved
-tensors would cost more than all its recasts' bytes take
+tensors would cost more than all its recasts' bytes take, and, largest first, every copy
+whose recompute would take the graph's recomputes past 1% of its step, estimated from its
+matmul FLOPs (:mod:`.matmul_flops`) at the device's matmul rate: the recast's bytes are
+time torch.autocast, which keeps every copy, does not spend
 (:class:`amp_graph.ops.recompute_cost.RecomputeCost`, measured once per device by the
-entry point, and every FSDP2 unit's whatever its size). Where AOTAutograd compiles the graph
-(``by_partitioner``), ``"auto"`` leaves every copy but an FSDP2 unit's to its partitioner:
-a tagged cast there is a kernel of its own in the backward, and in the forward a cast that
-no longer fuses with its neighbours, where the partitioner left alone generates the kernels
-torch.compile generates under torch.autocast, one for one (BENCHMARKS.md, "What inductor
-generates for the backend"). ``True`` decides every candidate, an int those of at least
-that many bytes, ``False`` none.
+entry point; every FSDP2 unit's cast is recomputed whatever its size). Where AOTAutograd
+compiles the graph (``by_partitioner``), ``"auto"`` leaves every copy but an FSDP2 unit's to
+its partitioner: a tagged cast there is a kernel of its own in the backward, and in the
+forward a cast that no longer fuses with its neighbours, where the partitioner left alone
+generates the kernels torch.compile generates under torch.autocast, one for one
+(BENCHMARKS.md, "What inductor generates for the backend"). ``True`` decides every
+candidate, an int those of at least that many bytes, ``False`` none.
 
 Each decided cast becomes a call of :func:`amp_graph.ops.recompute_ops.recomputed_cast` (the same
 cast, visible as such in the printed graph); :func:`amp_graph.ops.recompute_ops.install` 's hooks
@@ -70,7 +73,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from amp_graph.ops.recompute_cost import RecomputeCost, size_text
+from amp_graph.ops.recompute_cost import STEP_SHARE, RecomputeCost, size_text
 from amp_graph.ops.recompute_ops import (
     KEPT_BY_AUTOGRAD,
     KEPT_BY_MODULE,
@@ -79,6 +82,7 @@ from amp_graph.ops.recompute_ops import (
     recomputed_quantize,
 )
 
+from .matmul_flops import forward_matmul_flops
 from .meta import AMP, FSDP_UNIT, VAL, Role, is_dtype_cast, size_hint
 from .result import PassResult
 from .sharing import CastSharing
@@ -264,6 +268,7 @@ def _declined(
     cost: RecomputeCost | None,
     saved_tensors: int,
     by_partitioner: bool = False,
+    step_flops: float = 0.0,
 ) -> dict[fx.Node, str]:
     """The candidates (node, copy bytes, in an FSDP2 unit) backward keeps, each with why.
 
@@ -272,7 +277,9 @@ def _declined(
     many bytes.
     ``"auto"``: copies below ``cost.min_copy_bytes``; then every one, where the hooks on
     the forward's ``saved_tensors`` would cost more host time than the recasts spend on
-    their bytes (:meth:`RecomputeCost.hooks_pay`). An FSDP2 unit's casts are never
+    their bytes (:meth:`RecomputeCost.hooks_pay`); then, largest first, those that would
+    take the recomputes past :data:`STEP_SHARE` of a step of ``step_flops`` (forward and
+    backward) at the measured matmul rate. An FSDP2 unit's casts are never
     declined: their sources are the unit's unsharded parameters, and keeping the copies
     would hold the whole unsharded model on every rank."""
     if enabled == "auto" and by_partitioner:
@@ -306,7 +313,34 @@ def _declined(
             f"({cost.describe()}): it keeps every copy and runs no hook." + _ANYWAY
         )
         declined.update((node, why) for node, _ in left)
+        return declined
+    declined.update(_past_the_step_share(left, cost, saved_tensors, step_flops))
     return declined
+
+
+def _past_the_step_share(
+    left: list[tuple[fx.Node, int]], cost: RecomputeCost, saved_tensors: int, step_flops: float
+) -> dict[fx.Node, str]:
+    """The copies, largest first, whose recompute would take the graph's recomputes past
+    :data:`STEP_SHARE` of its step (estimated from ``step_flops``): where the GEMMs are
+    short, the recasts' bytes show in the step, and torch.autocast pays none of them."""
+    step_ns = cost.step_ns(step_flops)
+    if step_ns is None:
+        return {}
+    why = (
+        f"recomputing it as well would take this graph's recomputes past {STEP_SHARE:.0%} "
+        f"of its step, estimated at {step_ns / 1e6:.2f} ms from its "
+        f"{step_flops / 1e9:.2f} GFLOP of matrix products, forward and backward "
+        f"({cost.describe()})." + _ANYWAY
+    )
+    casts = copy_bytes = 0
+    past: dict[fx.Node, str] = {}
+    for node, nbytes in sorted(left, key=lambda item: -item[1]):
+        if cost.within_step_share(saved_tensors, casts + 1, copy_bytes + nbytes, step_flops):
+            casts, copy_bytes = casts + 1, copy_bytes + nbytes
+        else:
+            past[node] = why
+    return past
 
 
 _ANYWAY = " Policy(recompute_casts=True) recomputes every such cast."
@@ -368,6 +402,8 @@ def recompute_casts(
         cost,
         _saved_tensor_estimate(gm) if enabled == "auto" and cost is not None else 0,
         by_partitioner,
+        # forward and backward: each product's two gradients cost what it did
+        3 * forward_matmul_flops(gm) if enabled == "auto" and cost is not None else 0.0,
     )
     count = nbytes = 0
     for node, kept_by, target, args, kwargs in candidates:

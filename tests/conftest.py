@@ -92,12 +92,19 @@ def _seed() -> None:
 
 # What recompute_casts="auto" weighs, pinned for the suite so that what it decides does not
 # depend on the machine or its load: figures as measured on a 2-vCPU AMD EPYC (AVX512-BF16,
-# copies below 137 KiB kept) and, for CUDA, of the order an H100's host and HBM give
-# (copies below about 43 MiB kept). tests/test_recompute_decision.py measures for real.
+# a cold cast at 10 GB/s, copies below 68 KiB kept, bf16 matmuls at 0.3 TFLOP/s) and, for
+# CUDA, of the order an H100's host, HBM and tensor cores give (copies below about 43 MiB
+# kept, 700 TFLOP/s). tests/test_recompute_decision.py measures for real.
 PINNED_RECOMPUTE_COSTS = {
-    "cpu": RecomputeCost(per_cast_ns=7e3, per_saved_ns=2e3, copy_bytes_per_ns=20.0, device="cpu"),
+    "cpu": RecomputeCost(
+        per_cast_ns=7e3, per_saved_ns=2e3, copy_bytes_per_ns=10.0, device="cpu", flops_per_ns=300.0
+    ),
     "cuda": RecomputeCost(
-        per_cast_ns=30e3, per_saved_ns=3e3, copy_bytes_per_ns=1500.0, device="cuda"
+        per_cast_ns=30e3,
+        per_saved_ns=3e3,
+        copy_bytes_per_ns=1500.0,
+        device="cuda",
+        flops_per_ns=700e3,
     ),
 }
 

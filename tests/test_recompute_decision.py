@@ -269,11 +269,13 @@ def test_the_measurement_is_sane_remembered_and_disturbs_nothing() -> None:
     assert not mode.ops  # the caller's dispatch mode saw none of it
     assert torch.equal(rng, torch.get_rng_state())
     assert recompute_cost.measured_cost(torch.device("cpu")) is cost  # once per device
-    figures = (cost.per_cast_ns, cost.per_saved_ns, cost.copy_bytes_per_ns)
+    figures = (cost.per_cast_ns, cost.per_saved_ns, cost.copy_bytes_per_ns, cost.flops_per_ns)
     assert all(math.isfinite(f) and f >= 0 for f in figures) and cost.copy_bytes_per_ns > 0
+    assert cost.flops_per_ns > 1  # a bf16 matmul on any CPU: above 1 GFLOP/s
     # a recast costs host time (Python, a dispatch): never measured free
     assert cost.per_cast_ns > 0 and cost.min_copy_bytes > 0
     assert cost.device == "cpu" and "copies below" in cost.describe()
+    assert "TFLOP/s" in cost.describe()
 
 
 def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
@@ -285,8 +287,8 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
     def timed(run, sync, calls: int, rounds: int) -> float:
         if calls == 32:  # one cast's dispatch
             return 1500.0
-        if rounds == 5:  # the 8 MB copy
-            return 4e5
+        if calls == 2:  # the 512x512 bf16 matmul
+            return 1e6
         return next(variants)
 
     monkeypatch.setattr(recompute_cost, "best_ns", timed)
@@ -297,6 +299,7 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
         recompute_cost._measure.cache_clear()
     assert cost.per_cast_ns == 1500.0
     assert cost.per_saved_ns == pytest.approx(100.0 / (2 * 32))
+    assert cost.flops_per_ns == pytest.approx(2 * 512**3 / 1e6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -321,3 +324,71 @@ def test_the_timings_wait_for_the_device_they_measure(monkeypatch) -> None:
     monkeypatch.delattr(torch.mps, "synchronize")
     with pytest.raises(RuntimeError, match=r"no torch\.mps\.synchronize.*recompute_casts=True"):
         synchronizer(torch.device("mps"))
+
+
+class MidAndLarge(nn.Module):
+    """A 256 KiB weight copy (512x256 in bf16) and a 512 KiB one (512x512): 786,432 forward
+    FLOPs a token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid = nn.Linear(256, 512, bias=False)
+        self.large = nn.Linear(512, 512, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.large(torch.relu(self.mid(x)))
+
+
+# SPLIT_AT_64_KIB with a matmul rate: a step of M tokens is 3 * 786,432 * M / 100 ns, the
+# large copy's recompute 64 Ki + 2 * 512 Ki ns (its bytes at half the measured rate, as in
+# backward), both 2 * 64 Ki + 2 * 768 Ki ns: 1% of the step covers the large copy from
+# about 4,700 tokens, both from about 7,200.
+WITH_A_MATMUL_RATE = dataclasses.replace(SPLIT_AT_64_KIB, flops_per_ns=100.0)
+
+
+@pytest.mark.parametrize(
+    "tokens, recomputed",
+    [(64, set()), (6000, {"large"}), (8192, {"mid", "large"})],
+    ids=["short-gemms", "room-for-one", "room-for-both"],
+)
+def test_the_recomputes_take_at_most_a_share_of_the_step(monkeypatch, tokens, recomputed):
+    """A recast moves the bytes the first cast moved, time torch.autocast (which keeps every
+    copy) does not spend: "auto" recomputes, largest copy first, only while the recomputes
+    stay within STEP_SHARE of the step its matmul FLOPs make at the measured rate."""
+    assert (recompute_cost.STEP_SHARE, recompute_cost.IN_BACKWARD_SLOWDOWN) == (0.01, 2.0)
+    pinned(monkeypatch, WITH_A_MATMUL_RATE)
+    x = torch.randn(tokens, 256)
+    compiled = amp_graph.compile(MidAndLarge(), "O1", BF16, example_inputs=(x,))
+    assert recomputed_sources(compiled) == recomputed
+    for name in _kept_casts(compiled):
+        text = str(amp_graph.explain(compiled, name))
+        assert "past 1% of its step" in text and "GFLOP" in text
+        assert "recompute_casts=True" in text
+    # without the rate (a cost made by hand), size alone decides, as before
+    pinned(monkeypatch, SPLIT_AT_64_KIB)
+    every = amp_graph.compile(MidAndLarge(), "O1", BF16, example_inputs=(x,))
+    assert recomputed_sources(every) == {"mid", "large"}
+
+
+def test_an_hf_llama_at_few_tokens_keeps_its_copies_by_default(monkeypatch) -> None:
+    """An HF Llama at a few tokens a step (the suite's pinned CPU cost): its GEMMs are short
+    against its weights, so recasting them would show in the step, and "auto" keeps every
+    copy, as torch.autocast does; True still recomputes them, with the same gradients."""
+    transformers = pytest.importorskip("transformers")
+    from hf_configs import small_llama_config
+
+    model = transformers.LlamaForCausalLM(small_llama_config()).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    grads = {}
+    for recompute in ("auto", True):
+        compiled = amp_graph.compile(model, o1(recompute), BF16, example_inputs=(ids,))
+        model.zero_grad(set_to_none=True)
+        compiled(ids).logits.float().logsumexp(-1).mean().backward()
+        grads[recompute] = [p.grad.clone() for p in model.parameters()]
+        report = amp_graph.report(compiled)
+        if recompute == "auto":
+            assert report.casts_recomputed == 0 and report.casts_recompute_declined > 0
+            assert "_amp_graph_recompute_handles" not in compiled.graph_module.__dict__
+        else:
+            assert report.casts_recomputed > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads["auto"], grads[True], strict=True))

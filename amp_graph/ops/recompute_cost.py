@@ -18,6 +18,13 @@ Once one cast of a graph is recomputed, the hooks also pack and unpack every oth
 that forward saves (2-5 us each on a CPU): a graph keeps every copy where that would cost
 more than all its recasts' bytes take (:meth:`RecomputeCost.hooks_pay`), as GPT of width
 128 would for the one float32 copy of its logits above the threshold.
+
+And a recompute is never free: the recast moves the bytes the first cast moved. Where the
+step's GEMMs are short (few tokens against many weights: an HF Llama of width 512 at 4x128
+tokens spent 3-4% of a CPU step recasting its weights), that time shows, so the recomputes
+of a graph may take at most :data:`STEP_SHARE` of its step, estimated from its matmul FLOPs
+at the device's measured matmul rate (:meth:`RecomputeCost.within_step_share`): the default
+path is not slower than torch.autocast's, which keeps every copy.
 """
 
 from __future__ import annotations
@@ -38,9 +45,28 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from amp_graph.ops import recompute_ops
 
-__all__ = ["RecomputeCost", "best_ns", "measured_cost", "size_text", "synchronizer"]
+__all__ = [
+    "IN_BACKWARD_SLOWDOWN",
+    "STEP_SHARE",
+    "RecomputeCost",
+    "best_ns",
+    "measured_cost",
+    "size_text",
+    "synchronizer",
+]
 
 log = logging.getLogger(__name__)
+
+STEP_SHARE = 0.01
+"""The share of a step's estimated time that ``"auto"``'s recomputes may take: within the
+noise of two runs of one step (0.5-1% on the CPUs measured, BENCHMARKS.md)."""
+
+IN_BACKWARD_SLOWDOWN = 2.0
+"""How much slower a recast runs inside backward than the cold cast measured alone: on a
+2-vCPU EPYC an HF Llama's 29 recasts (24 MiB) took 7.4 ms a step (3.4 GB/s, profiled) where
+the cold cast measured 5-10 GB/s (backward's own allocations and cache misses around it;
+BENCHMARKS.md, "The recomputes' share of the step"). The step share counts the bytes at
+half the measured rate, so that an underestimate does not make the default path slower."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +82,17 @@ class RecomputeCost:
         per_saved_ns: host time the saved-tensor hooks add per tensor autograd saves, paid
             by every saved tensor of a forward in which any cast is recomputed.
         copy_bytes_per_ns: bytes of float32-to-bfloat16 copy the device writes per
-            nanosecond (the recast's own speed).
+            nanosecond, the source out of the caches (the recast's own speed).
         device: where it was measured (``"cpu"``, ``"cuda:0"``), for the report.
+        flops_per_ns: the device's bf16 matmul rate, to estimate a step's time from its
+            FLOPs; None (a cost made by hand) applies no step share.
     """
 
     per_cast_ns: float
     per_saved_ns: float
     copy_bytes_per_ns: float
     device: str = ""
+    flops_per_ns: float | None = None
 
     @property
     def min_copy_bytes(self) -> int:
@@ -79,15 +108,43 @@ class RecomputeCost:
         fixed_ns = saved_tensors * self.per_saved_ns + casts * self.per_cast_ns
         return copy_bytes >= fixed_ns * self.copy_bytes_per_ns
 
+    def recompute_ns(self, saved_tensors: int, casts: int, copy_bytes: int) -> float:
+        """Host and device time that recomputing ``casts`` casts of ``copy_bytes`` in all
+        adds to a step whose forward saves ``saved_tensors`` tensors: the hooks on every
+        saved tensor, each recast's fixed time, and the recasts' bytes (at the rate they
+        run in backward: :data:`IN_BACKWARD_SLOWDOWN`)."""
+        fixed_ns = saved_tensors * self.per_saved_ns + casts * self.per_cast_ns
+        return fixed_ns + copy_bytes * IN_BACKWARD_SLOWDOWN / self.copy_bytes_per_ns
+
+    def step_ns(self, step_flops: float) -> float | None:
+        """A step's time at the measured matmul rate: its GEMMs' at least (None: no rate)."""
+        return None if not self.flops_per_ns else step_flops / self.flops_per_ns
+
+    def within_step_share(
+        self, saved_tensors: int, casts: int, copy_bytes: int, step_flops: float
+    ) -> bool:
+        """Whether those recomputes take at most :data:`STEP_SHARE` of a step of
+        ``step_flops`` (forward and backward) at the measured matmul rate; True where no
+        rate was measured."""
+        step = self.step_ns(step_flops)
+        if step is None:
+            return True
+        return self.recompute_ns(saved_tensors, casts, copy_bytes) <= STEP_SHARE * step
+
     def describe(self) -> str:
         """One line: the figures and the threshold they make."""
         return (
             f"on {self.device or 'this device'} a recomputed cast costs "
             f"{self.per_cast_ns / 1e3:.1f} us of host time and every saved tensor "
             f"{self.per_saved_ns / 1e3:.1f} us under the hooks, and a cast writes "
-            f"{self.copy_bytes_per_ns:.1f} GB/s: copies below {size_text(self.min_copy_bytes)} "
-            "are kept"
+            f"{self.copy_bytes_per_ns:.1f} GB/s{self._rate_text()}: copies below "
+            f"{size_text(self.min_copy_bytes)} are kept"
         )
+
+    def _rate_text(self) -> str:
+        if not self.flops_per_ns:
+            return ""
+        return f", and a bf16 matmul runs at {self.flops_per_ns / 1e3:.2f} TFLOP/s"
 
 
 def size_text(nbytes: int) -> str:
@@ -149,6 +206,38 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return synchronize
 
 
+def _cold_copy_bytes_per_ns(where: torch.device, sync: Callable[[], None]) -> float:
+    """How fast the device casts a weight-sized float32 tensor (4 MB) to bf16, bytes of the
+    copy written per ns, with the source out of the caches: backward recasts a weight long
+    after the forward read it. (A copy timed in a loop, its source hot in the cache, ran
+    3-4x faster on a 2-vCPU EPYC than one after the cache was flushed, and the recomputes
+    cost that much more than such a rate said.)"""
+    source = torch.ones(1 << 20, device=where)
+    # read, not written (written, its dirty lines' write-back made the timing vary 5x):
+    # 32 MiB is past a CPU's last-level cache, 128 MiB past a GPU's L2
+    flush = torch.ones((1 << 23) if where.type == "cpu" else (1 << 25), device=where)
+    best = math.inf
+    for _ in range(7):
+        flush.max()
+        sync()
+        start = time.perf_counter_ns()
+        source.to(torch.bfloat16)
+        sync()
+        best = min(best, time.perf_counter_ns() - start)
+    return source.numel() * 2 / best
+
+
+def _matmul_flops_per_ns(where: torch.device, sync: Callable[[], None]) -> float:
+    """A square bf16 matmul's FLOP rate: one large enough to run near the device's rate (a
+    model's GEMMs are rarely faster, so a step estimated with it is no longer than the real
+    one) and quick to time (about 10 ms on a 2-vCPU CPU, under 1 ms on a GPU)."""
+    n = 512 if where.type == "cpu" else 4096
+    a = torch.ones(n, n, device=where, dtype=torch.bfloat16)
+    b = torch.ones(n, n, device=where, dtype=torch.bfloat16)
+    torch.mm(a, b)  # first call: the kernel's own setup
+    return 2 * n**3 / best_ns(lambda: torch.mm(a, b), sync, calls=2, rounds=3)
+
+
 @functools.cache
 def _measure(device: str) -> RecomputeCost:
     where = torch.device(device)
@@ -171,13 +260,12 @@ def _measure(device: str) -> RecomputeCost:
     one_cast_ns = best_ns(lambda: weights[0].to(torch.bfloat16), sync, calls=32, rounds=5)
     per_saved = max(statistics.median(saved), 0.0)
     per_cast = max(statistics.median(casts), one_cast_ns)
-    source = torch.ones(1 << 21, device=where)  # 8 MB read, 4 MB written
-    copy_ns = best_ns(lambda: source.to(torch.bfloat16), sync, calls=3, rounds=5)
     cost = RecomputeCost(
         per_cast_ns=per_cast,
         per_saved_ns=per_saved,
-        copy_bytes_per_ns=source.numel() * 2 / copy_ns,
+        copy_bytes_per_ns=_cold_copy_bytes_per_ns(where, sync),
         device=str(where),
+        flops_per_ns=_matmul_flops_per_ns(where, sync),
     )
     log.info("amp_graph recompute_casts='auto': %s", cost.describe())
     return cost
