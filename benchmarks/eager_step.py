@@ -12,7 +12,10 @@ and what it costs, against the two fixed choices (``True``: every cast, the defa
    settings, against a hand-written ``torch.autocast`` loop over the same model. Rounds
    interleaved (order reversed every other round); each figure is the median over rounds
    of (variant / hand-written) within the round. Width 128 at 4x64 tokens and width 384 at
-   8x128 (``--widths``).
+   8x128 (``--widths``). With ``--llama``, an HF Llama (eager attention, width 512, 4
+   layers, 4x128 tokens, no optimizer) under O1 too: few tokens against large weights,
+   where a recast's bytes show in the step and ``"auto"`` keeps the copies (the recomputes
+   may take at most 1% of a step estimated from its matmul FLOPs).
 2. **Held for backward**: the bytes the forward leaves alive for backward
    (:mod:`amp_graph.inspect.held`), parameters left out, under O1 against torch.autocast,
    for the GPT and an HF Llama (eager attention, 2 layers) of width 512 at 4x64 tokens:
@@ -23,7 +26,7 @@ It prints the device's measured cost first, and what ``"auto"`` decided on each 
 768, 12 heads, vocabulary 8192, 8x512 tokens; no held section): ``make gpu-check`` runs it,
 with ``--json`` for its report.
 
-    python benchmarks/eager_step.py --threads 1           # the run in BENCHMARKS.md
+    python benchmarks/eager_step.py --threads 1 --llama   # the run in BENCHMARKS.md
     python benchmarks/eager_step.py --quick
     python benchmarks/eager_step.py --device cuda --gpt2 --repeats 9 --json out.json
 """
@@ -95,6 +98,52 @@ def step_times(
             compiled(idx, targets)  # capture
             decided[f"{policy}, {setting}"] = _decided(compiled)
             steps[f"{policy}, {setting}"] = step_of(lambda c=compiled: c(idx, targets))
+    shape = f"GPT width {dim}, {layers} layers, {batch}x{seq} tokens"
+    return _timed(steps, decided, shape, device, repeats)
+
+
+def llama_step_times(
+    device: str, dim: int, layers: int, batch: int, seq: int, repeats: int
+) -> dict[str, Any]:
+    """The same table for an HF Llama (eager attention, random config) under O1: few tokens
+    against large weights, where the recasts' bytes show in the step (the loss, the logits'
+    mean logsumexp, computed outside the model; no optimizer)."""
+    made = _llama(dim, layers=layers, tokens=(batch, seq))
+    if made is None:
+        print("\nHF Llama: transformers is not installed")
+        return {}
+    model, call = made
+    model = model.to(device)
+
+    def step_of(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            forward().float().logsumexp(-1).mean().backward()
+
+        return step
+
+    def hand() -> torch.Tensor:
+        with torch.autocast(device, BF16):
+            return call(model)
+
+    steps = {"torch.autocast": step_of(hand)}
+    decided = {}
+    for setting, value in SETTINGS.items():
+        compiled = amp_graph.compile(model, _policy("O1", value), BF16, mode="eager")
+        call(compiled)  # capture
+        decided[f"O1, {setting}"] = _decided(compiled)
+        steps[f"O1, {setting}"] = step_of(lambda c=compiled: call(c))
+    shape = f"HF Llama width {dim}, {layers} layers, {batch}x{seq} tokens"
+    return _timed(steps, decided, shape, device, repeats)
+
+
+def _timed(
+    steps: dict[str, Callable[[], None]],
+    decided: dict[str, str],
+    shape: str,
+    device: str,
+    repeats: int,
+) -> dict[str, Any]:
     for step in steps.values():
         for _ in range(3):
             step()
@@ -108,7 +157,6 @@ def step_times(
             sync(device)
             times[name].append(time.perf_counter() - start)
     hand_ms = statistics.median(times["torch.autocast"]) * 1e3
-    shape = f"GPT width {dim}, {layers} layers, {batch}x{seq} tokens"
     print(f"\n{shape} on {device}: torch.autocast {hand_ms:.2f} ms")
     print("| compile policy, recompute_casts | step / torch.autocast | decided |")
     print("|---|---|---|")
@@ -128,7 +176,9 @@ def _gpt(dim: int) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     return model, lambda m: m(idx)
 
 
-def _llama(dim: int) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]] | None:
+def _llama(
+    dim: int, layers: int = 2, tokens: tuple[int, int] = (4, 64)
+) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]] | None:
     try:
         import transformers
     except ImportError:
@@ -136,15 +186,16 @@ def _llama(dim: int) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]] | 
     config = transformers.LlamaConfig(
         hidden_size=dim,
         intermediate_size=dim * 8 // 3,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=8,
         vocab_size=VOCAB,
-        max_position_embeddings=64,
+        max_position_embeddings=max(64, tokens[1]),
         use_cache=False,
     )
     config._attn_implementation = "eager"
-    ids = torch.randint(0, VOCAB, (4, 64))
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, tokens)
     return transformers.LlamaForCausalLM(config).train(), lambda m: m(ids).logits
 
 
@@ -191,6 +242,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--gpt2", action="store_true", help="GPT-2 small's shape, 8x512 tokens")
     parser.add_argument("--no-held", action="store_true", help="skip the held-bytes section")
+    parser.add_argument(
+        "--llama", action="store_true", help="also an HF Llama's step (width 512, 4x128 tokens)"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.threads:
@@ -213,6 +267,10 @@ def main() -> None:
         report["steps"].append(
             step_times(args.device, dim, layers, heads, vocab, batch, seq, repeats)
         )
+    if args.llama:
+        repeats = args.repeats or (5 if args.quick else 41)
+        width, layers = (128, 2) if args.quick else (512, 4)
+        report["steps"].append(llama_step_times(args.device, width, layers, 4, 128, repeats))
     if not (args.no_held or args.gpt2 or args.device != "cpu"):
         held(512)
     if args.json:
