@@ -213,9 +213,10 @@ def _cold_copy_bytes_per_ns(where: torch.device, sync: Callable[[], None]) -> fl
     3-4x faster on a 2-vCPU EPYC than one after the cache was flushed, and the recomputes
     cost that much more than such a rate said.)"""
     source = torch.ones(1 << 20, device=where)
-    # read, not written (written, its dirty lines' write-back made the timing vary 5x):
-    # 32 MiB is past a CPU's last-level cache, 128 MiB past a GPU's L2
-    flush = torch.ones((1 << 23) if where.type == "cpu" else (1 << 25), device=where)
+    # 128 MiB read, not written (written, its dirty lines' write-back made the timing vary
+    # 5x): past the last-level cache of a server CPU (32 MiB on this EPYC, 105 MiB on a
+    # Sapphire Rapids Xeon) and a GPU's L2 (50-60 MiB on an H100 or H200)
+    flush = torch.ones(1 << 25, device=where)
     best = math.inf
     for _ in range(7):
         flush.max()
@@ -285,7 +286,7 @@ def _gc_paused() -> Iterator[None]:
 
 def measured_cost(device: torch.device | str) -> RecomputeCost:
     """What recomputing a cast costs on ``device``, measured at the first call for it (about
-    0.1 s on a CPU; on a GPU it synchronizes) and then remembered for the process. The
+    0.2 s on a CPU; on a GPU it synchronizes) and then remembered for the process. The
     measurement runs outside the caller's dispatch modes and fake mode, with grad on and
     autocast off, and leaves the random number generators as they were."""
     where = torch.device(device)
