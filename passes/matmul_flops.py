@@ -6,13 +6,14 @@ weighs its recasts' time against the step this makes at the device's measured ma
 
 Counted, forward only, two FLOPs per multiply-add: ``linear``, ``matmul``, ``mm``, ``bmm``,
 ``addmm``, ``baddbmm``, ``addbmm``, ``convolution`` (and the ``conv*d`` / ``conv_transpose*d``
-spellings), ``scaled_dot_product_attention``, and the same inside the graph modules it calls
-(a checkpointed block's). A submodule called twice counts once (the count is a lower
-bound). Everything else (the memory-bound ops, ``einsum``, custom kernels) is
-left out, so the count is a lower bound: a step estimated from it is no longer than the
-real one, and a share of it is conservative. Symbolic sizes count at their hint; a cast
-the passes inserted (no example value) has its source's shape; a node without an example
-value otherwise counts zero.
+spellings), ``scaled_dot_product_attention``, the fp8 policy's ``amp_graph::fp8_linear`` at
+half its FLOPs (Hopper runs float8 products at twice bf16's rate, and the step is timed
+at bf16's), and the same inside the graph modules it calls (a checkpointed block's, once
+however often it is called). Everything else (the memory-bound ops, ``einsum``, other
+custom kernels) is left out, so the count is a lower bound: a step estimated from it is no
+longer than the real one, and a share of it is conservative. Symbolic sizes count at
+their hint; a cast the passes inserted (no example value) has its source's shape; a node
+without an example value otherwise counts zero.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _PRODUCTS = {
     aten.baddbmm.default: (1, 2, -2),
     aten.addbmm.default: (1, 2, -2),
 }
+_FP8_LINEAR = "amp_graph::fp8_linear"  # (x, weight, ...): a linear's operands
 _CONVOLUTIONS = {
     aten.convolution.default,
     aten._convolution.default,
@@ -94,6 +96,8 @@ def _node_flops(node: fx.Node) -> int:
     out_numel = _numel(out)
     if out_numel is None:
         return 0
+    if isinstance(target, torch._ops.OpOverload) and target.name() == _FP8_LINEAR:
+        return out_numel * (_contraction(node, 0, 1, -1) or 0)  # half of 2 per multiply-add
     if target in _PRODUCTS:
         k = _contraction(node, *_PRODUCTS[target])
         if k and target is aten.addbmm.default:  # sums over the batch too

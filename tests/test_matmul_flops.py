@@ -143,3 +143,21 @@ def test_what_it_does_not_count_leaves_a_lower_bound() -> None:
     counted = graph_counted(model, x)
     assert 0 < counted < torch_counted(model, x)
     assert counted == 2 * 2 * 4 * 16 * 16  # the linear's
+
+
+def test_an_fp8_linear_counts_half() -> None:
+    """The fp8 policy's linears run at twice bf16's rate on Hopper, and the step is timed at
+    bf16's: each counts half its FLOPs (the MLP's two hidden linears become fp8, its 10-class
+    head stays a bf16 linear)."""
+    from amp_graph.passes.fp8_linears import fp8_linears
+
+    from amp_graph.demo import models
+
+    model, x = models.MLP(), torch.randn(32, 1, 8, 8)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    before = forward_matmul_flops(gm)
+    assert before == torch_counted(model, x)
+    head = 2 * 32 * model.head.in_features * model.head.out_features
+    assert fp8_linears(gm, root=model).stats["fp8_linears"] == 2
+    gm.recompile()
+    assert forward_matmul_flops(gm) == head + (before - head) // 2
