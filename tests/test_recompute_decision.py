@@ -2,8 +2,11 @@
 
 ``Policy(recompute_casts="auto")``, the default, weighs a cost measured once per device
 (:mod:`amp_graph.ops.recompute_cost`): a copy smaller than what the device casts in the
-fixed host time of one recompute is kept, and a graph whose saved-tensor hooks would cost
-more than all its recasts' bytes take keeps every copy (and runs no hook). The tests pin
+fixed host time of one recompute is kept, a graph whose saved-tensor hooks would cost
+more than all its recasts' bytes take keeps every copy (and runs no hook), and the
+recomputes, largest copy first, take at most 1% of the step the graph's matmul FLOPs make
+at the measured matmul rate (issue 58, part 1: the default path no slower than
+torch.autocast, which keeps every copy). The tests pin
 the cost (the measured one differs by machine; conftest pins one for the whole suite) by
 patching the one function the entry points ask, and check the split, what it holds, that
 gradients are the same bits whichever way a cast is decided, and what report and explain
