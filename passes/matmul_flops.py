@@ -18,13 +18,13 @@ without an example value otherwise counts zero.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .meta import VAL, behind_reads, is_cast_read, is_dtype_cast, size_hint
+from .meta import VAL, behind_reads, is_dtype_cast, size_hint
+from .state_casts import state_attribute
 
 __all__ = ["forward_matmul_flops"]
 
@@ -60,21 +60,19 @@ _TRANSPOSED = {
 
 
 def _numel(value: Any) -> int | None:
-    if not isinstance(value, torch.Tensor):
-        return None
-    sizes = [size_hint(s) for s in value.shape]
-    return None if any(s is None for s in sizes) else math.prod(sizes)  # type: ignore[misc]
+    return size_hint(value.numel()) if isinstance(value, torch.Tensor) else None
 
 
 def _val(arg: Any) -> Any:
     """``arg``'s example value; a cast the passes inserted has none, and takes its
     source's shape."""
     while isinstance(arg, fx.Node):
+        arg = behind_reads(arg)
         if (value := arg.meta.get(VAL)) is not None:
             return value
-        if not (is_dtype_cast(arg) or is_cast_read(arg)):
+        if not is_dtype_cast(arg):
             return None
-        arg = behind_reads(arg).args[0] if is_cast_read(arg) else arg.args[0]
+        arg = arg.args[0]
     return None
 
 
@@ -133,14 +131,7 @@ def forward_matmul_flops(gm: fx.GraphModule) -> int:
         if node.op == "call_function":
             total += _node_flops(node)
         elif node.op in ("call_module", "get_attr"):  # a block: checkpoint(get_attr, ...)
-            child = _attribute(gm, str(node.target))
+            child = state_attribute(gm, str(node.target))
             if isinstance(child, fx.GraphModule):
                 total += forward_matmul_flops(child)
     return total
-
-
-def _attribute(gm: fx.GraphModule, path: str) -> Any:
-    value: Any = gm
-    for name in path.split("."):
-        value = getattr(value, name, None)
-    return value

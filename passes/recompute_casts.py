@@ -336,7 +336,7 @@ def _past_the_step_share(
     casts = copy_bytes = 0
     past: dict[fx.Node, str] = {}
     for node, nbytes in sorted(left, key=lambda item: -item[1]):
-        if cost.within_step_share(saved_tensors, casts + 1, copy_bytes + nbytes, step_flops):
+        if cost.within_step_share(saved_tensors, casts + 1, copy_bytes + nbytes, step_ns):
             casts, copy_bytes = casts + 1, copy_bytes + nbytes
         else:
             past[node] = why
@@ -393,6 +393,7 @@ def recompute_casts(
             candidates.append((node, kept_by, target, args, kwargs))
     unsafe = _written_after_the_cast(gm, [node for node, *_ in candidates])
     candidates = [candidate for candidate in candidates if candidate[0] not in unsafe]
+    weighed = enabled == "auto" and cost is not None and not by_partitioner
     declined = _declined(
         [
             (node, _copy_bytes(args[0], copy_dtype_of(target, args)), _in_fsdp_unit(args[0]))
@@ -400,10 +401,10 @@ def recompute_casts(
         ],
         enabled,
         cost,
-        _saved_tensor_estimate(gm) if enabled == "auto" and cost is not None else 0,
+        _saved_tensor_estimate(gm) if weighed else 0,
         by_partitioner,
         # forward and backward: each product's two gradients cost what it did
-        3 * forward_matmul_flops(gm) if enabled == "auto" and cost is not None else 0.0,
+        3 * forward_matmul_flops(gm) if weighed else 0.0,
     )
     count = nbytes = 0
     for node, kept_by, target, args, kwargs in candidates:

@@ -287,11 +287,14 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
     every recompute look free)."""
     variants = iter([100.0, 200.0, 150.0] * 5)  # kept, hooks, recomputed: a negative difference
 
-    def timed(run, sync, calls: int, rounds: int) -> float:
+    def timed(run, sync, calls: int, rounds: int, before=None) -> float:
         if calls == 32:  # one cast's dispatch
             return 1500.0
         if calls == 2:  # the 512x512 bf16 matmul
             return 1e6
+        if calls == 1:  # the cold 4 MB cast, the caches flushed before each round
+            assert before is not None
+            return 4e5
         return next(variants)
 
     monkeypatch.setattr(recompute_cost, "best_ns", timed)
@@ -303,6 +306,7 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
     assert cost.per_cast_ns == 1500.0
     assert cost.per_saved_ns == pytest.approx(100.0 / (2 * 32))
     assert cost.flops_per_ns == pytest.approx(2 * 512**3 / 1e6)
+    assert cost.copy_bytes_per_ns == pytest.approx(2 * 2**20 / 4e5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

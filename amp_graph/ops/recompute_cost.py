@@ -105,31 +105,31 @@ class RecomputeCost:
         casts of ``copy_bytes`` in all, spends no more host time on them than its recasts
         spend on their bytes: :attr:`min_copy_bytes`'s rule for the whole graph, whose
         every saved tensor goes through the hooks once one cast is recomputed."""
-        fixed_ns = saved_tensors * self.per_saved_ns + casts * self.per_cast_ns
-        return copy_bytes >= fixed_ns * self.copy_bytes_per_ns
+        return copy_bytes >= self._fixed_ns(saved_tensors, casts) * self.copy_bytes_per_ns
+
+    def _fixed_ns(self, saved_tensors: int, casts: int) -> float:
+        """The host time that does not grow with the bytes: the hooks on every saved
+        tensor, and each recast's recording and dispatch."""
+        return saved_tensors * self.per_saved_ns + casts * self.per_cast_ns
 
     def recompute_ns(self, saved_tensors: int, casts: int, copy_bytes: int) -> float:
         """Host and device time that recomputing ``casts`` casts of ``copy_bytes`` in all
         adds to a step whose forward saves ``saved_tensors`` tensors: the hooks on every
         saved tensor, each recast's fixed time, and the recasts' bytes (at the rate they
         run in backward: :data:`IN_BACKWARD_SLOWDOWN`)."""
-        fixed_ns = saved_tensors * self.per_saved_ns + casts * self.per_cast_ns
-        return fixed_ns + copy_bytes * IN_BACKWARD_SLOWDOWN / self.copy_bytes_per_ns
+        bytes_ns = copy_bytes * IN_BACKWARD_SLOWDOWN / self.copy_bytes_per_ns
+        return self._fixed_ns(saved_tensors, casts) + bytes_ns
 
     def step_ns(self, step_flops: float) -> float | None:
         """A step's time at the measured matmul rate: its GEMMs' at least (None: no rate)."""
         return None if not self.flops_per_ns else step_flops / self.flops_per_ns
 
     def within_step_share(
-        self, saved_tensors: int, casts: int, copy_bytes: int, step_flops: float
+        self, saved_tensors: int, casts: int, copy_bytes: int, step_ns: float
     ) -> bool:
         """Whether those recomputes take at most :data:`STEP_SHARE` of a step of
-        ``step_flops`` (forward and backward) at the measured matmul rate; True where no
-        rate was measured."""
-        step = self.step_ns(step_flops)
-        if step is None:
-            return True
-        return self.recompute_ns(saved_tensors, casts, copy_bytes) <= STEP_SHARE * step
+        ``step_ns`` (:meth:`step_ns`)."""
+        return self.recompute_ns(saved_tensors, casts, copy_bytes) <= STEP_SHARE * step_ns
 
     def describe(self) -> str:
         """One line: the figures and the threshold they make."""
@@ -152,10 +152,19 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes / 1024:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def best_ns(run: Callable[[], object], sync: Callable[[], None], calls: int, rounds: int) -> float:
-    """The fastest round's time per call: the least disturbed by the rest of the machine."""
+def best_ns(
+    run: Callable[[], object],
+    sync: Callable[[], None],
+    calls: int,
+    rounds: int,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """The fastest round's time per call: the least disturbed by the rest of the machine.
+    ``before`` runs untimed ahead of each round (a cache flush)."""
     best = math.inf
     for _ in range(rounds):
+        if before is not None:
+            before()
         sync()
         start = time.perf_counter_ns()
         for _ in range(calls):
@@ -217,15 +226,8 @@ def _cold_copy_bytes_per_ns(where: torch.device, sync: Callable[[], None]) -> fl
     # 5x): past the last-level cache of a server CPU (32 MiB on this EPYC, 105 MiB on a
     # Sapphire Rapids Xeon) and a GPU's L2 (50-60 MiB on an H100 or H200)
     flush = torch.ones(1 << 25, device=where)
-    best = math.inf
-    for _ in range(7):
-        flush.max()
-        sync()
-        start = time.perf_counter_ns()
-        source.to(torch.bfloat16)
-        sync()
-        best = min(best, time.perf_counter_ns() - start)
-    return source.numel() * 2 / best
+    copy_ns = best_ns(lambda: source.to(torch.bfloat16), sync, calls=1, rounds=7, before=flush.max)
+    return source.numel() * 2 / copy_ns
 
 
 def _matmul_flops_per_ns(where: torch.device, sync: Callable[[], None]) -> float:
