@@ -3,21 +3,24 @@
 One cast of an activation serves every op that reads it (Llama's q, k and v projections of
 one RMSNorm output; its gate and up projections of another). With
 ``Policy(cast_gradients_per_consumer=True)`` (the ``"autocast"`` preset's) each consumer
-reads it through a ``cast_read``, so that the consumers' gradients sum in float32 at the
-source, as under torch.autocast; with False (the other presets') they sum in bf16 at the
-copy. This script measures, in one run, on an HF Llama (random config, eager attention), a
-training step (forward with the loss, backward) in bf16, under O1 and ``"autocast"`` each
-way:
+casts its own (a copy small enough for its bytes to cost less than a read's Python, as
+measured on the device) or reads it through a ``cast_read``, so that the consumers'
+gradients sum in float32 at the source, as under torch.autocast; with False (the other
+presets') they sum in bf16 at the copy. This script measures, in one run, on an HF Llama
+(random config, eager attention), a training step (forward with the loss, backward) in
+bf16, under O1 and ``"autocast"`` each way:
 
 1. **Gradient error**: each parameter's gradient against the float32 model's,
    ``|g - g32| / |g32|`` by parameter, the median and the worst, and torch.autocast's.
 2. **Step time**: medians of per-round ratios against the torch.autocast step of the same
    round (rounds interleaved, order shuffled per round; torch.autocast measured twice, the
    second's ratio the noise floor). Per consumer adds a Python ``autograd.Function`` call
-   per consumer on the eager path, and backward converts each consumer's gradient and sums
-   in float32, as autocast does.
+   per reading consumer on the eager path (a cast per casting one), and backward converts
+   each consumer's gradient and sums in float32, as autocast does. The table says how
+   many consumers read and how many cast their own.
 
     python benchmarks/shared_cast_reads.py --repeats 41         # the run in BENCHMARKS.md
+    python benchmarks/shared_cast_reads.py --width 128 --layers 2 --repeats 41  # casts
     python benchmarks/shared_cast_reads.py --quick
 """
 
@@ -36,7 +39,7 @@ import transformers
 from measure import cpu_name, interleaved_seconds
 
 import amp_graph
-from amp_graph.ops.cast_reads import cast_read
+from amp_graph.frontends.compiler import compile_record
 
 BF16 = torch.bfloat16
 
@@ -120,11 +123,14 @@ def main() -> None:
             name = f"{policy} {'per consumer' if with_pass else 'shared'}"
             step = graph_step(model, compiled)
             step()  # captured and rewritten at the first call
-            reads[name] = sum(n.target is cast_read for n in compiled.graph.nodes)
+            stats = compile_record(compiled).stats
+            reads[name] = (
+                f"{stats.get('shared_cast_reads', 0)} / {stats.get('shared_cast_own_casts', 0)}"
+            )
             variants[name] = (model, step)
 
     print("== gradients against float32 (|g - g32| / |g32| per parameter)")
-    print(f"  {'variant':28s} {'median':>9s} {'worst':>9s}  cast_reads")
+    print(f"  {'variant':28s} {'median':>9s} {'worst':>9s}  reads / own casts")
     for name, (model, step) in variants.items():
         step()
         errors = [

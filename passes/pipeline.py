@@ -72,6 +72,7 @@ def amp_passes(
     recompute_cost: RecomputeCost | None = None,
     low_copies: Collection[torch.Tensor] = (),
     recompute_by_partitioner: bool = False,
+    read_cost: RecomputeCost | None = None,
 ) -> list[tuple[str, Callable[[fx.GraphModule], PassResult]]]:
     """The pass list, bound to a policy and a dtype. The final verify always lints and checks
     that every planned input has its planned dtype; ``check_each_pass`` also re-propagates every
@@ -81,7 +82,9 @@ def amp_passes(
     the graph, and ``"auto"`` leaves its casts to the partitioner (:func:`recompute_casts`).
     ``low_copies``: parameters the caller stores low as copies of float32 masters (O2 in a
     ``Graph``), of which the plan stores those it reads only in float32 in float32
-    (:mod:`widen_parameters`)."""
+    (:mod:`widen_parameters`). ``read_cost``: the same measurement, for
+    ``Policy.cast_gradients_per_consumer`` (None: every consumer of a shared cast reads it;
+    :func:`shared_cast_gradients`)."""
     passes: list[tuple[str, Callable[[fx.GraphModule], PassResult]]] = [
         ("classify", lambda gm: classify(gm, policy)),
     ]
@@ -133,7 +136,7 @@ def amp_passes(
     )
     # last: the passes before it find a cast's consumers as its direct users
     if policy.cast_gradients_per_consumer:
-        passes.append(("shared_cast_gradients", shared_cast_gradients))
+        passes.append(("shared_cast_gradients", lambda gm: shared_cast_gradients(gm, read_cost)))
     return passes
 
 
@@ -182,15 +185,22 @@ def run_passes(
     recompute_cost: RecomputeCost | None = None,
     low_copies: Collection[torch.Tensor] = (),
     recompute_by_partitioner: bool = False,
+    read_cost: RecomputeCost | None = None,
 ) -> PipelineResult:
     """Run the AMP passes on ``gm`` (captured and flat, :func:`require_captured_graph`) in
     place and return it with the counters (``recompute_cost``, ``low_copies``,
-    ``recompute_by_partitioner``: :func:`amp_passes`)."""
+    ``recompute_by_partitioner``, ``read_cost``: :func:`amp_passes`)."""
     require_captured_graph(gm)
     result = PipelineResult(gm)
     ran: list[str] = []
     passes = amp_passes(
-        policy, low_dtype, check_each_pass, recompute_cost, low_copies, recompute_by_partitioner
+        policy,
+        low_dtype,
+        check_each_pass,
+        recompute_cost,
+        low_copies,
+        recompute_by_partitioner,
+        read_cost,
     )
     for name, run in passes:
         start = time.perf_counter()

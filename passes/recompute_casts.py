@@ -240,7 +240,7 @@ def _written_after_the_cast(gm: fx.GraphModule, casts: list[fx.Node]) -> set[fx.
     return unsafe
 
 
-def _copy_bytes(source: Any, dtype: torch.dtype) -> int | None:
+def cast_copy_bytes(source: Any, dtype: torch.dtype) -> int | None:
     """Bytes of ``source`` cast to ``dtype`` (symbolic sizes at their example's hint), or None."""
     value = source.meta.get(VAL) if isinstance(source, fx.Node) else None
     if not isinstance(value, torch.Tensor) or not isinstance(dtype, torch.dtype):
@@ -396,7 +396,7 @@ def recompute_casts(
     weighed = enabled == "auto" and cost is not None and not by_partitioner
     declined = _declined(
         [
-            (node, _copy_bytes(args[0], copy_dtype_of(target, args)), _in_fsdp_unit(args[0]))
+            (node, cast_copy_bytes(args[0], copy_dtype_of(target, args)), _in_fsdp_unit(args[0]))
             for node, _, target, args, _ in candidates
         ],
         enabled,

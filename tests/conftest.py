@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -90,14 +91,20 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-# What recompute_casts="auto" weighs, pinned for the suite so that what it decides does not
-# depend on the machine or its load: figures as measured on a 2-vCPU AMD EPYC (AVX512-BF16,
-# a cold cast at 10 GB/s, copies below 68 KiB kept, bf16 matmuls at 0.3 TFLOP/s) and, for
-# CUDA, of the order an H100's host, HBM and tensor cores give (copies below about 43 MiB
-# kept, 700 TFLOP/s). tests/test_recompute_decision.py measures for real.
+# What recompute_casts="auto" (and a shared cast's reads) weighs, pinned for the suite so
+# that what it decides does not depend on the machine or its load: figures as measured on a
+# 2-vCPU AMD EPYC (AVX512-BF16, a cold cast at 10 GB/s, copies below 68 KiB kept, bf16
+# matmuls at 0.3 TFLOP/s, a read 17 us: shared copies up to 166 KiB cast per consumer) and,
+# for CUDA, of the order an H100's host, HBM and tensor cores give (copies below about 43
+# MiB kept, 700 TFLOP/s). tests/test_recompute_decision.py measures for real.
 PINNED_RECOMPUTE_COSTS = {
     "cpu": RecomputeCost(
-        per_cast_ns=7e3, per_saved_ns=2e3, copy_bytes_per_ns=10.0, device="cpu", flops_per_ns=300.0
+        per_cast_ns=7e3,
+        per_saved_ns=2e3,
+        copy_bytes_per_ns=10.0,
+        device="cpu",
+        flops_per_ns=300.0,
+        per_read_ns=17e3,
     ),
     "cuda": RecomputeCost(
         per_cast_ns=30e3,
@@ -105,6 +112,7 @@ PINNED_RECOMPUTE_COSTS = {
         copy_bytes_per_ns=1500.0,
         device="cuda",
         flops_per_ns=700e3,
+        per_read_ns=15e3,
     ),
 }
 
@@ -116,6 +124,23 @@ def _pinned_recompute_cost(monkeypatch: pytest.MonkeyPatch) -> None:
         "measured_cost",
         lambda device: PINNED_RECOMPUTE_COSTS[torch.device(device).type],
     )
+
+
+# The two ways the consumers of a shared cast take their gradients on their own
+# (Policy.cast_gradients_per_consumer), each forced by the read cost the decision weighs:
+# none measured, every consumer reads the shared copy; a read of a second, every consumer
+# casts its own.
+SHARED_CAST_WAYS = {"reads": None, "own casts": 1e9}
+
+
+@pytest.fixture(params=list(SHARED_CAST_WAYS))
+def shared_cast_way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test once with each way, on the CPU; the way's name."""
+    cost = dataclasses.replace(
+        PINNED_RECOMPUTE_COSTS["cpu"], per_read_ns=SHARED_CAST_WAYS[request.param]
+    )
+    monkeypatch.setattr(front_door, "measured_cost", lambda device: cost)
+    return request.param
 
 
 @pytest.fixture

@@ -279,6 +279,9 @@ def test_the_measurement_is_sane_remembered_and_disturbs_nothing() -> None:
     assert cost.per_cast_ns > 0 and cost.min_copy_bytes > 0
     assert cost.device == "cpu" and "copies below" in cost.describe()
     assert "TFLOP/s" in cost.describe()
+    # a read is a Python autograd.Function, forward and backward: never cheaper than a cast
+    assert math.isfinite(cost.per_read_ns) and cost.per_read_ns >= 0
+    assert cost.max_own_cast_bytes == math.floor(cost.per_read_ns * cost.copy_bytes_per_ns)
 
 
 def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
@@ -286,10 +289,13 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
     estimate is then one cast's dispatch, timed on its own, not zero (which would make
     every recompute look free)."""
     variants = iter([100.0, 200.0, 150.0] * 5)  # kept, hooks, recomputed: a negative difference
+    consumers = iter([3000.0, 3200.0] * 5)  # reads, own casts: reads measured the faster
 
     def timed(run, sync, calls: int, rounds: int, before=None) -> float:
         if calls == 32:  # one cast's dispatch
             return 1500.0
+        if calls == 4:  # the shared cast's consumers
+            return next(consumers)
         if calls == 2:  # the 512x512 bf16 matmul
             return 1e6
         if calls == 1:  # the cold 4 MB cast, the caches flushed before each round
@@ -307,6 +313,8 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
     assert cost.per_saved_ns == pytest.approx(100.0 / (2 * 32))
     assert cost.flops_per_ns == pytest.approx(2 * 512**3 / 1e6)
     assert cost.copy_bytes_per_ns == pytest.approx(2 * 2**20 / 4e5)
+    # reads timed below casts of their own: no consumer gets its own cast, not a negative size
+    assert cost.per_read_ns == 0.0 and cost.max_own_cast_bytes == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

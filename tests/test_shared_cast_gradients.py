@@ -1,23 +1,38 @@
 """A cast several consumers share: under ``Policy(cast_gradients_per_consumer=True)`` (the
 ``"autocast"`` preset) their gradients sum in the source's dtype, as under torch.autocast
-(one cast per consumer), and nothing more is held for backward; the other presets sum them
-at the shared copy."""
+(one cast per consumer): each consumer gets a cast of its own where the copy is small
+enough for its bytes to cost less than a read's Python (as autocast holds), else a read of
+the shared copy (nothing more held for backward). The other presets sum them at the shared
+copy."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from amp_graph.passes.meta import is_dtype_cast
 
 import amp_graph
+from amp_graph.frontends import front_door
+from amp_graph.frontends.compiler import compile_record
 from amp_graph.ops.cast_reads import cast_read
+from amp_graph.ops.recompute_cost import RecomputeCost
 from tests.hf_configs import small_llama_config
 
 BF16 = torch.bfloat16
+
+
+def _made(compiled) -> tuple[int, int]:
+    """(reads, own casts) the pass made, from the compile's record and the graph."""
+    stats = compile_record(compiled).stats
+    reads = sum(n.target is cast_read for n in compiled.graph.nodes)
+    assert stats.get("shared_cast_reads", 0) == reads
+    return reads, stats.get("shared_cast_own_casts", 0)
 
 
 class SharedInput(nn.Module):
@@ -122,15 +137,19 @@ def _titan():
 @pytest.mark.parametrize(
     "build", [_shared_input, _llama, _titan], ids=["shared_input", "hf_llama", "torchtitan"]
 )
-def test_gradients_are_autocasts_bit_for_bit(build) -> None:
+def test_gradients_are_autocasts_bit_for_bit(build, shared_cast_way) -> None:
     model, inputs, loss = build()
     expected = _autocast_step(copy.deepcopy(model), inputs, loss)
 
     ours = copy.deepcopy(model)
     compiled = amp_graph.compile(ours, "autocast", BF16)  # the preset turns it on
     loss(compiled(*inputs)).backward()
-    reads = [n for n in compiled.graph.nodes if n.target is cast_read]
-    assert len(reads) >= 5 * (2 if build is _llama else 1)  # q, k, v; gate, up (per layer)
+    reads, own_casts = _made(compiled)
+    layers = 2 if build is _llama else 1
+    if shared_cast_way == "reads":  # q, k, v; gate, up (per layer)
+        assert reads >= 5 * layers and own_casts == 0
+    else:  # k, v; up: the first consumer keeps the shared cast
+        assert reads == 0 and own_casts >= 3 * layers
     for name, grad in _grads(ours).items():
         assert torch.equal(grad, expected[name]), name
 
@@ -139,7 +158,7 @@ def test_gradients_are_autocasts_bit_for_bit(build) -> None:
     shared = copy.deepcopy(model)
     off = amp_graph.compile(shared, _policy("autocast", False), BF16)
     loss(off(*inputs)).backward()
-    assert not any(n.target is cast_read for n in off.graph.nodes)
+    assert _made(off) == (0, 0)
     assert any(not torch.equal(g, expected[n]) for n, g in _grads(shared).items())
 
 
@@ -148,11 +167,35 @@ def test_only_the_autocast_preset_turns_it_on() -> None:
     for name in ("O1", "O2", "O3", "fp8", "autocast"):
         assert amp_graph.Policy.preset(name).cast_gradients_per_consumer is (name == "autocast")
     o1 = amp_graph.compile(model, "O1", BF16, example_inputs=inputs)
-    assert not any(n.target is cast_read for n in o1.graph.nodes)
+    assert _made(o1) == (0, 0)
     on = amp_graph.compile(model, _policy("O1", True), BF16, example_inputs=inputs)
-    assert sum(n.target is cast_read for n in on.graph.nodes) == 5
+    # the suite's pinned CPU cost: 2 KiB copies, far below a read's time: k, v; up
+    assert _made(on) == (0, 3)
     with pytest.raises(ValueError, match="cast_gradients_per_consumer is True or False"):
         _policy("O1", "yes")
+
+
+def test_a_copy_casts_per_consumer_up_to_what_a_read_costs(monkeypatch) -> None:
+    """The decision's edge: each of the model's shared copies is 2 KiB (2x16x32 in bf16);
+    a read that takes as long as writing 2 KiB gives their consumers casts of their own,
+    one that takes a byte's time less, reads."""
+    model, inputs, _ = _shared_input()
+    made = {}
+    for per_read_ns in (2048.0, 2047.0):
+        cost = RecomputeCost(7e3, 2e3, copy_bytes_per_ns=1.0, per_read_ns=per_read_ns)
+        monkeypatch.setattr(front_door, "measured_cost", lambda device, c=cost: c)
+        compiled = amp_graph.compile(model, "autocast", BF16, example_inputs=inputs)
+        made[per_read_ns] = _made(compiled)
+    assert made == {2048.0: (0, 3), 2047.0: (5, 0)}
+
+
+def test_without_a_measured_cost_every_consumer_reads(monkeypatch) -> None:
+    """On a device the cost cannot be timed on, or where AOTAutograd compiles the graph
+    (its own kernels then sum in float32), the consumers read: nothing more is held."""
+    model, inputs, _ = _shared_input()
+    monkeypatch.setattr(front_door, "TIMED_DEVICE_TYPES", ())
+    compiled = amp_graph.compile(model, "autocast", BF16, example_inputs=inputs)
+    assert _made(compiled) == (5, 0)
 
 
 def test_the_backend_without_inductor_is_autocasts_bit_for_bit() -> None:
@@ -179,24 +222,35 @@ def _saved_bytes(fn) -> int:
     return sum(storages.values())
 
 
-def test_backward_holds_one_copy_and_the_graph_shows_the_reads() -> None:
-    """Each consumer reads the one copy (a view of it: nothing more kept for backward);
-    a parameter's casts stay shared, as autocast caches them."""
+def test_backward_holds_one_copy_where_consumers_read_and_autocasts_where_they_cast(
+    shared_cast_way,
+) -> None:
+    """Each consumer reads the one copy (a view of it: nothing more kept for backward), or
+    casts its own (one copy each, as torch.autocast keeps); a parameter's casts stay
+    shared, as autocast caches them."""
     model, inputs, _ = _shared_input()
     policy = _policy("autocast", True, recompute_casts=False)
     compiled = amp_graph.compile(model, policy, BF16, example_inputs=inputs)
     reads = [n for n in compiled.graph.nodes if n.target is cast_read]
-    assert len(reads) == 5  # q, k and v read the first norm's output; gate and up the second
-    for read in reads:
-        source, cast = read.args
-        assert cast.args[0] is source and source.meta["amp"].role.value != "param"
     held = _saved_bytes(lambda: compiled(*inputs))
 
     plain = amp_graph.compile(
         model, _policy("autocast", False, recompute_casts=False), BF16, example_inputs=inputs
     )
-    assert not any(n.target is cast_read for n in plain.graph.nodes)
-    assert held == _saved_bytes(lambda: plain(*inputs))
+    assert _made(plain) == (0, 0)
+    one_copy = _saved_bytes(lambda: plain(*inputs))
+    if shared_cast_way == "reads":
+        assert len(reads) == 5  # q, k and v read the first norm's output; gate and up the second
+        for read in reads:
+            source, cast = read.args
+            assert cast.args[0] is source and source.meta["amp"].role.value != "param"
+        assert held == one_copy
+    else:
+        assert not reads
+        with torch.autocast("cpu", BF16):
+            autocasts = _saved_bytes(lambda: model(*inputs))
+        assert held == autocasts > one_copy  # three more 2 KiB copies: k's, v's, up's
+        assert held - one_copy == 3 * 2 * 16 * 32 * 2
 
 
 def test_a_read_is_the_cast_where_autocast_shares_one_or_nothing_needs_a_gradient() -> None:
@@ -232,7 +286,7 @@ class CheckpointedShared(SharedInput):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-def test_checkpointed_blocks_read_their_shared_casts_too() -> None:
+def test_checkpointed_blocks_take_their_shared_casts_per_consumer_too(shared_cast_way) -> None:
     torch.manual_seed(0)
     model, weights = CheckpointedShared(), torch.randn(2, 16, 32)
     x = torch.randn(2, 16, 32)
@@ -241,13 +295,19 @@ def test_checkpointed_blocks_read_their_shared_casts_too() -> None:
     compiled = amp_graph.compile(ours, "autocast", BF16)
     (compiled(x) * weights).sum().backward()
     block = compiled.graph_module.get_submodule("checkpoint_0")
-    assert sum(n.target is cast_read for n in block.graph.nodes) == 3  # q, k, v
+    block_reads = sum(n.target is cast_read for n in block.graph.nodes)
+    casts_per_source = Counter(n.args[0] for n in block.graph.nodes if is_dtype_cast(n))
+    if shared_cast_way == "reads":  # q, k, v read one cast
+        assert block_reads == 3 and max(casts_per_source.values()) == 1
+    else:  # q, k, v cast their own
+        assert block_reads == 0 and max(casts_per_source.values()) == 3
     for name, grad in _grads(ours).items():
         assert torch.equal(grad, expected[name]), name
 
 
-def test_inspection_looks_through_the_reads() -> None:
+def test_inspection_looks_through_the_reads(monkeypatch) -> None:
     """The diff, the drawing and ``explain`` show the plan: each consumer reads the cast."""
+    monkeypatch.setattr(front_door, "measured_cost", lambda device: RecomputeCost(7e3, 2e3, 10.0))
     model, inputs, _ = _shared_input()
     compiled = amp_graph.compile(model, "autocast", BF16, example_inputs=inputs)
     reads = [n for n in compiled.graph.nodes if n.target is cast_read]

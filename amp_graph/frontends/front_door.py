@@ -160,9 +160,11 @@ def rewrite(
     no copy of the graph before the passes (``record.original`` None: an export, which no
     diff reads). ``recompute_hooks``: the graph runs as it is, its recomputed casts through
     :mod:`amp_graph.ops.recompute_ops` 's saved-tensor hooks (installed on ``gm``), and
-    ``recompute_casts="auto"`` weighs their cost measured on the device. False: AOTAutograd
-    compiles the graph: no hooks, and ``"auto"`` leaves what backward keeps to its
-    partitioner (``True`` still tags every cast it may for recompute).
+    ``recompute_casts="auto"`` weighs their cost measured on the device, as
+    ``cast_gradients_per_consumer`` weighs a shared cast's reads against casts of their
+    own. False: AOTAutograd compiles the graph: no hooks, ``"auto"`` leaves what backward
+    keeps to its partitioner (``True`` still tags every cast it may for recompute), and
+    shared casts are read.
     ``low_copies``: the parameters the caller stores low as copies of float32 masters (O2 in
     a ``Graph``); the plan stores those it reads only in float32 in float32, and names them
     in ``gm.meta[WIDENED_PARAMETERS]`` (:mod:`amp_graph.passes.widen_parameters`): the
@@ -175,6 +177,11 @@ def rewrite(
     cost = None
     if recompute_hooks and policy.recompute_casts == "auto":
         cost = _recompute_cost_on(request.device_type)
+    # where the graph runs as it is, the shared casts' consumers cast or read by the cost
+    read_cost = None
+    timed = request.device_type in TIMED_DEVICE_TYPES
+    if recompute_hooks and policy.cast_gradients_per_consumer and timed:
+        read_cost = cost or measured_cost(request.device_type)
     # the collector off, as during the capture: a full collection walks every live object,
     # and a large graph's nodes make each pass's share of them grow with the graph
     with gc_paused():
@@ -190,6 +197,7 @@ def rewrite(
             recompute_cost=cost,
             recompute_by_partitioner=not recompute_hooks,
             low_copies=low_copies,
+            read_cost=read_cost,
         )
     stats = {**inlined.stats, **result.stats}
     timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}

@@ -25,6 +25,11 @@ tokens spent 3-4% of a CPU step recasting its weights), that time shows, so the 
 of a graph may take at most :data:`STEP_SHARE` of its step, estimated from its matmul FLOPs
 at the device's measured matmul rate (:meth:`RecomputeCost.within_step_share`): the default
 path is not slower than torch.autocast's, which keeps every copy.
+
+The same measurement times one more choice of the kind, for
+``Policy.cast_gradients_per_consumer``: a consumer of a shared cast reads the shared copy
+through a Python ``autograd.Function`` or casts its own, natively, as torch.autocast does
+(:attr:`RecomputeCost.max_own_cast_bytes`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from amp_graph.ops import recompute_ops
+from amp_graph.ops.cast_reads import cast_read
 
 __all__ = [
     "IN_BACKWARD_SLOWDOWN",
@@ -86,6 +92,10 @@ class RecomputeCost:
         device: where it was measured (``"cpu"``, ``"cuda:0"``), for the report.
         flops_per_ns: the device's bf16 matmul rate, to estimate a step's time from its
             FLOPs; None (a cost made by hand) applies no step share.
+        per_read_ns: host time one consumer's :func:`~amp_graph.ops.cast_reads.cast_read`
+            of a shared cast adds to a forward + backward, beyond a cast of its own (a
+            Python ``autograd.Function``, forward and backward, against a native cast);
+            None (a cost made by hand): every consumer reads (:attr:`max_own_cast_bytes`).
     """
 
     per_cast_ns: float
@@ -93,12 +103,22 @@ class RecomputeCost:
     copy_bytes_per_ns: float
     device: str = ""
     flops_per_ns: float | None = None
+    per_read_ns: float | None = None
 
     @property
     def min_copy_bytes(self) -> int:
         """The smallest copy whose recast takes at least its fixed host time: below it the
         Python costs more than the bytes."""
         return math.ceil(self.per_cast_ns * self.copy_bytes_per_ns)
+
+    @property
+    def max_own_cast_bytes(self) -> int:
+        """The largest copy a consumer of a shared cast gets a cast of its own for (as
+        torch.autocast gives it) instead of a read of the shared one: the copy's bytes take
+        no longer to write than a read's host time (``passes.shared_cast_gradients``)."""
+        if not self.per_read_ns:
+            return 0
+        return math.floor(self.per_read_ns * self.copy_bytes_per_ns)
 
     def hooks_pay(self, saved_tensors: int, casts: int, copy_bytes: int) -> bool:
         """Whether a forward that saves ``saved_tensors`` tensors, recomputing ``casts``
@@ -196,6 +216,38 @@ def _program(weights: list[torch.Tensor], x: torch.Tensor, recompute: bool, hook
     y.float().sum().backward()
 
 
+def _consumers_program(source: torch.Tensor, weights: list[torch.Tensor], reads: bool) -> None:
+    """One activation read by ``len(weights)`` linears, each through a ``cast_read`` of one
+    shared cast, or each through a cast of its own (torch.autocast's way), forward and
+    backward."""
+    activation = source * 1.0  # not a leaf: a leaf's shared cast is read as is
+    shared = activation.to(torch.bfloat16) if reads else None
+    total = None
+    for weight in weights:
+        copy = cast_read(activation, shared) if reads else activation.to(torch.bfloat16)
+        out = F.linear(copy, weight)
+        total = out if total is None else total + out
+    assert total is not None
+    total.float().sum().backward()
+
+
+def _per_read_ns(where: torch.device, sync: Callable[[], None]) -> float:
+    """What a read costs beyond a cast of its own, per consumer, on copies too small for
+    their bytes to count: the median of five interleaved estimates, at least zero."""
+    source = torch.ones(4, _WIDTH, device=where, requires_grad=True)
+    weights = [torch.ones(_WIDTH, _WIDTH, device=where, dtype=torch.bfloat16)] * _LAYERS
+    estimates = []
+    for _ in range(5):
+        ns = {
+            reads: best_ns(
+                lambda r=reads: _consumers_program(source, weights, r), sync, calls=4, rounds=2
+            )
+            for reads in (True, False)
+        }
+        estimates.append((ns[True] - ns[False]) / _LAYERS)
+    return max(statistics.median(estimates), 0.0)
+
+
 def synchronizer(device: torch.device) -> Callable[[], None]:
     """What waits for ``device``'s queued work, for the timings: nothing on the CPU,
     ``torch.<type>.synchronize`` on an accelerator (CUDA, XPU, MPS: their kernels run
@@ -269,6 +321,7 @@ def _measure(device: str) -> RecomputeCost:
         copy_bytes_per_ns=_cold_copy_bytes_per_ns(where, sync),
         device=str(where),
         flops_per_ns=_matmul_flops_per_ns(where, sync),
+        per_read_ns=_per_read_ns(where, sync),
     )
     log.info("amp_graph recompute_casts='auto': %s", cost.describe())
     return cost

@@ -339,12 +339,14 @@ class Policy:
         cast_gradients_per_consumer: where several ops read one cast of an activation (the
             Q, K and V projections of one norm's output), each converts its gradient to the
             source's dtype on its own and the gradients sum there, as under torch.autocast,
-            which casts once per op (``passes.shared_cast_gradients``; the same copy is read
-            and kept). False: they sum at the shared copy, in the low dtype, and are
-            converted once: other bits than autocast's, a gradient error equal to three
-            digits on an HF Llama, and on the CPU's eager graph about 3% less step time
-            (BENCHMARKS.md). True in ``Policy.preset("autocast")``, whose contract is
-            autocast's arithmetic; False in the others.
+            which casts once per op (``passes.shared_cast_gradients``: a small copy is cast
+            per consumer, as autocast does, where its bytes cost less than a read's Python
+            on the device; a larger one is read by each consumer and kept once). False:
+            they sum at the shared copy, in the low dtype, and are converted once: other
+            bits than autocast's, a gradient error equal to three digits on an HF Llama,
+            and on the CPU's eager graph a few percent less step time (BENCHMARKS.md).
+            True in ``Policy.preset("autocast")``, whose contract is autocast's
+            arithmetic; False in the others.
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
             it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
             points for CPU models). Such an op computes in float32 whatever else the policy says.
