@@ -94,9 +94,10 @@ def _seed() -> None:
 # What recompute_casts="auto" (and a shared cast's reads) weighs, pinned for the suite so
 # that what it decides does not depend on the machine or its load: figures as measured on a
 # 2-vCPU AMD EPYC (AVX512-BF16, a cold cast at 10 GB/s, copies below 68 KiB kept, bf16
-# matmuls at 0.3 TFLOP/s, a read 17 us: shared copies up to 166 KiB cast per consumer) and,
-# for CUDA, of the order an H100's host, HBM and tensor cores give (copies below about 43
-# MiB kept, 700 TFLOP/s). tests/test_recompute_decision.py measures for real.
+# matmuls at 0.3 TFLOP/s, a read 17 us and a cached cast at 20 GB/s: shared copies up to
+# 332 KiB cast per consumer) and, for CUDA, of the order an H100's host, HBM and tensor
+# cores give (copies below about 43 MiB kept, 700 TFLOP/s). tests/test_recompute_decision.py
+# measures for real.
 PINNED_RECOMPUTE_COSTS = {
     "cpu": RecomputeCost(
         per_cast_ns=7e3,
@@ -105,6 +106,7 @@ PINNED_RECOMPUTE_COSTS = {
         device="cpu",
         flops_per_ns=300.0,
         per_read_ns=17e3,
+        fresh_copy_bytes_per_ns=20.0,
     ),
     "cuda": RecomputeCost(
         per_cast_ns=30e3,
@@ -113,6 +115,7 @@ PINNED_RECOMPUTE_COSTS = {
         device="cuda",
         flops_per_ns=700e3,
         per_read_ns=15e3,
+        fresh_copy_bytes_per_ns=2000.0,
     ),
 }
 

@@ -264,6 +264,17 @@ def test_graph_decides_as_compile_does_and_steps_the_same_bits(monkeypatch) -> N
         assert all(torch.equal(a, b) for a, b in zip(weights[name], weights["none"], strict=True))
 
 
+def test_a_shared_copy_is_cast_per_consumer_up_to_what_a_read_writes() -> None:
+    """The bytes a read's host time writes, from a source in the caches where that rate is
+    measured (a consumer casts an activation just computed), else at the cold rate; none
+    where no read time is known."""
+    cold = RecomputeCost(per_cast_ns=7e3, per_saved_ns=2e3, copy_bytes_per_ns=10.0)
+    assert cold.max_own_cast_bytes == 0
+    timed = dataclasses.replace(cold, per_read_ns=1500.0)
+    assert timed.max_own_cast_bytes == 15_000
+    assert dataclasses.replace(timed, fresh_copy_bytes_per_ns=30.0).max_own_cast_bytes == 45_000
+
+
 def test_the_measurement_is_sane_remembered_and_disturbs_nothing() -> None:
     recompute_cost._measure.cache_clear()
     rng = torch.get_rng_state()
@@ -281,7 +292,8 @@ def test_the_measurement_is_sane_remembered_and_disturbs_nothing() -> None:
     assert "TFLOP/s" in cost.describe()
     # a read is a Python autograd.Function, forward and backward: never cheaper than a cast
     assert math.isfinite(cost.per_read_ns) and cost.per_read_ns >= 0
-    assert cost.max_own_cast_bytes == math.floor(cost.per_read_ns * cost.copy_bytes_per_ns)
+    assert cost.fresh_copy_bytes_per_ns > 0
+    assert cost.max_own_cast_bytes == math.floor(cost.per_read_ns * cost.fresh_copy_bytes_per_ns)
 
 
 def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
@@ -296,6 +308,8 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
             return 1500.0
         if calls == 4:  # the shared cast's consumers
             return next(consumers)
+        if calls == 16:  # the 4 MiB cast, its source in the caches
+            return 2e5
         if calls == 2:  # the 512x512 bf16 matmul
             return 1e6
         if calls == 1:  # the cold 4 MB cast, the caches flushed before each round
@@ -315,6 +329,7 @@ def test_a_recast_never_measures_cheaper_than_one_cast(monkeypatch) -> None:
     assert cost.copy_bytes_per_ns == pytest.approx(2 * 2**20 / 4e5)
     # reads timed below casts of their own: no consumer gets its own cast, not a negative size
     assert cost.per_read_ns == 0.0 and cost.max_own_cast_bytes == 0
+    assert cost.fresh_copy_bytes_per_ns == pytest.approx(2 * 2**20 / 2e5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

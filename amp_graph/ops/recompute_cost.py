@@ -96,6 +96,9 @@ class RecomputeCost:
             of a shared cast adds to a forward + backward, beyond a cast of its own (a
             Python ``autograd.Function``, forward and backward, against a native cast);
             None (a cost made by hand): every consumer reads (:attr:`max_own_cast_bytes`).
+        fresh_copy_bytes_per_ns: bytes of copy the device writes per ns where the source
+            is still in the caches, as an activation just computed is when a consumer casts
+            its own in forward (2-4x the cold rate on a CPU); None: the cold rate.
     """
 
     per_cast_ns: float
@@ -104,6 +107,7 @@ class RecomputeCost:
     device: str = ""
     flops_per_ns: float | None = None
     per_read_ns: float | None = None
+    fresh_copy_bytes_per_ns: float | None = None
 
     @property
     def min_copy_bytes(self) -> int:
@@ -115,10 +119,14 @@ class RecomputeCost:
     def max_own_cast_bytes(self) -> int:
         """The largest copy a consumer of a shared cast gets a cast of its own for (as
         torch.autocast gives it) instead of a read of the shared one: the copy's bytes take
-        no longer to write than a read's host time (``passes.shared_cast_gradients``)."""
+        no longer to write, from a source in the caches, than a read's host time
+        (``passes.shared_cast_gradients``). A read measured alone is a lower bound (in a
+        model's step it took 2-3x as long on a CPU), so the edge leans to reads, which hold
+        less."""
         if not self.per_read_ns:
             return 0
-        return math.floor(self.per_read_ns * self.copy_bytes_per_ns)
+        rate = self.fresh_copy_bytes_per_ns or self.copy_bytes_per_ns
+        return math.floor(self.per_read_ns * rate)
 
     def hooks_pay(self, saved_tensors: int, casts: int, copy_bytes: int) -> bool:
         """Whether a forward that saves ``saved_tensors`` tensors, recomputing ``casts``
@@ -282,6 +290,14 @@ def _cold_copy_bytes_per_ns(where: torch.device, sync: Callable[[], None]) -> fl
     return source.numel() * 2 / copy_ns
 
 
+def _fresh_copy_bytes_per_ns(where: torch.device, sync: Callable[[], None]) -> float:
+    """How fast the device casts a float32 tensor of 4 MiB to bf16 with the source in the
+    caches (the last level's, on a CPU), bytes of the copy written per ns."""
+    source = torch.ones(1 << 20, device=where)
+    copy_ns = best_ns(lambda: source.to(torch.bfloat16), sync, calls=16, rounds=3)
+    return source.numel() * 2 / copy_ns
+
+
 def _matmul_flops_per_ns(where: torch.device, sync: Callable[[], None]) -> float:
     """A square bf16 matmul's FLOP rate: one large enough to run near the device's rate (a
     model's GEMMs are rarely faster, so a step estimated with it is no longer than the real
@@ -322,6 +338,7 @@ def _measure(device: str) -> RecomputeCost:
         device=str(where),
         flops_per_ns=_matmul_flops_per_ns(where, sync),
         per_read_ns=_per_read_ns(where, sync),
+        fresh_copy_bytes_per_ns=_fresh_copy_bytes_per_ns(where, sync),
     )
     log.info("amp_graph recompute_casts='auto': %s", cost.describe())
     return cost
