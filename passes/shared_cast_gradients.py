@@ -15,7 +15,7 @@ and in the order autocast's do:
 
 * a cast of its own, as autocast gives it, where the copy is small: a native cast, whose
   bytes take less time to write than a read's Python (``RecomputeCost.max_own_cast_bytes``,
-  measured once per device; below about 100 KiB on a 2-vCPU EPYC), and nothing held that
+  measured once per device; up to about 300 KiB on a 2-vCPU EPYC), and nothing held that
   autocast does not hold;
 * otherwise :func:`amp_graph.ops.cast_reads.cast_read` of the shared cast: forward the cast
   itself (a view: no copy, nothing more held for backward), backward its consumer's
