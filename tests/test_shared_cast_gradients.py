@@ -253,6 +253,36 @@ def test_backward_holds_one_copy_where_consumers_read_and_autocasts_where_they_c
         assert held - one_copy == 3 * 2 * 16 * 32 * 2
 
 
+class ThreeReadsOfTheInput(nn.Module):
+    """The graph's input itself read by three projections: its one cast is shared."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+def test_an_input_autocast_caches_keeps_one_shared_cast() -> None:
+    """A float32 leaf that requires grad, given to the graph, is cast once by torch.autocast
+    (its cache's rule, as for a weight), so its consumers' gradients sum in bf16 there: the
+    pass reads it (the read decides when it runs) and never gives its consumers casts of
+    their own, small as the copy is, which would sum in float32."""
+    torch.manual_seed(0)
+    model, weights = ThreeReadsOfTheInput(), torch.randn(4, 16, 32)
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    with torch.autocast("cpu", BF16):
+        (model(x).float() * weights).sum().backward()
+    expected = x.grad
+    x.grad = None
+
+    compiled = amp_graph.compile(model, "autocast", BF16, example_inputs=(x,))
+    assert _made(compiled) == (3, 0)  # the pinned cost would cast 4 KiB copies per consumer
+    (compiled(x).float() * weights).sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
 def test_a_read_is_the_cast_where_autocast_shares_one_or_nothing_needs_a_gradient() -> None:
     leaf = torch.randn(4, 8, requires_grad=True)
     source = leaf * 1.0  # an activation
