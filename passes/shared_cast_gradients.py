@@ -20,7 +20,8 @@ and in the order autocast's do:
 * otherwise :func:`amp_graph.ops.cast_reads.cast_read` of the shared cast: forward the cast
   itself (a view: no copy, nothing more held for backward), backward its consumer's
   gradient converted to the source's dtype, handed to the source. Without a measured cost
-  (a device amp_graph cannot time, a graph AOTAutograd compiles) every consumer reads.
+  (a device amp_graph cannot time, a graph AOTAutograd compiles, or one replayed as CUDA
+  graphs, which pay the read's host time once, at capture) every consumer reads.
 
 Which casts: those amp_graph inserted (``role=CAST``; a cast the model's code wrote is
 read as written, by autocast too), to a dtype (``x.to(d)`` or a recomputed cast; a float8

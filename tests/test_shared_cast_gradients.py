@@ -20,9 +20,11 @@ from amp_graph.passes.meta import is_dtype_cast
 import amp_graph
 from amp_graph.frontends import front_door
 from amp_graph.frontends.compiler import compile_record
+from amp_graph.frontends.front_door import COMPILE_META
 from amp_graph.ops.cast_reads import cast_read
 from amp_graph.ops.recompute_cost import RecomputeCost
 from tests.hf_configs import small_llama_config
+from tests.test_cuda_graph_step import RerunCapture
 
 BF16 = torch.bfloat16
 
@@ -251,6 +253,40 @@ def test_backward_holds_one_copy_where_consumers_read_and_autocasts_where_they_c
             autocasts = _saved_bytes(lambda: model(*inputs))
         assert held == autocasts > one_copy  # three more 2 KiB copies: k's, v's, up's
         assert held - one_copy == 3 * 2 * 16 * 32 * 2
+
+
+class SharedInputStep(amp_graph.Graph):
+    """The "autocast" preset's training step, replayed through a stand-in for the CUDA
+    capture (the CPU has none) where asked."""
+
+    _step_capture = RerunCapture
+
+    def __init__(self, model: nn.Module, replayed: bool) -> None:
+        super().__init__()
+        self.model = model
+        lr = torch.tensor(0.1)
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=lr, fused=True))
+        self.config.enable_amp(True, policy="autocast", dtype=BF16)
+        if replayed:
+            self.config.enable_cuda_graph(True, warmup_steps=1)
+
+    def build(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x).float().sum()
+        loss.backward()
+        return loss
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "cuda graphs"])
+def test_a_step_replayed_as_cuda_graphs_reads_its_shared_casts(replayed: bool) -> None:
+    """A replayed CUDA graph pays a read's host time once, at its capture: a cast per
+    consumer would only add kernels and held bytes there, so every consumer reads."""
+    model, inputs, _ = _shared_input()
+    step = SharedInputStep(model, replayed)
+    for _ in range(3):
+        step(*inputs)
+    stats = step.build_graph.meta[COMPILE_META].stats
+    made = (stats["shared_cast_reads"], stats["shared_cast_own_casts"])
+    assert made == ((5, 0) if replayed else (0, 3))
 
 
 class ThreeReadsOfTheInput(nn.Module):

@@ -271,6 +271,7 @@ class CompiledModule(nn.Module):
             seconds={"capture": captured.seconds},
             # inductor's partitioner decides what backward keeps: no saved-tensor hooks
             recompute_hooks=not self.mode.inductor,
+            cuda_graphs=self.mode.cuda_graphs,
         )
         log.info("%s", _summary(gm, record))
         return captured

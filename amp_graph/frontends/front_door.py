@@ -149,6 +149,7 @@ def rewrite(
     keep_original: bool = True,
     recompute_hooks: bool = True,
     low_copies: Collection[torch.Tensor] = (),
+    cuda_graphs: bool = False,
 ) -> CompileRecord:
     """Step 3: run the AMP passes on a captured ``gm`` in place and record what they did.
 
@@ -164,7 +165,8 @@ def rewrite(
     ``cast_gradients_per_consumer`` weighs a shared cast's reads against casts of their
     own. False: AOTAutograd compiles the graph: no hooks, ``"auto"`` leaves what backward
     keeps to its partitioner (``True`` still tags every cast it may for recompute), and
-    shared casts are read.
+    shared casts are read. ``cuda_graphs``: the graph's calls are replayed as CUDA graphs,
+    which pay a read's host time once, at capture: shared casts are read.
     ``low_copies``: the parameters the caller stores low as copies of float32 masters (O2 in
     a ``Graph``); the plan stores those it reads only in float32 in float32, and names them
     in ``gm.meta[WIDENED_PARAMETERS]`` (:mod:`amp_graph.passes.widen_parameters`): the
@@ -180,7 +182,7 @@ def rewrite(
     # where the graph runs as it is, the shared casts' consumers cast or read by the cost
     read_cost = None
     timed = request.device_type in TIMED_DEVICE_TYPES
-    if recompute_hooks and policy.cast_gradients_per_consumer and timed:
+    if recompute_hooks and policy.cast_gradients_per_consumer and timed and not cuda_graphs:
         read_cost = cost or measured_cost(request.device_type)
     # the collector off, as during the capture: a full collection walks every live object,
     # and a large graph's nodes make each pass's share of them grow with the graph
@@ -222,6 +224,7 @@ def capture_and_rewrite(
     check_nodes: bool = True,
     check_each_pass: bool = False,
     low_copies: Collection[torch.Tensor] = (),
+    cuda_graphs: bool = False,
     **capture_options: Any,
 ) -> Captured:
     """Steps 2 and 3 for an ``nn.Module``: capture ``module(*args, **kwargs)`` under the
@@ -247,6 +250,7 @@ def capture_and_rewrite(
         keep_original=keep_original,
         recompute_hooks=recompute_hooks,
         low_copies=low_copies,
+        cuda_graphs=cuda_graphs,
     )
     return captured
 

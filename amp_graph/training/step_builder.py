@@ -214,6 +214,7 @@ class StepBuilder:
             model_attr=attr,
             # compiled: AOTAutograd's partitioner decides what backward keeps, no hooks
             recompute_hooks=not config.compile,
+            cuda_graphs=config.cuda_graph is not None,
             # a parameter read only in float32 gains nothing stored low, and is rounded:
             # the plan stores it in float32, and it gets its master's storage back here
             low_copies=self.master.low_parameters() if self.master is not None else (),
