@@ -115,7 +115,7 @@ def main() -> None:
     variants["torch.autocast"] = (model, autocast_step(model))
     model = copy.deepcopy(base)  # the reference again: its ratio is the noise floor
     variants["torch.autocast [again]"] = (model, autocast_step(model))
-    reads = {}
+    made = {}  # "reads / own casts" the pass made, per variant
     for policy in ("O1", "autocast"):
         for with_pass in (True, False):
             model = copy.deepcopy(base)
@@ -124,7 +124,7 @@ def main() -> None:
             step = graph_step(model, compiled)
             step()  # captured and rewritten at the first call
             stats = compile_record(compiled).stats
-            reads[name] = (
+            made[name] = (
                 f"{stats.get('shared_cast_reads', 0)} / {stats.get('shared_cast_own_casts', 0)}"
             )
             variants[name] = (model, step)
@@ -140,7 +140,7 @@ def main() -> None:
         ]
         print(
             f"  {name:28s} {statistics.median(errors):9.5f} {max(errors):9.5f}  "
-            f"{reads.get(name, '-')}"
+            f"{made.get(name, '-')}"
         )
 
     times = interleaved_seconds(

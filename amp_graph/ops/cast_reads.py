@@ -10,11 +10,11 @@ to bf16 per value, and other bits than autocast's.
 :func:`cast_read` is the graph op ``passes.shared_cast_gradients`` puts between a shared
 cast and each of its consumers, where the copy is too large for a cast per consumer (as
 autocast makes) to cost less than the read's Python (about 5 us forward and more backward,
-where a small cast is one native kernel). Forward, it returns the cast itself, as a view (no copy,
-no kernel): the consumers read, and backward keeps, one copy as before. Backward, it
-converts its consumer's gradient to the source's dtype and hands it to the source
-directly, so the gradients meet where autocast's meet, in the source's dtype, in the same
-order. Without autograd (``no_grad``, a source that needs no gradient) it is the cast.
+where a small cast is one native kernel). Forward, it returns the cast itself, as a view
+(no copy, no kernel): the consumers read, and backward keeps, one copy as before.
+Backward, it converts its consumer's gradient to the source's dtype and hands it to the
+source directly, so the gradients meet where autocast's meet, in the source's dtype, in
+the same order. Without autograd (``no_grad``, a source that needs no gradient) it is the cast.
 """
 
 from __future__ import annotations
