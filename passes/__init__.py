@@ -18,7 +18,9 @@ form (``amp_graph.frontends.front_door.rewrite`` runs it). Then :func:`run_passe
    the plan reads only in float32 planned stored in float32;
 5. :mod:`low_extremes` - float32's extremes baked as a scalar (``finfo(x.dtype).min`` read
    where dynamo traced float32) made the low dtype's, where the op is planned low;
-6. :mod:`insert_casts` - the plan as cast nodes, one per (consumer, input);
+6. :mod:`insert_casts` - the plan as cast nodes, one per (consumer, input); with
+   ``Policy.output_dtype``, :mod:`cast_outputs` - the outputs computed narrower than float32
+   returned in float32;
 7. :mod:`simplify_casts` - a rule table removes casts that change nothing;
 8. :mod:`verify` - lint plus dtype consistency with the plan;
 9. :mod:`absorb_casts` - a widening cast folded into the one op that reads it, where that op

@@ -6,7 +6,8 @@ runs it before it keeps the graph as captured), not a pass of the list.
 Order: classify -> (fp8_linears, under an fp8 policy) -> assign_dtypes
 -> (place_casts: ``Policy.place_casts``, where the default rule is ALLOW: O2) ->
 (widen_parameters, given O2's low copies) -> low_extremes
--> insert_casts -> simplify_casts -> verify -> absorb_casts -> fsdp_hooks
+-> insert_casts -> (cast_outputs: ``Policy.output_dtype``) -> simplify_casts -> verify
+-> absorb_casts -> fsdp_hooks
 -> fsdp_planned_reads (models sharded with FSDP2) -> outline_checkpoints -> recompute_casts
 -> (shared_cast_gradients: ``Policy.cast_gradients_per_consumer``, the ``"autocast"`` preset).
 With ``check_each_pass=True`` (the tests use it; ``compile``, the backend and ``Graph``
@@ -32,6 +33,7 @@ from amp_graph.policy import Policy, Rule
 from .absorb_casts import absorb_casts
 from .assign_dtypes import assign_dtypes
 from .attribute_reads import read_attributes_directly
+from .cast_outputs import cast_outputs
 from .checkpoints import outline_checkpoints
 from .classify import classify
 from .fp8_linears import fp8_linears
@@ -110,6 +112,9 @@ def amp_passes(
     # after the dtypes: it lowers float32's extremes where an op is planned low
     passes.append(("low_extremes", low_extremes))
     passes.append(("insert_casts", insert_casts))
+    # before simplify_casts, which merges an output's cast with an op's cast of the value
+    if policy.output_dtype is not None:
+        passes.append(("cast_outputs", lambda gm: cast_outputs(gm, policy.output_dtype)))
     passes.append(("simplify_casts", simplify_casts))
     passes.append(("verify", lambda gm: verify(gm, propagate=check_each_pass)))
     # after verify, which checks each op's inputs against the plan: an absorbed cast's op
@@ -217,7 +222,7 @@ def run_passes(
                 "shared_cast_gradients",
             )
             if check_each_pass and name not in skip:
-                materialized = name in ("insert_casts", "simplify_casts")
+                materialized = name in ("insert_casts", "cast_outputs", "simplify_casts")
                 verify(gm, propagate=materialized, planned_inputs=materialized)
             elif check_each_pass:
                 # these passes change what verify checks (an absorbed cast's op takes its

@@ -349,6 +349,14 @@ def _compile_page(ns: dict[str, Any]) -> None:
     ns["loss_fn"] = lambda out: out.float().square().mean()  # numerics' loss_fn(output)
 
 
+def _compile_loss(ns: dict[str, Any]) -> None:
+    """A classifier whose logits are low under O1, and a loss computed outside the graph."""
+    torch.manual_seed(0)
+    ns["model"] = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    ns["x"], ns["y"] = _batches(1, (8, 16), 4)[0]
+    ns["loss_fn"] = F.cross_entropy
+
+
 def _compile_monitor(ns: dict[str, Any]) -> None:
     ns["loss_fn"] = F.cross_entropy  # the loop's loss_fn(output, target)
     ns["loader"] = _batches(3, (8, 16), 4)
@@ -527,7 +535,7 @@ def _device_page(ns: dict[str, Any]) -> None:
 SETUPS: dict[str, dict[int, Setup]] = {
     "README.md": {0: _readme},
     "docs/backend.md": {0: _small_net},
-    "docs/compile.md": {0: _compile_page, 2: _compile_monitor},
+    "docs/compile.md": {0: _compile_loss, 1: _compile_page, 3: _compile_monitor},
     "docs/deploy.md": {0: _deploy_page, 1: _deploy_lm},
     "docs/fp8.md": {0: _fp8_page},
     "docs/inspect.md": {0: _small_net, 2: _inspect_diffs},

@@ -252,7 +252,8 @@ def test_every_pass_keeps_the_invariants_on_every_model():
 
 
 @pytest.mark.parametrize(
-    "module", ["classify", "assign_dtypes", "insert_casts", "fp8_linears", "instrument"]
+    "module",
+    ["classify", "assign_dtypes", "insert_casts", "cast_outputs", "fp8_linears", "instrument"],
 )
 def test_pass_docstring_examples_run(module: str) -> None:
     """The examples in the passes' docstrings run on graphs the capture makes, as written."""

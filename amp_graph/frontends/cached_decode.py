@@ -341,7 +341,8 @@ class CachedDecoder:
     def _admitted(self, args: tuple, kwargs: dict) -> AmpRequest:
         """The compiled model's request, admitted once (its overrides were matched when it
         was compiled); node overrides left out: they name the forward's nodes, and a decode
-        graph's node of one name may be another op."""
+        graph's node of one name may be another op; ``output_dtype`` left out: a decode
+        graph returns its outputs as computed."""
         if self._request is None:
             compiled = self.compiled
             request = admit(compiled.policy, compiled.dtype, compiled.model, (args, kwargs))
@@ -356,6 +357,9 @@ class CachedDecoder:
                     type(compiled.model).__name__,
                 )
                 policy = dataclasses.replace(policy, nodes={})
+            # a decode graph returns the caches' tensors, which the next step reads low; HF
+            # generate reads the logits in float32 itself
+            policy = dataclasses.replace(policy, output_dtype=None)
             self._request = dataclasses.replace(request, policy=policy)
         return self._request
 

@@ -13,6 +13,7 @@ the model itself; and reading the graph back (:func:`as_graph_module`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -256,7 +257,8 @@ class CompiledModule(nn.Module):
                 "already computes each op at the dtype its policy decides, so autocast is "
                 "disabled inside it. Call it outside torch.autocast to silence this (with HF "
                 "Trainer or accelerate: leave bf16/fp16 and mixed_precision off, see "
-                "docs/integrations.md).",
+                "docs/integrations.md); for a loss computed on its outputs in float32 then, "
+                "as autocast computes it, compile with output_dtype=torch.float32.",
                 stacklevel=3,
             )
 
@@ -377,6 +379,7 @@ def compile(
     policy: Policy | str = "O1",
     dtype: torch.dtype | None = None,
     *,
+    output_dtype: torch.dtype | None = None,
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,
@@ -395,6 +398,12 @@ def compile(
         dtype: the low-precision dtype, ``torch.float16`` or ``torch.bfloat16``; by default
             what torch.autocast uses on the model's device (float16 on CUDA, else bfloat16;
             bfloat16 for ``"fp8"``, whose linears compute in float8).
+        output_dtype: ``torch.float32``: the outputs computed in the low dtype are returned
+            in float32 (``Policy.output_dtype``; None: the policy's, by default as computed,
+            which is how torch.autocast returns them). Pass it where the loss is computed on
+            the outputs outside the compiled model, ``loss_fn(fast(x), y)``: the loss then
+            runs in float32, as autocast runs it when written inside the autocast region,
+            and its value and gradients are autocast's bit for bit.
         example_inputs / example_kwargs: the forward's arguments. Given, the model is
             captured now; otherwise at the first call, from that call's inputs. Either way
             they are used as fake tensors, so every dtype is exact and nothing is computed.
@@ -442,6 +451,9 @@ def compile(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
     request = admit(policy, dtype, model, examples)
+    if output_dtype is not None:  # as Apex's initialize arguments over an opt level's
+        returned_in = dataclasses.replace(request.policy, output_dtype=output_dtype)
+        request = dataclasses.replace(request, policy=returned_in)
     run_mode = resolve_mode(mode, cuda_graph, request.device_type, is_sharded(model.parameters()))
     compiled = CompiledModule(
         model,
@@ -470,6 +482,7 @@ def compile_(
     policy: Policy | str = "O1",
     dtype: torch.dtype | None = None,
     *,
+    output_dtype: torch.dtype | None = None,
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,
@@ -520,6 +533,7 @@ def compile_(
         model,
         policy,
         dtype,
+        output_dtype=output_dtype,
         example_inputs=example_inputs,
         example_kwargs=example_kwargs,
         check_each_pass=check_each_pass,

@@ -288,11 +288,27 @@ def backend(
         Its graphs: :func:`captured_graphs`.
 
     Raises:
-        ValueError: an unknown preset, dtype or inner backend name (naming the nearest one).
+        ValueError: an unknown preset, dtype or inner backend name (naming the nearest one);
+            a policy with ``output_dtype`` (:func:`refuse_output_dtype`).
         TypeError: a policy, dtype or inner of the wrong type.
     """
     check_request(policy, dtype)
+    refuse_output_dtype(policy)
     return AmpGraphBackend(policy, dtype, _check_inner(inner), check_each_pass=check_each_pass)
+
+
+def refuse_output_dtype(policy: Policy | str) -> None:
+    """The backend refuses ``Policy.output_dtype``: dynamo hands over the code between graph
+    breaks as graphs of their own, whose outputs are intermediate values the next piece
+    computes with, and an output cast to float32 there would change that piece's dtypes."""
+    if isinstance(policy, Policy) and policy.output_dtype is not None:
+        raise ValueError(
+            f"policy {policy.name!r} has output_dtype={policy.output_dtype}, which the "
+            "amp_graph backend does not apply: dynamo may split the compiled code into "
+            "graphs whose outputs are intermediate values, not the model's. Cast in your "
+            "code instead (loss_fn(out.float(), y)), compute the loss inside the compiled "
+            "function, or use amp_graph.compile(model, policy, output_dtype=torch.float32)"
+        )
 
 
 def _check_inner(inner: Any) -> str | InnerBackend:

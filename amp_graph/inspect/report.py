@@ -93,6 +93,7 @@ class Report:
     casts_recompute_declined: int = 0
     recompute_cost: str = ""
     casts_absorbed: int = 0  # widening casts folded into the op's dtype= (absorb_casts)
+    outputs_cast: int = 0  # of casts_inserted, those returning outputs in float32
     absorbed_cast_bytes: int = 0  # the float32 copies those casts made, per call
     # the cast placement (passes.place_casts, O2): free ops it raised to float32, and the
     # cast bytes per call (forward and backward, as the cut costs them) before and after
@@ -128,8 +129,9 @@ class Report:
         per_dtype = ", ".join(f"{k}: {v}" for k, v in sorted(self.ops_by_dtype.items()))
         return (
             f"policy {self.policy}, low dtype {self.dtype}; ops by output dtype: {per_dtype}\n"
-            f"casts inserted {self.casts_inserted}, removed by simplification "
-            f"{self.casts_removed}, absorbed into an op's dtype= {self.casts_absorbed} "
+            f"casts inserted {self.casts_inserted}{_outputs_text(self.outputs_cast)}, "
+            f"removed by simplification {self.casts_removed}, absorbed into an op's dtype= "
+            f"{self.casts_absorbed} "
             f"({bytes_text(self.absorbed_cast_bytes)}), kept {self.casts_kept}; bytes cast per "
             f"call: {bytes_text(self.cast_bytes)}\n"
             f"casts recomputed in backward instead of kept: {self.casts_recomputed} "
@@ -388,6 +390,7 @@ def report(compiled: Any) -> Report:
         ops_by_dtype=dict(ops),
         casts_recomputed=record.stats.get("casts_recomputed", 0),
         casts_absorbed=record.stats.get("casts_absorbed", 0),
+        outputs_cast=record.stats.get("outputs_cast", 0),
         absorbed_cast_bytes=record.stats.get("absorbed_cast_bytes", 0),
         recomputed_cast_bytes=record.stats.get("recomputed_cast_bytes", 0),
         casts_recompute_declined=record.stats.get("casts_recompute_declined", 0),
@@ -582,6 +585,11 @@ def explain(compiled: Any, node_name: str) -> Explanation:
     return Explanation("\n".join(text))
 
 
+def _outputs_text(outputs_cast: int) -> str:
+    """The inserted casts that return outputs in float32 (``Policy.output_dtype``)."""
+    return f" ({outputs_cast} returning outputs in fp32: output_dtype)" if outputs_cast else ""
+
+
 def report_summary_html(report: Report) -> str:
     """The report's totals: policy, ops per output dtype, casts and bytes."""
     per_dtype = " ".join(f"{badge(k, k)}&nbsp;{v}" for k, v in sorted(report.ops_by_dtype.items()))
@@ -590,8 +598,9 @@ def report_summary_html(report: Report) -> str:
         '<div style="font-family:sans-serif;font-size:13px;margin-bottom:4px">'
         f"<b>amp_graph report</b>: policy <b>{escape(report.policy)}</b>, low dtype "
         f"{badge(report.dtype, report.dtype)}{proven}<br>ops by output dtype: {per_dtype}<br>"
-        f"casts inserted {report.casts_inserted}, removed by simplification "
-        f"{report.casts_removed}, absorbed into an op's dtype= {report.casts_absorbed} "
+        f"casts inserted {report.casts_inserted}{_outputs_text(report.outputs_cast)}, "
+        f"removed by simplification {report.casts_removed}, absorbed into an op's dtype= "
+        f"{report.casts_absorbed} "
         f"({bytes_text(report.absorbed_cast_bytes)}), kept "
         f"<b>{report.casts_kept}</b>; bytes cast per call: "
         f"{bytes_text(report.cast_bytes)}</div>"

@@ -253,6 +253,17 @@ def _check_recompute_casts(value: Any) -> None:
         )
 
 
+def _check_output_dtype(value: Any) -> None:
+    """``output_dtype`` is None (outputs as computed) or ``torch.float32``."""
+    if value is not None and value != torch.float32:
+        hint = " (pass the torch dtype object)" if isinstance(value, str) else ""
+        raise ValueError(
+            "Policy output_dtype is torch.float32 (the graph returns its float16, bfloat16 "
+            "and float8 outputs in float32, as the float32 model returns them) or None (as "
+            f"the plan computes them); got {value!r}{hint}"
+        )
+
+
 def _checked_notes(notes: Any, nodes: Mapping[str, Rule]) -> dict[str, str]:
     if not isinstance(notes, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in notes.items()
@@ -347,6 +358,19 @@ class Policy:
             and on the CPU's eager graph a few percent less step time (BENCHMARKS.md).
             True in ``Policy.preset("autocast")``, whose contract is autocast's
             arithmetic; False in the others.
+        output_dtype: ``torch.float32``: every floating-point output the graph computes
+            narrower (float16, bfloat16, float8) is returned in float32, by a cast that is
+            the graph's last node (``passes.cast_outputs``); the cast is exact, and its
+            gradient is cast back to the low dtype, as torch.autocast casts a loss's low
+            input. A loss computed on the outputs outside the graph (``loss_fn(fast(x),
+            y)``, outside any autocast) then runs in float32, as it does under
+            torch.autocast, which puts ``cross_entropy``, ``mse_loss`` and the other losses
+            on its float32 list: the loss and the gradients are autocast's bit for bit. As
+            FSDP2's ``MixedPrecisionPolicy(output_dtype=...)`` and Apex O2's
+            ``cast_model_outputs``. None (the default): outputs in the dtype the plan
+            computes them, as torch.autocast returns them. The backend refuses it (dynamo's
+            graphs return intermediate values too); decode graphs return their caches and
+            logits as computed.
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
             it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
             points for CPU models). Such an op computes in float32 whatever else the policy says.
@@ -370,6 +394,7 @@ class Policy:
     missing_kernels: Mapping[str, str] = field(default_factory=lambda: _frozen(None))
     place_casts: bool = True
     cast_gradients_per_consumer: bool = False
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         """Validate and normalize every field, however the Policy was built (the
@@ -386,6 +411,7 @@ class Policy:
             if not isinstance(value, bool):
                 raise ValueError(f"Policy {flag} is True or False; got {value!r}")
         _check_recompute_casts(self.recompute_casts)
+        _check_output_dtype(self.output_dtype)
         if not isinstance(self.place_casts, bool):
             raise ValueError(
                 f"Policy place_casts is True (place O2's casts by a minimum cut, the default) "
