@@ -8,6 +8,7 @@ the code never runs: here, a pickle that would create a file, which must not app
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -79,9 +80,16 @@ def test_policies_round_trip_through_data() -> None:
         )
     )
     policies.append(Policy.preset("O1").override(ops={torch.ops.aten.mm.default: "deny"}))
+    policies.append(dataclasses.replace(Policy.preset("O1"), output_dtype=torch.float32))
+    stored_fields: set[str] = set()
     for policy in policies:
         stored = json.loads(json.dumps(policy_as_data(policy)))
         assert policy_from_data(stored) == policy, policy.name
+        stored_fields |= set(stored)
+    # every field of a Policy is stored: a field added later and forgotten here fails
+    assert {f.name for f in dataclasses.fields(Policy)} <= stored_fields
+    with pytest.raises(ValueError, match="output_dtype is null or 'float32'"):
+        policy_from_data({**policy_as_data(policies[-1]), "output_dtype": "float16"})
 
 
 def test_a_policy_holding_a_function_is_not_data_and_the_bundle_keeps_its_text() -> None:

@@ -221,7 +221,9 @@ def test_the_mode_is_amp_graph_compiles_and_checked_early() -> None:
     outputs = {}
     for mode in ("eager", "default"):
         model = _model()
-        AmpGraphPrecision(dtype=torch.bfloat16, mode=mode).compile_modules(model)
+        # outputs as computed: the bf16 output shows the graph ran low
+        plugin = AmpGraphPrecision(dtype=torch.bfloat16, mode=mode, output_dtype=None)
+        plugin.compile_modules(model)
         compiled = model.net._compiled_call_impl.compiled
         assert compiled.mode.name == mode
         outputs[mode] = model.net(x)
@@ -372,3 +374,70 @@ def test_the_monitor_option_watches_the_compiled_children(tmp_path: Path) -> Non
     assert (tmp_path / "monitor.jsonl").exists()
     with pytest.raises(TypeError, match="options as a dict"):
         AmpGraphPrecision(monitor=100)
+
+
+class Classifier(pl.LightningModule):
+    """Logits from a child, and the loss computed on them in ``training_step``, without a
+    cast: what the plugin's ``output_dtype`` is for. Records each step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5))
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_classifier(**trainer_options: Any) -> Classifier:
+    torch.manual_seed(0)
+    model = Classifier()
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_options,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*no `val_dataloader`.*")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    return model
+
+
+def test_the_loss_in_training_step_is_lightnings_bf16_mixed_bit_for_bit() -> None:
+    """Lightning's ``precision="bf16-mixed"`` runs ``training_step`` under torch.autocast,
+    which computes ``cross_entropy`` in float32; the plugin returns the child's logits in
+    float32 (``output_dtype``'s default), and under ``policy="autocast"`` every loss and
+    every parameter after 8 steps are Lightning's bit for bit. With ``output_dtype=None``
+    the same ``training_step`` computes its loss in bf16."""
+    expected = _fit_classifier(precision="bf16-mixed")
+    assert all(loss.dtype == torch.float32 for loss in expected.losses)
+
+    ours = _fit_classifier(plugins=[AmpGraphPrecision(policy="autocast", dtype=torch.bfloat16)])
+    assert len(ours.losses) == len(expected.losses) == 8
+    for got, want in zip(ours.losses, expected.losses, strict=True):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert _same(ours.parameters(), expected.parameters())
+
+    plugin = AmpGraphPrecision(policy="autocast", dtype=torch.bfloat16, output_dtype=None)
+    low = _fit_classifier(plugins=[plugin])
+    assert all(loss.dtype == torch.bfloat16 for loss in low.losses)
+    assert not torch.equal(low.losses[0].float(), expected.losses[0])
+
+
+def test_an_output_dtype_other_than_float32_is_refused_early() -> None:
+    with pytest.raises(ValueError, match=r"AmpGraphPrecision\(output_dtype=\.\.\.\) is torch"):
+        AmpGraphPrecision(dtype=torch.bfloat16, output_dtype=torch.float16)

@@ -50,7 +50,7 @@ from amp_graph.frontends.policy_request import AmpRequest
 from amp_graph.passes import AMP, Role
 from amp_graph.passes.classify import normalize_module_path
 from amp_graph.passes.meta import short
-from amp_graph.policy import Policy
+from amp_graph.policy import Policy, check_output_dtype
 
 log = logging.getLogger(__name__)
 
@@ -450,6 +450,7 @@ def compile(
         raise ValueError(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
+    check_output_dtype(output_dtype, "output_dtype")
     request = admit(policy, dtype, model, examples)
     if output_dtype is not None:  # as Apex's initialize arguments over an opt level's
         returned_in = dataclasses.replace(request.policy, output_dtype=output_dtype)

@@ -13,7 +13,9 @@ Lightning's ``MixedPrecision`` plugin, ``lightning/pytorch/plugins/precision/amp
   (its ``training_step`` is Python that Lightning calls; its ``forward`` need not be the
   training path).
 * **no torch.autocast** (``forward_context`` is a null context): the compiled graphs already
-  compute each op at the dtype the policy gives it.
+  compute each op at the dtype the policy gives it. The children return their low outputs in
+  float32 (``output_dtype``, by default), so that the loss ``training_step`` computes on
+  them runs in float32, as it does under ``MixedPrecision``'s autocast.
 * **float16**: :class:`amp_graph.GradScaler` scales the loss in ``pre_backward``; in
   ``optimizer_step`` the closure runs, the gradients are unscaled (so clipping sees true
   gradients), then ``step`` (skipped on inf/nan) and ``update``, as ``MixedPrecision`` does.
@@ -60,7 +62,7 @@ from amp_graph.frontends.compile_modes import check_mode
 from amp_graph.frontends.compiler import CompiledModule
 from amp_graph.frontends.compiler import compile as amp_compile
 from amp_graph.monitoring import Monitor, monitor
-from amp_graph.policy import Policy
+from amp_graph.policy import Policy, check_output_dtype
 from amp_graph.scaler import GradScaler, NonFiniteGuard
 
 __all__ = ["AmpGraphPrecision", "compile_in_place"]
@@ -69,9 +71,14 @@ _PRECISION = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed"}
 
 
 def compile_in_place(
-    module: nn.Module, policy: Policy | str, dtype: torch.dtype, mode: str | None = None
+    module: nn.Module,
+    policy: Policy | str,
+    dtype: torch.dtype,
+    mode: str | None = None,
+    output_dtype: torch.dtype | None = None,
 ) -> None:
-    """Make ``module(...)`` run through ``amp_graph.compile(module, policy, dtype, mode=mode)``.
+    """Make ``module(...)`` run through ``amp_graph.compile(module, policy, dtype, mode=mode,
+    output_dtype=output_dtype)``.
 
     What ``nn.Module.compile()`` does for torch.compile: the compiled callable is installed as
     the module's ``_compiled_call_impl``, so the module keeps its class, attributes and
@@ -81,7 +88,7 @@ def compile_in_place(
     is not compiled: torch's ``Module.__getstate__`` drops ``_compiled_call_impl``, so the copy
     runs its own weights through its own forward.
     """
-    call = _CompiledCall(module, policy, dtype, mode)
+    call = _CompiledCall(module, policy, dtype, mode, output_dtype)
     object.__setattr__(module, "_compiled_call_impl", call)
 
 
@@ -91,10 +98,17 @@ class _CompiledCall:
     module's own forward."""
 
     def __init__(
-        self, module: nn.Module, policy: Policy | str, dtype: torch.dtype, mode: str | None
+        self,
+        module: nn.Module,
+        policy: Policy | str,
+        dtype: torch.dtype,
+        mode: str | None,
+        output_dtype: torch.dtype | None,
     ) -> None:
         self.module = module
-        self.compiled = amp_compile(module, policy=policy, dtype=dtype, mode=mode)
+        self.compiled = amp_compile(
+            module, policy=policy, dtype=dtype, mode=mode, output_dtype=output_dtype
+        )
         self.running = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -151,11 +165,17 @@ class AmpGraphPrecision(Precision):
             given, and with several children each writes under ``log_dir/<child>``. The
             monitors are ``plugin.monitors``, by child name. A training step (one call with
             gradients) is a step; validation runs the graphs as they are.
+        output_dtype: what the children return their low-precision outputs in
+            (:func:`amp_graph.compile`'s ``output_dtype``): ``torch.float32`` (the default),
+            so that ``training_step``'s loss on them computes in float32, as under
+            ``MixedPrecision``'s torch.autocast (the same loss, bit for bit, under
+            ``policy="autocast"``); None returns them as computed (a loss on them then
+            computes in the low dtype unless ``training_step`` casts).
 
     Raises:
         ValueError: a dtype other than float16/bfloat16, an unknown ``mode``, an unknown
-            name in ``modules``, or a child compiled by ``nn.Module.compile()`` (it would run
-            in float32).
+            name in ``modules``, a child compiled by ``nn.Module.compile()`` (it would run
+            in float32), or an ``output_dtype`` other than float32 or None.
         MisconfigurationException: a scaler with bfloat16; the LBFGS optimizer.
     """
 
@@ -168,6 +188,7 @@ class AmpGraphPrecision(Precision):
         modules: Sequence[str] | None = None,
         mode: str | None = None,
         monitor: Mapping[str, Any] | None = None,
+        output_dtype: torch.dtype | None = torch.float32,
     ) -> None:
         if dtype not in _PRECISION:
             raise ValueError(
@@ -180,6 +201,8 @@ class AmpGraphPrecision(Precision):
                 "inf/nan steps are skipped without a scaler"
             )
         check_mode(mode, "AmpGraphPrecision(mode=...)")
+        check_output_dtype(output_dtype, "AmpGraphPrecision(output_dtype=...)")
+        self.output_dtype = output_dtype
         self.policy = policy
         self.dtype = dtype
         self.mode = mode
@@ -238,7 +261,9 @@ class AmpGraphPrecision(Precision):
         self._warn_own_parameters(module)
         for name in names:
             if not _is_compiled(children[name], name):
-                compile_in_place(children[name], self.policy, self.dtype, self.mode)
+                compile_in_place(
+                    children[name], self.policy, self.dtype, self.mode, self.output_dtype
+                )
             if self.monitor_options is not None and name not in self.monitors:
                 options = dict(self.monitor_options)
                 if options.get("log_dir") is not None and len(names) > 1:

@@ -50,6 +50,7 @@ def policy_as_data(policy: Policy) -> dict[str, Any]:
     data["recompute_casts"] = policy.recompute_casts
     data["place_casts"] = policy.place_casts
     data["cast_gradients_per_consumer"] = policy.cast_gradients_per_consumer
+    data["output_dtype"] = None if policy.output_dtype is None else "float32"
     data["ops"] = {_key_name(key): rule.value for key, rule in policy.ops.items()}
     data["module_types"] = {_type_name(t): rule.value for t, rule in policy.module_types.items()}
     for name in _RULE_MAPS:
@@ -78,6 +79,7 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
     known |= {
         "place_casts",
         "cast_gradients_per_consumer",
+        "output_dtype",
         "ops",
         "module_types",
         "fp8",
@@ -97,6 +99,7 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
         recompute_casts=data["recompute_casts"],
         place_casts=bool(data.get("place_casts", False)),  # older data: the plan it had then
         cast_gradients_per_consumer=bool(data.get("cast_gradients_per_consumer", False)),
+        output_dtype=_output_dtype(data.get("output_dtype")),  # older data: none
         ops={_key(name): Rule(rule) for name, rule in data.get("ops", {}).items()},
         module_types={_type(n): Rule(rule) for n, rule in data.get("module_types", {}).items()},
         **{
@@ -112,6 +115,15 @@ def policy_from_data(data: Mapping[str, Any]) -> Policy:
             cost_model=_cost_model_from(fp8.get("cost_model")),  # older data: none
         ),
     )
+
+
+def _output_dtype(name: Any) -> torch.dtype | None:
+    """``output_dtype`` as stored: None, or ``"float32"`` (the one dtype it takes)."""
+    if name is None:
+        return None
+    if name != "float32":
+        raise ValueError(f"policy output_dtype is null or 'float32'; got {name!r}")
+    return torch.float32
 
 
 def _cost_model_data(cost: Fp8CostModel | str | None) -> Any:

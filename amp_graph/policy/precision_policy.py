@@ -253,12 +253,13 @@ def _check_recompute_casts(value: Any) -> None:
         )
 
 
-def _check_output_dtype(value: Any) -> None:
-    """``output_dtype`` is None (outputs as computed) or ``torch.float32``."""
+def check_output_dtype(value: Any, where: str = "Policy output_dtype") -> None:
+    """``output_dtype`` is None (outputs as computed) or ``torch.float32``; a ValueError
+    naming ``where`` else."""
     if value is not None and value != torch.float32:
         hint = " (pass the torch dtype object)" if isinstance(value, str) else ""
         raise ValueError(
-            "Policy output_dtype is torch.float32 (the graph returns its float16, bfloat16 "
+            f"{where} is torch.float32 (the graph returns its float16, bfloat16 "
             "and float8 outputs in float32, as the float32 model returns them) or None (as "
             f"the plan computes them); got {value!r}{hint}"
         )
@@ -411,7 +412,7 @@ class Policy:
             if not isinstance(value, bool):
                 raise ValueError(f"Policy {flag} is True or False; got {value!r}")
         _check_recompute_casts(self.recompute_casts)
-        _check_output_dtype(self.output_dtype)
+        check_output_dtype(self.output_dtype)
         if not isinstance(self.place_casts, bool):
             raise ValueError(
                 f"Policy place_casts is True (place O2's casts by a minimum cut, the default) "
