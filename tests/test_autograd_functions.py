@@ -434,7 +434,7 @@ def test_o2_keeps_function_backward():
     dtype on what the plan gives it, and its backward reaches the parameters below it."""
     model, _ = _models()
     x = _inputs()
-    out = amp_graph.compile(model, "O2", BF16)(x)
+    out = amp_graph.compile(model, "O2", BF16, output_dtype=None)(x)  # as computed
     out.float().square().sum().backward()
     assert out.dtype == BF16
     grads = _grads(model)

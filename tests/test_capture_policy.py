@@ -326,7 +326,8 @@ def test_a_cast_that_changes_nothing_at_capture_leaves_the_value_it_casts_alone(
         read = [a for a in add.args if isinstance(a, fx.Node)]
         assert not any(a.meta[AMP].role is Role.USER_CAST for a in read), gm.code
         assert not any(n.target is torch.ops.aten.alias.default for n in gm.graph.nodes)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, compiled(x))
+    # O2 and O3 return the output in float32, as Apex's do, through compile and the backend
+    assert out.dtype == torch.float32 and torch.equal(out, compiled(x))
 
 
 def test_which_tensor_method_casts_return_their_input_itself() -> None:

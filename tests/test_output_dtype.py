@@ -109,7 +109,7 @@ def test_every_preset_returns_the_values_it_computes_in_float32(policy) -> None:
     loss on it has the gradients of ``loss_fn(out.float(), y)`` on the low outputs."""
     model, inputs, logits, targets = _nanogpt()
     low = copy.deepcopy(model)
-    out = amp_graph.compile(low, policy, BF16)(*inputs)
+    out = amp_graph.compile(low, policy, BF16, output_dtype=None)(*inputs)  # as computed
     assert logits(out).dtype == BF16
     F.cross_entropy(logits(out).float(), targets).backward()
 
@@ -262,9 +262,73 @@ def test_a_graph_step_returns_its_outputs_in_float32_and_trains_the_same() -> No
 
 def test_an_exported_program_returns_float32() -> None:
     x = torch.randn(2, 8)
-    policy = dataclasses.replace(amp_graph.Policy.preset("O2"), output_dtype=F32)
-    program = amp_graph.export(ManyOutputs(), (x,), policy=policy, dtype=BF16)
-    got = program.module()(x)
-    low = amp_graph.export(ManyOutputs(), (x,), policy="O2", dtype=BF16).module()(x)
+    policy = dataclasses.replace(amp_graph.Policy.preset("O1"), output_dtype=F32)
+    got = amp_graph.export(ManyOutputs(), (x,), policy=policy, dtype=BF16).module()(x)
     assert [t.dtype for t in got] == [F32, F32, F32, torch.int64, torch.float64, F32]
+    # O2's program returns float32 as Apex O2's model does; as computed, it returns bf16
+    o2 = amp_graph.export(ManyOutputs(), (x,), policy="O2", dtype=BF16).module()(x)
+    assert o2[0].dtype == F32
+    as_computed = dataclasses.replace(amp_graph.Policy.preset("O2"), output_dtype=None)
+    low = amp_graph.export(ManyOutputs(), (x,), policy=as_computed, dtype=BF16).module()(x)
     assert low[0].dtype == BF16
+
+
+def test_o2_and_o3_return_float32_as_apex_does() -> None:
+    """Apex's O2 and O3 patch the model's forward to cast its outputs to float32 ("so the
+    user never needs to call .half()"), beside the inputs' cast to the low dtype: the presets
+    do the same; O1, ``"autocast"`` and fp8 return outputs as torch.autocast does."""
+    assert {name: amp_graph.Policy.preset(name).output_dtype for name in amp_graph.PRESETS} == {
+        "O0": None,
+        "O1": None,
+        "O2": F32,
+        "O3": F32,
+        "autocast": None,
+        "fp8": None,
+    }
+    x = torch.randn(2, 8)
+    for name in ("O2", "O3"):
+        apex_like = amp_graph.compile(ManyOutputs(), name, BF16)(x)
+        as_computed = amp_graph.compile(ManyOutputs(), name, BF16, output_dtype=None)(x)
+        assert apex_like[0].dtype == F32 and as_computed[0].dtype == BF16
+
+
+class BrokenUp(nn.Module):
+    """Two dynamo graphs: the first one's low output is the second one's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.fc2(h * 2.0)
+
+
+def _backend_step(policy, x: torch.Tensor):
+    torch.manual_seed(0)
+    model = BrokenUp()
+    compiled = torch.compile(model, backend=amp_graph.backend(policy, BF16, inner="eager"))
+    out = compiled(x)
+    out.float().sum().backward()
+    return out, {name: p.grad for name, p in model.named_parameters()}, compiled
+
+
+def test_the_backend_applies_it_where_every_graph_casts_its_inputs(fresh_dynamo) -> None:
+    """Under O2 each dynamo graph casts its inputs to bf16 at entry: the first graph's output
+    cast to float32 is cast back exactly, so the outputs and gradients are those of O2 with
+    outputs as computed, the last output upcast. Without ``cast_inputs`` it is refused."""
+    x = torch.randn(4, 8)
+    out, grads, compiled = _backend_step("O2", x)
+    assert len(amp_graph.captured_graphs(compiled)) == 2
+    assert all(
+        gm.meta["amp_graph"].stats["outputs_cast"] == 1
+        for gm in amp_graph.captured_graphs(compiled)
+    )
+    torch._dynamo.reset()
+    as_computed = dataclasses.replace(amp_graph.Policy.preset("O2"), output_dtype=None)
+    low, low_grads, _ = _backend_step(as_computed, x)
+    assert out.dtype == F32 and low.dtype == BF16
+    assert torch.equal(out, low.float())
+    for name, grad in grads.items():
+        assert torch.equal(grad, low_grads[name]), name

@@ -54,6 +54,8 @@ from amp_graph.policy import Policy, check_output_dtype
 
 log = logging.getLogger(__name__)
 
+POLICY_OUTPUT_DTYPE = "policy"  # compile's output_dtype: the policy's Policy.output_dtype
+
 
 def _summary(gm: fx.GraphModule, record: CompileRecord) -> str:
     dtypes = Counter(
@@ -379,7 +381,7 @@ def compile(
     policy: Policy | str = "O1",
     dtype: torch.dtype | None = None,
     *,
-    output_dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | str | None = POLICY_OUTPUT_DTYPE,
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,
@@ -398,12 +400,13 @@ def compile(
         dtype: the low-precision dtype, ``torch.float16`` or ``torch.bfloat16``; by default
             what torch.autocast uses on the model's device (float16 on CUDA, else bfloat16;
             bfloat16 for ``"fp8"``, whose linears compute in float8).
-        output_dtype: ``torch.float32``: the outputs computed in the low dtype are returned
-            in float32 (``Policy.output_dtype``; None: the policy's, by default as computed,
-            which is how torch.autocast returns them). Pass it where the loss is computed on
-            the outputs outside the compiled model, ``loss_fn(fast(x), y)``: the loss then
-            runs in float32, as autocast runs it when written inside the autocast region,
-            and its value and gradients are autocast's bit for bit.
+        output_dtype: what the outputs the graph computes in a low dtype are returned in:
+            ``"policy"`` (the default), the policy's ``Policy.output_dtype``: float32 for
+            ``"O2"`` and ``"O3"`` (Apex's output caster), as computed for the others, which
+            is how torch.autocast returns them; ``torch.float32``; or None, as computed. With
+            float32, a loss computed on the outputs outside the compiled model,
+            ``loss_fn(fast(x), y)``, runs in float32, as autocast runs it when written inside
+            the autocast region: its value and gradients are autocast's bit for bit.
         example_inputs / example_kwargs: the forward's arguments. Given, the model is
             captured now; otherwise at the first call, from that call's inputs. Either way
             they are used as fake tensors, so every dtype is exact and nothing is computed.
@@ -450,9 +453,9 @@ def compile(
         raise ValueError(
             "none of example_inputs is a tensor; pass the tensors the model is called with"
         )
-    check_output_dtype(output_dtype, "output_dtype")
     request = admit(policy, dtype, model, examples)
-    if output_dtype is not None:  # as Apex's initialize arguments over an opt level's
+    if output_dtype != POLICY_OUTPUT_DTYPE:  # as Apex's initialize arguments over opt levels
+        check_output_dtype(output_dtype, "output_dtype")
         returned_in = dataclasses.replace(request.policy, output_dtype=output_dtype)
         request = dataclasses.replace(request, policy=returned_in)
     run_mode = resolve_mode(mode, cuda_graph, request.device_type, is_sharded(model.parameters()))
@@ -483,7 +486,7 @@ def compile_(
     policy: Policy | str = "O1",
     dtype: torch.dtype | None = None,
     *,
-    output_dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | str | None = POLICY_OUTPUT_DTYPE,
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: dict[str, Any] | None = None,
     check_each_pass: bool = False,

@@ -298,14 +298,18 @@ def backend(
 
 
 def refuse_output_dtype(policy: Policy | str) -> None:
-    """The backend refuses ``Policy.output_dtype``: dynamo hands over the code between graph
-    breaks as graphs of their own, whose outputs are intermediate values the next piece
-    computes with, and an output cast to float32 there would change that piece's dtypes."""
-    if isinstance(policy, Policy) and policy.output_dtype is not None:
+    """The backend applies ``Policy.output_dtype`` only with ``cast_inputs`` (O2, O3): dynamo
+    hands over the code between graph breaks as graphs of their own, whose outputs are
+    intermediate values the next graph computes with. Where every graph casts its inputs to
+    the low dtype at entry, a value cast up at one graph's exit is cast back at the next
+    one's entry, exactly; without that, the next graph would compute its first ops on the
+    float32 value, in other dtypes than the model's one graph would."""
+    if isinstance(policy, Policy) and policy.output_dtype is not None and not policy.cast_inputs:
         raise ValueError(
-            f"policy {policy.name!r} has output_dtype={policy.output_dtype}, which the "
-            "amp_graph backend does not apply: dynamo may split the compiled code into "
-            "graphs whose outputs are intermediate values, not the model's. Cast in your "
+            f"policy {policy.name!r} has output_dtype={policy.output_dtype} without "
+            "cast_inputs, which the amp_graph backend does not apply: dynamo may split the "
+            "compiled code into graphs whose outputs are intermediate values, not the "
+            "model's, and the next graph would compute on them in float32. Cast in your "
             "code instead (loss_fn(out.float(), y)), compute the loss inside the compiled "
             "function, or use amp_graph.compile(model, policy, output_dtype=torch.float32)"
         )

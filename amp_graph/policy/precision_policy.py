@@ -367,11 +367,14 @@ class Policy:
             y)``, outside any autocast) then runs in float32, as it does under
             torch.autocast, which puts ``cross_entropy``, ``mse_loss`` and the other losses
             on its float32 list: the loss and the gradients are autocast's bit for bit. As
-            FSDP2's ``MixedPrecisionPolicy(output_dtype=...)`` and Apex O2's
-            ``cast_model_outputs``. None (the default): outputs in the dtype the plan
-            computes them, as torch.autocast returns them. The backend refuses it (dynamo's
-            graphs return intermediate values too); decode graphs return their caches and
-            logits as computed.
+            FSDP2's ``MixedPrecisionPolicy(output_dtype=...)`` and Apex's
+            ``cast_model_outputs``; ``Policy.preset("O2")`` and ``"O3"`` set it, as Apex's
+            O2 and O3 cast a model's outputs to float32. None (the default, and O1's,
+            ``"autocast"`` 's and fp8's): outputs in the dtype the plan computes them, as
+            torch.autocast returns them. The backend applies it only with ``cast_inputs``
+            (dynamo's graphs return intermediate values too, which the next graph's entry
+            cast then brings back exactly) and refuses it otherwise; decode graphs return
+            their caches and logits as computed.
         missing_kernels: aten op name -> why the CPU the model runs on has no kernel for
             it in the low dtype (:mod:`amp_graph.frontends.cpu_low_kernels`, filled in by the entry
             points for CPU models). Such an op computes in float32 whatever else the policy says.
@@ -475,9 +478,17 @@ class Policy:
                 default=Rule.ALLOW,
                 cast_inputs=True,
                 master_weights=True,
+                output_dtype=torch.float32,  # Apex O2's output caster: the loss in float32
             )
         # O3 is "everything low": the placement's raises would contradict it (an option)
-        return Policy("O3", deny=FFT_OPS, default=Rule.ALLOW, cast_inputs=True, place_casts=False)
+        return Policy(
+            "O3",
+            deny=FFT_OPS,
+            default=Rule.ALLOW,
+            cast_inputs=True,
+            place_casts=False,
+            output_dtype=torch.float32,  # as Apex O3's
+        )
 
     def with_fp8(self, config: Fp8Config | None = None, **options: Any) -> Policy:
         """A copy whose linear layers run in fp8: ``config``, or ``Fp8Config(**options)``
