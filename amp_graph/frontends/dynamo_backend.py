@@ -289,7 +289,7 @@ def backend(
 
     Raises:
         ValueError: an unknown preset, dtype or inner backend name (naming the nearest one);
-            a policy with ``output_dtype`` (:func:`refuse_output_dtype`).
+            a policy with ``output_dtype`` but not ``cast_inputs`` (:func:`refuse_output_dtype`).
         TypeError: a policy, dtype or inner of the wrong type.
     """
     check_request(policy, dtype)

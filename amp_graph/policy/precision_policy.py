@@ -360,8 +360,9 @@ class Policy:
             True in ``Policy.preset("autocast")``, whose contract is autocast's
             arithmetic; False in the others.
         output_dtype: ``torch.float32``: every floating-point output the graph computes
-            narrower (float16, bfloat16, float8) is returned in float32, by a cast that is
-            the graph's last node (``passes.cast_outputs``); the cast is exact, and its
+            narrower (float16, bfloat16, float8) is returned in float32, by a cast before the
+            output (``passes.cast_outputs``; one an op of the graph makes of the value to
+            float32 serves, where there is one); the cast is exact, and its
             gradient is cast back to the low dtype, as torch.autocast casts a loss's low
             input. A loss computed on the outputs outside the graph (``loss_fn(fast(x),
             y)``, outside any autocast) then runs in float32, as it does under
