@@ -37,28 +37,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import transformers
 from measure import cpu_name, interleaved_seconds, peak_cpu_next_step_mb
+from shared_cast_reads import llama
 
 import amp_graph
 
 BF16 = torch.bfloat16
-
-
-def _llama(width: int, layers: int, vocab: int) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=width * 8 // 3 // 8 * 8,
-        num_hidden_layers=layers,
-        num_attention_heads=max(width // 64, 2),
-        num_key_value_heads=max(width // 128, 1),
-        max_position_embeddings=1024,
-        use_cache=False,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).train()
 
 
 def main() -> None:
@@ -81,7 +65,7 @@ def main() -> None:
         args.width, args.vocab, args.repeats = 64, 1024, 5
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {cpu_name()}, {args.threads} threads, bf16")
-    base = _llama(args.width, args.layers, args.vocab)
+    base = llama(args.width, args.layers, args.vocab)
     batch, seq = args.tokens
     ids = torch.randint(0, args.vocab, (batch, seq))
     targets = torch.randint(0, args.vocab, (batch * seq,))

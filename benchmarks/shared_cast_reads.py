@@ -44,9 +44,11 @@ from amp_graph.frontends.compiler import compile_record
 BF16 = torch.bfloat16
 
 
-def _llama(width: int, layers: int) -> nn.Module:
+def llama(width: int, layers: int, vocab: int = 512) -> nn.Module:
+    """A random HF Llama (eager attention) of this width, depth and vocabulary, in train
+    mode (also ``loss_outside.py``'s)."""
     config = transformers.LlamaConfig(
-        vocab_size=512,
+        vocab_size=vocab,
         hidden_size=width,
         intermediate_size=width * 8 // 3 // 8 * 8,
         num_hidden_layers=layers,
@@ -78,7 +80,7 @@ def main() -> None:
         args.width, args.layers, args.repeats = 128, 2, 5
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {cpu_name()}, {args.threads} threads, bf16")
-    base = _llama(args.width, args.layers)
+    base = llama(args.width, args.layers)
     batch, seq = args.tokens
     ids = torch.randint(0, 512, (batch, seq))
     print(

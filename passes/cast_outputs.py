@@ -28,15 +28,13 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from .insert_casts import make_cast
-from .meta import AMP, FLOAT8, LOW_PRECISION, short
+from .meta import AMP, LOW_FLOATS, short
 from .result import PassResult
-
-NARROWER_THAN_FLOAT32 = frozenset({*LOW_PRECISION, *FLOAT8})
 
 
 def _is_low_output(node: fx.Node) -> bool:
     out_dtype = node.meta[AMP].out_dtype
-    return isinstance(out_dtype, torch.dtype) and out_dtype in NARROWER_THAN_FLOAT32
+    return isinstance(out_dtype, torch.dtype) and out_dtype in LOW_FLOATS
 
 
 def cast_outputs(gm: fx.GraphModule, dtype: torch.dtype = torch.float32) -> PassResult:
@@ -76,4 +74,4 @@ def cast_outputs(gm: fx.GraphModule, dtype: torch.dtype = torch.float32) -> Pass
     return PassResult(gm, modified=bool(casts), stats=stats)
 
 
-__all__ = ["NARROWER_THAN_FLOAT32", "cast_outputs"]
+__all__ = ["cast_outputs"]

@@ -259,6 +259,9 @@ def info(node: fx.Node) -> AmpInfo:
 FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
 """Every float8 format this torch has (e4m3fn, e5m2, and the fnuz variants)."""
 
+LOW_FLOATS = frozenset(LOW_PRECISION) | FLOAT8
+"""The floating dtypes narrower than float32: float16, bfloat16 and every float8."""
+
 
 def is_castable(dtype: DtypeFact) -> bool:
     return isinstance(dtype, torch.dtype) and dtype in CASTABLE

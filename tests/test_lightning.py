@@ -103,23 +103,37 @@ def _fit(
     clip: float | None = CLIP,
 ) -> tuple[pl.Trainer, Recorder]:
     recorder = Recorder()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = _fit_quietly(
+        model,
+        _data(inf),
+        ckpt_path,
         max_epochs=epochs,
         plugins=[plugin],
         callbacks=[recorder],
         gradient_clip_val=clip,
+    )
+    return trainer, recorder
+
+
+def _fit_quietly(
+    model: pl.LightningModule, data: DataLoader, ckpt_path: str | None, **options: Any
+) -> pl.Trainer:
+    """A CPU Trainer without logging, checkpoints or bars (``options`` besides), fitted
+    with the small-data warnings silenced."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **options,
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*no `val_dataloader`.*")
-        trainer.fit(model, _data(inf), ckpt_path=ckpt_path)
-    return trainer, recorder
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+    return trainer
 
 
 def _fp16_plugin() -> AmpGraphPrecision:
@@ -400,20 +414,9 @@ def _fit_classifier(**trainer_options: Any) -> Classifier:
     model = Classifier()
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 5, (16,), generator=gen)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_options,
+    _fit_quietly(
+        model, DataLoader(TensorDataset(x, y), batch_size=4), None, max_epochs=2, **trainer_options
     )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*no `val_dataloader`.*")
-        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     return model
 
 

@@ -45,14 +45,11 @@ from amp_graph.frontends.front_door import COMPILE_META, CompileRecord
 from amp_graph.ops.recompute_ops import recomputed_cast, recomputed_quantize
 from amp_graph.passes.meta import (
     AMP,
-    FLOAT8,
-    LOW_PRECISION,
+    LOW_FLOATS,
     inputs_behind_reads,
     users_through_reads,
 )
 from amp_graph.passes.schema import written_storage
-
-LOW_FLOATS = frozenset(LOW_PRECISION) | FLOAT8
 
 
 @functools.cache
