@@ -2,8 +2,10 @@
 against O2's rules alone (``place_casts=False``), side by side in one run.
 
 Per model (HF GPT-2, Llama and BERT at 8x512 tokens, width 128, 2 layers, vocabulary 2048,
-a size this CPU steps in seconds; a BERT sequence classifier at BERT's own vocabulary,
-30522, whose word table no head shares; a diffusers UNet2DModel, 8 images of 32x32), bf16:
+a size this CPU steps in seconds; a BERT returning its attention maps
+(``output_attentions=True``), which O2 returns in float32; a BERT sequence classifier at
+BERT's own vocabulary, 30522, whose word table no head shares; a diffusers UNet2DModel, 8
+images of 32x32), bf16:
 
 * the bytes cast per call, forward and backward (a value with a gradient has its gradient
   cast back), counted on the rewritten graph: amp_graph's casts and the model's own that
@@ -68,6 +70,14 @@ def build(name: str, quick: bool):
             **width, intermediate_size=512, max_position_embeddings=seq
         )
         return transformers.BertForMaskedLM(config), {"input_ids": tokens}
+    if name == "bert-attn":  # returning its attention maps, which O2 returns in float32
+        config = transformers.BertConfig(
+            **width,
+            intermediate_size=512,
+            max_position_embeddings=seq,
+            attn_implementation="eager",
+        )
+        return transformers.BertModel(config), {"input_ids": tokens, "output_attentions": True}
     if name == "bert-cls":  # fine-tuning a classifier: BERT's own vocabulary, no tied head
         config = transformers.BertConfig(
             **{**width, "vocab_size": 30522}, intermediate_size=512, max_position_embeddings=seq
@@ -89,7 +99,7 @@ def build(name: str, quick: bool):
 
 
 def loss_of(out) -> torch.Tensor:
-    value = out.logits if hasattr(out, "logits") else out.sample
+    value = next(getattr(out, k) for k in ("logits", "sample", "last_hidden_state") if k in out)
     return value.float().square().mean()
 
 
@@ -184,7 +194,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     repeats = 1 if args.quick else args.repeats
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; O2, bf16, on the CPU")
-    for name in ("gpt2", "llama", "bert", "bert-cls", "unet"):
+    for name in ("gpt2", "llama", "bert", "bert-attn", "bert-cls", "unet"):
         one_model(name, repeats, args.quick)
     calibrated_island()
     pass_growth(args.quick)

@@ -99,7 +99,9 @@ def amp_passes(
         passes.append(
             (
                 "place_casts",
-                lambda gm: place_casts(gm, low_dtype, policy.cast_inputs, low_copies),
+                lambda gm: place_casts(
+                    gm, low_dtype, policy.cast_inputs, low_copies, policy.output_dtype
+                ),
             )
         )
     if low_copies:  # reads the plan, the placement's too; before the casts, which follow it

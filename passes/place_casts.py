@@ -19,16 +19,21 @@ share its label. Everything else keeps its plan and reads what it reads: a read 
 dtype is a cast, shared per value and direction as ``simplify_casts`` shares them; a cast
 the model wrote is its own conversion (free if its input already has its target); a value
 read by anything whose dtype follows its inputs (PROMOTE and FOLLOW ops, the graph's
-outputs, in-place writes) keeps its dtype. Parameters and buffers are read as the rules
-read them: a free op that reads one (through views) stays low, except a gather of one
-(``GATHERS``: an embedding lookup), whose rows are the same bits cast before or after it;
-a raised gather's readers then read its rows low (a free reader stays low, a float32 reader
-keeps the gather low), so that only the table's cast, and its gradient's, move.
+outputs, in-place writes) keeps its dtype. Under ``output_dtype=torch.float32``
+(:mod:`cast_outputs`) the graph's output reads every value it returns in float32 instead,
+so that the cast that returns an output is costed with the rest (and shared with a float32
+op's cast of the same value, as :mod:`simplify_casts` shares it). Parameters and buffers
+are read as the rules read them: a free op that reads one (through views) stays low, except
+a gather of one (``GATHERS``: an embedding lookup), whose rows are the same bits cast before
+or after it; a raised gather's readers then read its rows low (a free reader stays low, a
+float32 reader keeps the gather low), so that only the table's cast, and its gradient's,
+move.
 
 Guarantees: no op computes in a lower precision than before; an op the cut raises computes
 and returns float32 (rule ``DENY``, source ``"placement"``, ``detail`` saying what it
-saved); every other op's compute dtype is unchanged, and so are the graph's output dtypes;
-the model's float32 upcast of a raised value still starts its island
+saved); every other op's compute dtype is unchanged, and so are the graph's output dtypes
+(but for a raised op returned under ``output_dtype``: float32, which :mod:`cast_outputs`
+would have returned); the model's float32 upcast of a raised value still starts its island
 (:data:`~amp_graph.passes.meta.ISLAND_START`). Checked after the re-plan (a RuntimeError
 otherwise).
 
@@ -106,6 +111,7 @@ class _Builder:
     values: list[CastValue] = field(default_factory=list)
     pinned: list[tuple[Label, Label]] = field(default_factory=list)
     state_gathers: set[Label] = field(default_factory=set)  # free gathers of a parameter
+    outputs_read_at: Label | None = None  # FLOAT32 under output_dtype: cast_outputs' read
 
     def constant(self, dtype: object) -> Label | None:
         """The label of a planned dtype fact; None for anything else (another dtype, a
@@ -162,6 +168,7 @@ class _Builder:
             # raised, its backward would hold these in float32
             and not self.saved.inputs(node)
             and not self.saved.result(node)
+            and not self.saved.own_tensor(node)
         )
 
     def add_reads(self, value: fx.Node) -> None:
@@ -199,6 +206,8 @@ class _Builder:
                 if reads_at is not None:
                     readers.append(reads_at)
                 # another compute dtype (a block of the model's own): a cast either way
+            elif amp.role is Role.OUTPUT and self.outputs_read_at is not None:
+                readers.append(self.outputs_read_at)  # returned in float32 (cast_outputs)
             else:  # follows its input's dtype, or returns it: keep it as planned
                 self.pin(own)
         if readers and not isinstance(value.meta.get(VAL), (tuple, list)):
@@ -244,6 +253,7 @@ class _Builder:
 
 
 RESULT = -1  # among a probe's saved positions: the op's own result
+OWN = -2  # among them: a floating tensor the op made for backward (dropout's noise on the CPU)
 
 
 def _floating_inputs(node: fx.Node) -> list[fx.Node]:
@@ -255,10 +265,11 @@ def _floating_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 class SavedInputs:
-    """Which inputs of an op its backward saves, asked of autograd on the op's own fake
-    values (every floating input requiring a gradient) under saved-tensor hooks; one probe
-    per op and argument pattern. An op that cannot be probed saves them all (the safe
-    answer: nothing it reads is raised)."""
+    """Which inputs of an op its backward saves (and whether its result, or a floating tensor
+    of its own), asked of autograd on the op's own fake values (every floating input
+    requiring a gradient) under saved-tensor hooks; one probe per op and argument pattern.
+    An op that cannot be probed saves them all (the safe answer: nothing it reads is
+    raised)."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, frozenset[int]] = {}
@@ -272,6 +283,11 @@ class SavedInputs:
     def result(self, node: fx.Node) -> bool:
         """Its backward saves its own result (relu, tanh, exp, softmax)."""
         return RESULT in self._positions(node, _floating_inputs(node))
+
+    def own_tensor(self, node: fx.Node) -> bool:
+        """Its backward saves a floating tensor it made, neither an input nor its result
+        (the CPU's dropout multiplies by a noise tensor of its input's dtype and saves it)."""
+        return OWN in self._positions(node, _floating_inputs(node))
 
     def _positions(self, node: fx.Node, floating: list[fx.Node]) -> frozenset[int]:
         if node.op != "call_function" or not callable(node.target) or not floating:
@@ -315,6 +331,12 @@ class SavedInputs:
         outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         if any(t is o or torch._C._is_alias_of(t, o) for t in saved for o in outputs):
             positions.add(RESULT)
+        known = [*leaves.values(), *outputs]
+        if any(
+            t.is_floating_point() and not any(t is k or torch._C._is_alias_of(t, k) for k in known)
+            for t in saved
+        ):
+            positions.add(OWN)
         return frozenset(positions)
 
 
@@ -403,11 +425,17 @@ def _master_reads(gm: fx.GraphModule, low_copies: Collection[torch.Tensor]) -> s
 
 
 def cast_problem(
-    gm: fx.GraphModule, low: torch.dtype, low_copies: Collection[torch.Tensor] = ()
+    gm: fx.GraphModule,
+    low: torch.dtype,
+    low_copies: Collection[torch.Tensor] = (),
+    output_dtype: torch.dtype | None = None,
 ) -> tuple[CastProblem, dict[str, fx.Node]]:
     """The planned graph's placement problem, and its free ops by label (``low_copies``:
-    parameters stored low as copies of float32 masters, costed as the masters)."""
+    parameters stored low as copies of float32 masters, costed as the masters;
+    ``output_dtype``: ``Policy.output_dtype``, float32 where :mod:`cast_outputs` returns the
+    low outputs in float32, so that the graph's output reads them in float32)."""
     builder = _Builder(low, gradient_values(gm), masters=_master_reads(gm, low_copies))
+    builder.outputs_read_at = builder.constant(output_dtype)
     for node in gm.graph.nodes:
         builder.add_node(node)
     if not builder.free:  # O1, autocast, O0: nothing to place (and no probes to run)
@@ -423,10 +451,13 @@ def place_casts(
     low_dtype: torch.dtype,
     cast_inputs: bool = False,
     low_copies: Collection[torch.Tensor] = (),
+    output_dtype: torch.dtype | None = None,
 ) -> PassResult:
     """Raise the free ops the cut chooses to float32 and plan again (module docstring;
-    ``low_copies``: the parameters an O2 ``Graph`` stores low, copies of float32 masters)."""
-    problem, free = cast_problem(gm, low_dtype, low_copies)
+    ``low_copies``: the parameters an O2 ``Graph`` stores low, copies of float32 masters;
+    ``output_dtype``: ``Policy.output_dtype``, the dtype :mod:`cast_outputs` returns the low
+    outputs in, which the cut counts as the output's read)."""
+    problem, free = cast_problem(gm, low_dtype, low_copies, output_dtype)
     placement = solve(problem)
     stats = {
         "ops_moved_up": len(placement.raised),

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from amp_graph.passes.assign_dtypes import assign_dtypes
 from amp_graph.passes.cast_cut import cost_of, solve
+from amp_graph.passes.cast_outputs import cast_outputs
 from amp_graph.passes.classify import classify
 from amp_graph.passes.graph_copy import copy_graph_module
 from amp_graph.passes.insert_casts import insert_casts
@@ -43,16 +44,33 @@ def compiled(name: str, policy: amp_graph.Policy):
     return model, kwargs, c
 
 
-def planned(name: str, place: bool) -> tuple[torch.fx.GraphModule, dict[str, int]]:
+def planned(
+    name: str, place: bool, output_dtype: torch.dtype | None = None
+) -> tuple[torch.fx.GraphModule, dict[str, int]]:
     """The captured graph of ``name`` planned under O2 and cast (classify, assign_dtypes,
-    place_casts where asked, insert_casts, simplify_casts), with place_casts' counters."""
+    place_casts where asked, insert_casts, cast_outputs under ``output_dtype``,
+    simplify_casts), with place_casts' counters."""
     _, _, c = compiled(name, o2(False))
+    return replanned(c, place, output_dtype)
+
+
+def replanned(
+    c, place: bool, output_dtype: torch.dtype | None, cut_reads_outputs: bool = True
+) -> tuple[torch.fx.GraphModule, dict[str, int]]:
+    """The captured graph of ``c`` planned again under O2, as the pipeline plans it
+    (``cut_reads_outputs=False``: the cut not told that ``cast_outputs`` returns the outputs
+    in ``output_dtype``, as it was before it knew)."""
     record = compile_record(c.graph_module)
     gm = copy_graph_module(record.original)
     classify(gm, record.policy)
     assign_dtypes(gm, BF16, record.policy.cast_inputs)
-    stats = place_casts(gm, BF16, record.policy.cast_inputs).stats if place else {}
+    stats = {}
+    if place:
+        told = output_dtype if cut_reads_outputs else None
+        stats = place_casts(gm, BF16, record.policy.cast_inputs, (), told).stats
     insert_casts(gm)
+    if output_dtype is not None:
+        stats["outputs_cast"] = cast_outputs(gm, output_dtype).stats["outputs_cast"]
     simplify_casts(gm)
     return gm, stats
 
@@ -67,6 +85,20 @@ def cast_bytes(gm: torch.fx.GraphModule) -> int:
 def test_the_graphs_casts_cost_what_the_cut_says(name):
     before, _ = planned(name, place=False)
     after, stats = planned(name, place=True)
+    assert cast_bytes(before) == stats["placed_cast_bytes_before"]
+    assert cast_bytes(after) == stats["placed_cast_bytes_after"]
+    assert stats["placed_cast_bytes_after"] <= stats["placed_cast_bytes_before"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_casts_returning_outputs_in_float32_are_among_the_cuts(name):
+    """O2 returns its low outputs in float32 (``output_dtype``, passes/cast_outputs.py): the
+    cut reads each output in float32, so the cast that returns one is costed (shared with
+    an op's float32 cast of the same value) and the graph's casts, those casts included,
+    still cost what the cut says."""
+    before, _ = planned(name, place=False, output_dtype=torch.float32)
+    after, stats = planned(name, place=True, output_dtype=torch.float32)
+    assert stats["outputs_cast"] > 0
     assert cast_bytes(before) == stats["placed_cast_bytes_before"]
     assert cast_bytes(after) == stats["placed_cast_bytes_after"]
     assert stats["placed_cast_bytes_after"] <= stats["placed_cast_bytes_before"]
@@ -372,3 +404,94 @@ def test_a_replan_never_takes_the_first_plans_value_for_its_own():
     with torch.no_grad():
         rules = amp_graph.compile(model, o2(False), BF16)(input_ids=ids).logits
     torch.testing.assert_close(placed, rules, rtol=2e-2, atol=2e-2)
+
+
+def _bert_returning_attentions(dropout: float = 0.0) -> tuple[nn.Module, dict]:
+    """HF BERT in training, returning its attention maps (``output_attentions=True``, eager
+    attention). Dropout p=0 by default: its ops stay in the graph, and every value is
+    deterministic."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        vocab_size=100,
+        attention_probs_dropout_prob=dropout,
+        hidden_dropout_prob=dropout,
+        attn_implementation="eager",
+    )
+    tokens = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
+    return transformers.BertModel(config).train(), {
+        "input_ids": tokens,
+        "output_attentions": True,
+    }
+
+
+def test_attention_maps_returned_in_float32_skip_the_round_trip_through_bf16():
+    """The maps are float32 softmax values through a free dropout. O2 returns them in float32
+    (output_dtype): the cut, counting that read, raises each dropout to float32 instead of
+    casting the maps down for it and back up to return them. The maps are then softmax's
+    float32 values, which round to what the low dropout returned, and nothing else moves:
+    the hidden states and every gradient are the same bits as with the outputs as computed
+    (``output_dtype=None``, where the cut keeps the dropouts low)."""
+    runs = {}
+    for output_dtype in (torch.float32, None):
+        model, kwargs = _bert_returning_attentions()
+        c = amp_graph.compile(model, "O2", BF16, output_dtype=output_dtype)
+        out = c(**kwargs)
+        (out.last_hidden_state.float().square().mean() + out.pooler_output.float().sum()).backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        runs[output_dtype] = (c, out, grads)
+    placed, out, grads = runs[torch.float32]
+    _, as_computed, as_computed_grads = runs[None]
+
+    returned = placed.graph_module.graph.output_node().all_input_nodes
+    raised = [n for n in returned if n.meta[AMP].source == "placement"]
+    assert len(raised) == 2 and all(n.target == torch.ops.aten.dropout.default for n in raised)
+    assert all(n.meta[AMP].compute_dtype == torch.float32 for n in raised)
+    assert all(not has_cast_role(a) for n in raised for a in n.all_input_nodes)  # softmax's
+    for maps, low_maps in zip(out.attentions, as_computed.attentions, strict=True):
+        assert (maps.dtype, low_maps.dtype) == (torch.float32, BF16)
+        assert torch.equal(maps.to(BF16), low_maps)
+        assert not torch.equal(maps, low_maps.float())  # float32's bits, not bf16's
+    assert torch.equal(out.last_hidden_state, as_computed.last_hidden_state.float())
+    assert grads.keys() == as_computed_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, as_computed_grads[name]), name
+
+
+def test_the_cut_that_reads_the_outputs_casts_fewer_bytes_than_one_that_did_not():
+    """Before the cut read the outputs in float32, cast_outputs' casts came after its
+    optimum: on BERT's returned attention maps the graph cast more than the cut said, and
+    more than the cut that reads them casts (which is what it says)."""
+    model, kwargs = _bert_returning_attentions()
+    c = amp_graph.compile(model, o2(False), BF16)
+    c(**kwargs)
+    blind, blind_stats = replanned(c, True, torch.float32, cut_reads_outputs=False)
+    told, told_stats = replanned(c, True, torch.float32)
+    assert cast_bytes(blind) > blind_stats["placed_cast_bytes_after"]
+    assert cast_bytes(told) == told_stats["placed_cast_bytes_after"]
+    assert told_stats["ops_moved_up"] == blind_stats["ops_moved_up"] + 2
+    assert told_stats["outputs_cast"] == blind_stats["outputs_cast"] - 2
+    assert cast_bytes(told) < cast_bytes(blind)
+
+
+def test_a_dropout_that_saves_its_noise_is_not_raised():
+    """The CPU's dropout multiplies by a noise tensor of its input's dtype and saves it for
+    backward: raised, backward would hold the noise in float32. With dropout 0.1 the cut
+    leaves the returned maps' dropouts low, and backward holds no more than under the
+    rules."""
+    held, raised = {}, {}
+    for place in (False, True):
+        model, kwargs = _bert_returning_attentions(dropout=0.1)
+        c = amp_graph.compile(model, o2(place), BF16)
+        c(**kwargs)  # captured: the capture's own run holds its own tensors
+        params = [*model.parameters(), *model.buffers()]
+        held[place], _ = held_for_backward(lambda c=c, k=kwargs: c(**k), exclude=params)
+        nodes = c.graph_module.graph.nodes
+        raised[place] = {n.name for n in nodes if n.meta[AMP].source == "placement"}
+    assert raised[True] == set()  # at dropout 0 the maps' two dropouts are raised (above)
+    assert held[True] <= held[False]
