@@ -3,7 +3,7 @@
 ::
 
     amp-graph inspect MODEL --input-shape 8,3,32,32 [--dtype bf16] [--policy O1]
-                      [--html out.html] [--svg out.svg]
+                      [--output-dtype policy|float32|none] [--html out.html] [--svg out.svg]
     amp-graph explain MODEL --input-shape 8,3,32,32 NODE
     amp-graph export MODEL --input-shape 8,3,32,32 [--policy O2] [--dtype fp16]
                      [--calibrate samples.pt] [--dynamic-batch] --format pt2|aoti|onnx -o OUT
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import io
@@ -215,18 +216,24 @@ def check_runs(model: Any, inputs: tuple[Any, ...]) -> None:
 
 
 def build_policy(args: argparse.Namespace, model: Any) -> Any:
-    """The preset, with ``--keep-fp32`` paths as module overrides checked against the model."""
+    """The preset, with ``--keep-fp32`` paths as module overrides checked against the model,
+    and ``--output-dtype`` as its ``output_dtype`` unless it is ``policy``."""
+    import torch
+
     import amp_graph
 
-    if not args.keep_fp32:
+    if not args.keep_fp32 and args.output_dtype == "policy":
         return args.policy
-    policy = amp_graph.Policy.preset(args.policy).override(
-        modules={path: "fp32" for path in args.keep_fp32}
-    )
-    try:
-        policy.validate_modules([name for name, _ in model.named_modules()])
-    except ValueError as error:
-        raise UsageError(f"--keep-fp32: {error}") from error
+    policy = amp_graph.Policy.preset(args.policy)
+    if args.keep_fp32:
+        policy = policy.override(modules={path: "fp32" for path in args.keep_fp32})
+        try:
+            policy.validate_modules([name for name, _ in model.named_modules()])
+        except ValueError as error:
+            raise UsageError(f"--keep-fp32: {error}") from error
+    if args.output_dtype != "policy":
+        output_dtype = torch.float32 if args.output_dtype == "float32" else None
+        policy = dataclasses.replace(policy, output_dtype=output_dtype)
     return policy
 
 
@@ -508,6 +515,13 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         default="O1",
         choices=("O0", "O1", "O2", "O3", "autocast"),
         help="precision policy preset (default O1)",
+    )
+    parser.add_argument(
+        "--output-dtype",
+        default="policy",
+        choices=("policy", "float32", "none"),
+        help="what the outputs computed in low precision are returned in: the policy's "
+        "output_dtype (default: float32 under O2 and O3), float32, or none (as computed)",
     )
     parser.add_argument(
         "--keep-fp32",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +187,39 @@ def test_compile_in_place_and_policy_field_agree() -> None:
     in_place = model(x)
     assert [t.dtype for t in by_field] == [t.dtype for t in in_place]
     assert in_place[0].dtype == F32
+
+
+def test_the_repr_shows_it_where_the_policys_name_does_not() -> None:
+    asked = amp_graph.compile(ManyOutputs(), "O1", BF16, output_dtype=F32)
+    assert "policy=O1, dtype=bf16, output_dtype=fp32, mode=" in repr(asked)
+    assert "output_dtype" not in repr(amp_graph.compile(ManyOutputs(), "O1", BF16))
+    as_computed = amp_graph.compile(ManyOutputs(), "O2", BF16, output_dtype=None)
+    assert "output_dtype" not in repr(as_computed)
+    assert "output_dtype=fp32" in repr(amp_graph.compile(ManyOutputs(), "O2", BF16))
+
+
+@pytest.mark.parametrize(
+    ("policy", "flag", "returned", "report"),
+    [
+        ("O1", "policy", BF16, ""),
+        ("O1", "float32", F32, "(1 returning outputs in fp32: output_dtype)"),
+        ("O2", "policy", F32, "(1 returning outputs in fp32: output_dtype)"),
+        ("O2", "none", BF16, ""),
+    ],
+)
+def test_the_command_lines_output_dtype(policy, flag, returned, report, capsys) -> None:
+    """``amp-graph inspect|explain|export --output-dtype``: the policy's own, float32 or as
+    computed; the compiled model returns what it says and the report counts the casts."""
+    from amp_graph.cli import build_parser, compile_model_and_inputs, main
+
+    sample = f"{Path(__file__).with_name('sample_model.py')}:make_tagger"
+    args = [sample, "--input-shape", "2,7", "--input-dtype", "long", "--policy", policy]
+    args += ["--output-dtype", flag]
+    compiled, inputs = compile_model_and_inputs(build_parser().parse_args(["inspect", *args]))
+    assert compiled(*inputs).dtype == returned
+    assert main(["inspect", *args, "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert report in out if report else "returning outputs in fp32" not in out
 
 
 @pytest.mark.parametrize("bad", [BF16, torch.float16, torch.float64, "float32"])

@@ -186,10 +186,12 @@ class CompiledModule(nn.Module):
         return self._orig_mod
 
     def __repr__(self) -> str:
+        returned = self.policy.output_dtype  # shown where it is set: the name may not say
         head = (
             f"amp_graph.CompiledModule({type(self._orig_mod).__name__}, policy="
-            f"{self.policy.name}, dtype={short(self.dtype)}, mode={self.mode.name!r}, "
-            f"graphs={len(self.graph_modules)})"
+            f"{self.policy.name}, dtype={short(self.dtype)}, "
+            + (f"output_dtype={short(returned)}, " if returned is not None else "")
+            + f"mode={self.mode.name!r}, graphs={len(self.graph_modules)})"
         )
         if self._last is None:
             return f"{head}\n  (not captured yet: the first call captures it)"
