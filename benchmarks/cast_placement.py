@@ -3,7 +3,7 @@ against O2's rules alone (``place_casts=False``), side by side in one run.
 
 Per model (HF GPT-2, Llama and BERT at 8x512 tokens, width 128, 2 layers, vocabulary 2048,
 a size this CPU steps in seconds; a BERT returning its attention maps
-(``output_attentions=True``), which O2 returns in float32; a BERT sequence classifier at
+(``output_attentions=True``, attention dropout 0), which O2 returns in float32; a BERT sequence classifier at
 BERT's own vocabulary, 30522, whose word table no head shares; a diffusers UNet2DModel, 8
 images of 32x32), bf16:
 
@@ -71,11 +71,12 @@ def build(name: str, quick: bool):
         )
         return transformers.BertForMaskedLM(config), {"input_ids": tokens}
     if name == "bert-attn":  # returning its attention maps, which O2 returns in float32
-        config = transformers.BertConfig(
+        config = transformers.BertConfig(  # attention dropout 0, as ViT's and Llama's
             **width,
             intermediate_size=512,
             max_position_embeddings=seq,
             attn_implementation="eager",
+            attention_probs_dropout_prob=0.0,
         )
         return transformers.BertModel(config), {"input_ids": tokens, "output_attentions": True}
     if name == "bert-cls":  # fine-tuning a classifier: BERT's own vocabulary, no tied head
