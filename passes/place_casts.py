@@ -370,8 +370,9 @@ def _numel(value: object) -> int:
 
 def gradient_values(gm: fx.GraphModule) -> set[fx.Node]:
     """The nodes whose value has a gradient in backward: parameters and inputs that require
-    one, and every floating value computed from them. (Example values do not say it: a
-    capture may record them without autograd.)"""
+    one, and every floating value computed from them, but for a ``detach`` and what is
+    computed from it alone. (Example values do not say it: a capture may record them
+    without autograd.)"""
     with_grad: set[fx.Node] = set()
     trained = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     for node in gm.graph.nodes:
@@ -384,6 +385,7 @@ def gradient_values(gm: fx.GraphModule) -> set[fx.Node]:
                 with_grad.add(node)
         elif (
             node.op in ("call_function", "call_method")  # aten ops, and the casts inserted
+            and node.target is not torch.ops.aten.detach.default  # cut off from autograd
             and any(a in with_grad for a in node.all_input_nodes)
             and any(isinstance(f, torch.dtype) and f.is_floating_point for f in _facts(node))
         ):

@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from amp_graph.passes.assign_dtypes import assign_dtypes
 from amp_graph.passes.cast_cut import cost_of, solve
 from amp_graph.passes.cast_outputs import cast_outputs
@@ -495,3 +496,75 @@ def test_a_dropout_that_saves_its_noise_is_not_raised():
         raised[place] = {n.name for n in nodes if n.meta[AMP].source == "placement"}
     assert raised[True] == set()  # at dropout 0 the maps' two dropouts are raised (above)
     assert held[True] <= held[False]
+
+
+class _SoftcapStep(amp_graph.Graph):
+    """A step whose build computes its loss from the model's logits in the graph."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+        self.config.enable_amp(True, policy="O2", dtype=BF16)
+
+    def build(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=tokens).logits
+        F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
+        return logits.detach()
+
+
+def _gemma2() -> tuple[nn.Module, torch.Tensor]:
+    """A random HF Gemma-2, which ends in its logit softcap, and its tokens."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=64,
+        sliding_window=8,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    return transformers.Gemma2ForCausalLM(config).eval(), tokens
+
+
+def test_a_steps_own_float32_read_of_the_logits_raises_the_softcaps_last_multiply():
+    """HF Gemma-2 ends in its logit softcap (``tanh(logits / cap) * cap``): free ops after
+    the head. Compiled, the logits are read once, by the output, in float32: a cast either
+    side of the multiply, so the cut keeps it low. In a ``Graph`` whose build computes the
+    loss from the logits, they are read twice in float32 (the loss's ``.float()`` and the
+    returned value), so the cut raises the multiply: one cast of tanh's output instead of
+    two of the logits. The plan follows the program; the values differ only by the last
+    rounding (the Graph's are float32's: rounded to bf16 they are compile's)."""
+    model, tokens = _gemma2()
+    compiled = amp_graph.compile(model, "O2", BF16)
+    logits = compiled(input_ids=tokens).logits
+    assert _raised(compiled.graph_module) == set()
+    step = _SoftcapStep(model)
+    stepped = step(tokens, tokens.roll(-1, 1))
+    raised = [n for n in step.build_graph.graph.nodes if n.meta[AMP].source == "placement"]
+    assert [n.target for n in raised] == [torch.ops.aten.mul.Tensor]
+    assert raised[0].args[0].args[0].target == torch.ops.aten.tanh.default  # through its cast
+    assert logits.dtype == stepped.dtype == torch.float32
+    assert not torch.equal(stepped, logits)
+    assert torch.equal(stepped.to(BF16).float(), logits)
+
+
+def test_a_detached_value_has_no_gradient_to_cast():
+    """``gradient_values``: a value detached in the graph (a Graph's returned logits) has no
+    gradient, so a cast of it costs its forward bytes only."""
+    from amp_graph.passes.place_casts import gradient_values
+
+    model, tokens = _gemma2()
+    step = _SoftcapStep(model)
+    step(tokens, tokens.roll(-1, 1))
+    gm = step.build_graph
+    with_grad = gradient_values(gm)
+    detached = [n for n in gm.graph.nodes if n.target == torch.ops.aten.detach.default]
+    assert detached and not any(n in with_grad for n in detached)
+    assert all(n.args[0] in with_grad for n in detached)
