@@ -3,9 +3,9 @@ against O2's rules alone (``place_casts=False``), side by side in one run.
 
 Per model (HF GPT-2, Llama and BERT at 8x512 tokens, width 128, 2 layers, vocabulary 2048,
 a size this CPU steps in seconds; a BERT returning its attention maps
-(``output_attentions=True``, attention dropout 0), which O2 returns in float32; a BERT sequence classifier at
-BERT's own vocabulary, 30522, whose word table no head shares; a diffusers UNet2DModel, 8
-images of 32x32), bf16:
+(``output_attentions=True``, attention dropout 0), which O2 returns in float32; a BERT
+sequence classifier at BERT's own vocabulary, 30522, whose word table no head shares; a
+diffusers UNet2DModel, 8 images of 32x32), bf16:
 
 * the bytes cast per call, forward and backward (a value with a gradient has its gradient
   cast back), counted on the rewritten graph: amp_graph's casts and the model's own that
