@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -132,19 +133,26 @@ def test_no_op_moves_down_and_outputs_keep_their_dtypes(name):
     assert outputs[0].meta[AMP].out_dtype == was["output"].out_dtype
 
 
+def _bert_config(**extra: Any) -> Any:
+    """A random small ``BertConfig`` (2 layers of width 64, a vocabulary of 100), with
+    ``extra`` fields."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        vocab_size=100,
+        **extra,
+    )
+
+
 def _encoder(name: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "bert":
-        config = transformers.BertConfig(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
-            vocab_size=100,
-        )
-        return transformers.BertModel(config).eval()
+        return transformers.BertModel(_bert_config()).eval()
     config = transformers.GPT2Config(
         n_positions=64, n_embd=64, n_layer=2, n_head=2, vocab_size=100, use_cache=False
     )
@@ -328,13 +336,17 @@ def test_o1_has_nothing_to_place():
     assert plans[True] == plans[False]
 
 
-class TrainTinyLM(amp_graph.Graph):
-    def __init__(self, model: nn.Module) -> None:
+class _O2Step(amp_graph.Graph):
+    """An O2 training step of ``model`` with SGD at ``lr``; subclasses write the build."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.1) -> None:
         super().__init__()
         self.model = model
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=lr))
         self.config.enable_amp(True, policy="O2", dtype=BF16)
 
+
+class TrainTinyLM(_O2Step):
     def build(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.model(tokens)
         out.float().square().mean().backward()
@@ -413,13 +425,7 @@ def _bert_returning_attentions(dropout: float = 0.0) -> tuple[nn.Module, dict]:
     deterministic."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.BertConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=64,
-        vocab_size=100,
+    config = _bert_config(
         attention_probs_dropout_prob=dropout,
         hidden_dropout_prob=dropout,
         attn_implementation="eager",
@@ -498,14 +504,8 @@ def test_a_dropout_that_saves_its_noise_is_not_raised():
     assert held[True] <= held[False]
 
 
-class _SoftcapStep(amp_graph.Graph):
+class _SoftcapStep(_O2Step):
     """A step whose build computes its loss from the model's logits in the graph."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
-        self.config.enable_amp(True, policy="O2", dtype=BF16)
 
     def build(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=tokens).logits
@@ -545,7 +545,7 @@ def test_a_steps_own_float32_read_of_the_logits_raises_the_softcaps_last_multipl
     compiled = amp_graph.compile(model, "O2", BF16)
     logits = compiled(input_ids=tokens).logits
     assert _raised(compiled.graph_module) == set()
-    step = _SoftcapStep(model)
+    step = _SoftcapStep(model, lr=0.0)
     stepped = step(tokens, tokens.roll(-1, 1))
     raised = [n for n in step.build_graph.graph.nodes if n.meta[AMP].source == "placement"]
     assert [n.target for n in raised] == [torch.ops.aten.mul.Tensor]
@@ -561,7 +561,7 @@ def test_a_detached_value_has_no_gradient_to_cast():
     from amp_graph.passes.place_casts import gradient_values
 
     model, tokens = _gemma2()
-    step = _SoftcapStep(model)
+    step = _SoftcapStep(model, lr=0.0)
     step(tokens, tokens.roll(-1, 1))
     gm = step.build_graph
     with_grad = gradient_values(gm)
