@@ -65,6 +65,7 @@ from amp_graph.capture.fsdp_units import (
 )
 from amp_graph.capture.host_random import HostGenerators, host_draws, host_draws_message
 from amp_graph.capture.masked_partials import masked_partials_kept
+from amp_graph.capture.module_hooks import refuse_backward_hooks
 from amp_graph.capture.planned_dtypes import (
     capture_under_policy,
     half_model_view,
@@ -229,6 +230,7 @@ def capture_module(
         CaptureError: naming the failing construct (file, line, code) and what to do.
     """
     start = time.perf_counter()
+    refuse_backward_hooks(model)
     if dynamic_shapes is None and dynamic:
         dynamic_shapes = auto_dynamic_shapes(model, args, kwargs)
     low = low_dtype or autocast_dtype or torch.bfloat16
@@ -701,12 +703,13 @@ def _raised_by_user_code(error: BaseException) -> bool:
 
 
 def _user_frame(error: BaseException) -> str:
-    """``file.py:12: `if x.sum() > 0:``` for the innermost frame outside torch and amp_graph."""
+    """``file.py:12: `if x.sum() > 0:``` for the innermost frame outside torch and amp_graph
+    that has a source file (not code generated at run time, ``<string>``)."""
     frames = traceback.extract_tb(error.__traceback__)
-    torch_root = torch.__file__.rsplit("/", 2)[0]
+    torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"  # not site-packages: transformers
     ours = __file__.rsplit("/", 1)[0]
     for frame in reversed(frames):
-        if not frame.filename.startswith((torch_root, ours)):
+        if not frame.filename.startswith((torch_dir, ours, "<")):
             code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
             return f"{frame.filename}:{frame.lineno}: `{code}`"
     return "an unknown location"

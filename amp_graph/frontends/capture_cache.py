@@ -1,10 +1,11 @@
 """Captured graphs by input signature: which graph serves a call, and when to capture again.
 
 :class:`CaptureCache` serves :class:`~amp_graph.frontends.compiler.CompiledModule` and
-:class:`amp_graph.Graph` alike: a new structure, dtype, device type or rank of the inputs,
-or a module's ``training`` flag, is a new signature; new sizes within one get one more
-capture with symbolic sizes. A call whose plain tensors have the last call's properties is
-answered without flattening its inputs (the common step: the same batch shape every time).
+:class:`amp_graph.Graph` alike: a new structure, dtype, device type, rank or memory layout
+of the inputs, or a module's ``training`` flag, is a new signature; new sizes within one
+get one more capture with symbolic sizes. A call whose plain tensors have the last call's
+properties is answered without flattening its inputs (the common step: the same batch
+shape every time).
 """
 
 from __future__ import annotations
@@ -26,11 +27,22 @@ log = logging.getLogger(__name__)
 MAX_GRAPHS_PER_SIGNATURE = 8  # static captures of one input structure before warning
 
 
+def _layout(tensor: torch.Tensor) -> Any:
+    """A tensor's memory layout as a capture sees it: a graph traced on a contiguous tensor
+    has no copy where the model calls ``.contiguous()`` (a no-op there), so its ``view``
+    fails on a transposed input of the same shape; each layout gets its own graph."""
+    if tensor.is_contiguous():
+        return "contiguous"
+    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    return tensor.stride()
+
+
 def _describe(value: Any) -> Any:
-    """What a capture is specialized on, for one input: a tensor's dtype, device and rank
-    (not its sizes), a Python value itself; containers element by element."""
+    """What a capture is specialized on, for one input: a tensor's dtype, device, rank and
+    layout (not its sizes), a Python value itself; containers element by element."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, value.device.type, value.dim())
+        return ("tensor", value.dtype, value.device.type, value.dim(), _layout(value))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_describe(v) for v in value))
     if isinstance(value, dict):
@@ -60,10 +72,10 @@ CaptureFn = Callable[[tuple, dict, bool], Captured]
 
 class CaptureCache:
     """Captured graphs by input signature: the structure of ``(args, kwargs)``, each
-    tensor's dtype, device and rank, each Python value, and the ``training`` flag of every
-    module. Within a signature, the first sizes get a static capture; other sizes get one
-    capture with symbolic sizes, which then serves every size it accepts (a model that
-    needs static sizes gets one graph per size).
+    tensor's dtype, device, rank and layout (contiguous or not), each Python value, and
+    the ``training`` flag of every module. Within a signature, the first sizes get a
+    static capture; other sizes get one capture with symbolic sizes, which then serves
+    every size it accepts (a model that needs static sizes gets one graph per size).
 
     ``capture(args, kwargs, dynamic)`` makes a :class:`Captured`. ``symbolic_first``: the
     first capture of a signature tries symbolic sizes already (inputs whose sizes change at
@@ -91,7 +103,7 @@ class CaptureCache:
         training = tuple([m.training for m in self._modules])
         plain = not kwargs and all(type(a) is torch.Tensor for a in args)
         if plain:
-            repeat = (tuple([(a.dtype, a.device, a.shape) for a in args]), training)
+            repeat = (tuple([(a.dtype, a.device, a.shape, a.stride()) for a in args]), training)
             if self._last is not None and self._last[0] == repeat:
                 return self._last[1], list(args)
         leaves, spec = pytree.tree_flatten((args, kwargs))

@@ -42,9 +42,9 @@ from amp_graph.frontends.graphed_calls import GraphedCalls, is_sharded
 from amp_graph.frontends.model_forwards import (
     InplaceForward,
     SignedForward,
-    class_forward,
     forward_signature,
     graph_forward,
+    in_place_capture,
 )
 from amp_graph.frontends.policy_request import AmpRequest
 from amp_graph.passes import AMP, Role
@@ -291,7 +291,7 @@ class CompiledModule(nn.Module):
         traced = model if isinstance(model, fx.GraphModule) else None
         if traced is not None:
             model = graph_code_module(traced)
-        with class_forward(model) if self._in_place else contextlib.nullcontext():
+        with in_place_capture(model) if self._in_place else contextlib.nullcontext():
             captured = capture_for_policy(
                 model,
                 args,

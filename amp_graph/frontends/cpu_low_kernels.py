@@ -71,7 +71,9 @@ def _probed(dtype: torch.dtype) -> tuple[tuple[str, str], ...]:
     if dtype == torch.float32:
         return ()
     missing: list[tuple[str, str]] = []
-    with torch.enable_grad():
+    # the probes' layers initialize their weights from torch's generator: fork it, so that
+    # compiling leaves the user's seeded stream where it was (dropout's masks included)
+    with torch.enable_grad(), torch.random.fork_rng(devices=[]):
         for op, probe in PROBES.items():
             try:
                 probe(dtype)
