@@ -218,3 +218,48 @@ def test_a_capture_error_names_the_library_line_not_generated_code():
         amp_graph.compile(model, "autocast", BF16)(**inputs)
     assert "modeling_wav2vec2.py:" in str(info.value)
     assert "labels.max() >= self.config.vocab_size" in str(info.value)
+
+
+# -- tied parameters untied after capture ------------------------------------------------------
+
+
+class TiedLM(nn.Module):
+    """An output layer tied to the embedding, as GPT-2's and nanoGPT's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc(self.emb(idx))))
+
+
+@pytest.mark.parametrize("untie", ["new_parameter", "new_head"])
+def test_untying_a_tied_parameter_after_capture_captures_again(untie):
+    """Export reads a tied tensor once, by one name: untied for fine-tuning, the graph read
+    the embedding for the head (wrong logits, no gradient for the new head; a larger new
+    head still gave 50 logits). Now the untie is seen and the model captured again."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    fast = amp_graph.compile(model, "autocast", BF16)
+    idx = torch.randint(0, 50, (2, 6))
+    for _ in range(2):  # tied as captured: one graph serves
+        assert same(fast(idx), autocast(reference, idx))
+    assert len(fast.graph_modules) == 1
+    if untie == "new_parameter":
+        weight = torch.randn(50, 16)
+        model.head.weight = nn.Parameter(weight.clone())
+        reference.head.weight = nn.Parameter(weight.clone())
+    else:
+        model.head = nn.Linear(16, 60, bias=False)
+        reference.head = copy.deepcopy(model.head)
+    ours, theirs = fast(idx), autocast(reference, idx)
+    assert same(ours, theirs)
+    ours.float().sum().backward()
+    theirs.float().sum().backward()
+    assert same(model.head.weight.grad, reference.head.weight.grad)
+    assert same(model.emb.weight.grad, reference.emb.weight.grad)

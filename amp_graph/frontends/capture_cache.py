@@ -10,6 +10,8 @@ shape every time).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -70,6 +72,31 @@ class _Signature:
 CaptureFn = Callable[[tuple, dict, bool], Captured]
 
 
+def _tied(root: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names under which one tensor is several parameters or buffers of ``root`` (an
+    embedding tied to the output layer, as GPT-2's): export reads such a tensor once, by
+    one of its names, for all its uses."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in itertools.chain(
+        root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False)
+    ):
+        names.setdefault(id(tensor), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _still_tied(root: nn.Module, ties: tuple[tuple[str, ...], ...]) -> bool:
+    """Whether each group of names still names one tensor (not after ``model.head.weight =
+    nn.Parameter(...)`` or a new ``model.head``)."""
+    try:
+        for names in ties:
+            first = functools.reduce(getattr, names[0].split("."), root)
+            if any(functools.reduce(getattr, n.split("."), root) is not first for n in names):
+                return False
+    except AttributeError:  # a module of the path was replaced by one without it
+        return False
+    return True
+
+
 class CaptureCache:
     """Captured graphs by input signature: the structure of ``(args, kwargs)``, each
     tensor's dtype, device, rank and layout (contiguous or not), each Python value, and
@@ -95,11 +122,26 @@ class CaptureCache:
         self._signatures: dict[tuple, _Signature] = {}
         self.captures: list[Captured] = []
         self._last: tuple[tuple, Captured] | None = None  # the last call of plain tensors
+        self._ties = _tied(modules[0])  # modules[0]: the root, as nn.Module.modules() yields
+
+    def _untied_since_capture(self) -> bool:
+        """A tensor the graphs read once for several names is no longer one (a tied output
+        layer untied for fine-tuning): each graph would read the old one for all its uses.
+        Forgets every graph, so that the next call captures with the model as it is."""
+        if not self._ties or _still_tied(self._modules[0], self._ties):
+            return False
+        log.info("amp_graph: tied parameters of %s were untied; capturing again", self._what)
+        self._signatures.clear()
+        self._last = None
+        self._ties = _tied(self._modules[0])
+        return True
 
     def get(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
         """The graph for these inputs (capturing it if needed) and the flat inputs."""
         # A step calls with the tensors of the last step, as a rule: this answers it without
         # flattening (the lookup below picks a graph by exactly these properties and sizes).
+        if self._ties:
+            self._untied_since_capture()
         training = tuple([m.training for m in self._modules])
         plain = not kwargs and all(type(a) is torch.Tensor for a in args)
         if plain:
