@@ -120,6 +120,32 @@ def test_compile_in_place_sees_root_hooks_added_and_removed_after_capture():
     assert same(model(x), autocast(reference, x))
 
 
+def test_compile_in_place_decodes_with_the_root_hook_once():
+    """HF ``generate`` calls the model with a KV cache: the decode graphs run inside its
+    ``__call__`` too, so their captures leave the root's hooks out as well."""
+    transformers = pytest.importorskip("transformers")
+    from hf_configs import small_gpt2_config
+
+    def halve_logits(module: nn.Module, args: tuple, out: dict) -> dict:
+        out["logits"] = out["logits"] / 2
+        return out
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(small_gpt2_config(100)).eval()
+    model.register_forward_hook(halve_logits)
+    prompt = torch.randint(1, 100, (2, 4), generator=torch.Generator().manual_seed(1))
+    settings = dict(max_new_tokens=4, do_sample=False, use_cache=True, output_logits=True)
+    settings.update(return_dict_in_generate=True)
+    with torch.autocast("cpu", BF16):
+        expected = model.generate(prompt, **settings)
+    amp_graph.compile_(model, "autocast", BF16)
+    got = model.generate(prompt, **settings)
+    assert len(model.forward.compiled.decoder.graph_modules) == 2
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.logits, expected.logits, strict=True):
+        assert same(ours, theirs)
+
+
 # -- backward hooks ---------------------------------------------------------------------------
 
 

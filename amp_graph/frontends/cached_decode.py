@@ -24,14 +24,19 @@ once per generation, as under one torch.autocast around ``generate``: the graphs
 parameters are reused while the KV cache object they served lives
 (:mod:`amp_graph.ops.parameter_casts`). A cache whose step
 cannot be one graph decodes under torch.autocast in the policy's dtype, said once at WARNING
-with the reason (:meth:`CachedDecoder._under_autocast`).
+with the reason (:meth:`CachedDecoder._under_autocast`): from its prefill where the prefill
+shows it (a sliding window's counter, :func:`_rewritten`), so no graph writes a cache that
+torch.autocast then writes, and every later call of that cache object alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +48,7 @@ from torch.utils import _pytree as pytree
 from amp_graph.capture import Captured, CaptureError, capture_autocast
 from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.front_door import admit, capture_and_rewrite
+from amp_graph.frontends.model_forwards import own_hooks_hidden
 from amp_graph.frontends.policy_request import AmpRequest
 from amp_graph.ops.parameter_casts import ParameterCasts
 from amp_graph.passes.meta import short
@@ -131,6 +137,23 @@ def _stripped(obj: Any) -> Any:
         if isinstance(value, torch.Tensor):
             setattr(clone, name, None)
     return clone
+
+
+def _rewritten(before: tuple, after: tuple, filled: bool) -> list[str]:
+    """The plain attributes of a cache layer that a write changed and every write will change
+    again. Once the layer is filled: any. At its first fill (the prefill): those it held a
+    value of before (a sliding window's token counter, 0 before), not those the fill sets
+    (the flag ``is_initialized``, its sizes and device, None or absent before). Found at the
+    prefill, the refusal comes before anything is written into the cache, so the prefill and
+    every step of that cache decode alike under torch.autocast."""
+    if filled:
+        return sorted({key for key, _ in set(after) ^ set(before)})
+    now = dict(after)
+    return sorted(
+        key
+        for key, value in before
+        if key != "is_initialized" and value is not None and now.get(key, value) != value
+    )
 
 
 def _template(cache: Any) -> Any:
@@ -240,8 +263,9 @@ class DecodeForward:
             before = self.layout.layers[index][1]
             if state == before:
                 continue
-            if dict(before).get("is_initialized", index in held):  # filled before
-                changed = sorted({k for k, _ in set(state) ^ set(before)})
+            filled = dict(before).get("is_initialized", index in held)
+            changed = _rewritten(before, state, filled)
+            if changed:
                 raise UncapturedCache(
                     f"{kind.__name__} (layer {index} of the {name}) changes its Python "
                     f"state {', '.join(changed)} in every step, which one graph would bake"
@@ -283,8 +307,19 @@ class CachedDecoder:
         self._graphs: dict[tuple, CaptureCache] = {}
         self._plans: dict[int, StepPlan] = {}
         self._refused: dict[tuple, str] = {}
+        # the caches decoding under torch.autocast, with the reason: one cache object (one
+        # generation) is not written by a graph after torch.autocast wrote it
+        self._eager: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._warned: set[str] = set()
         self._casts = ParameterCasts()  # the weights' casts, shared by one cache's steps
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the caches decoding under torch.autocast (weak references: they
+        belong to this process's generations)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_eager"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _eager=weakref.WeakKeyDictionary())
 
     @property
     def graph_modules(self) -> list:
@@ -302,19 +337,22 @@ class CachedDecoder:
         except UncapturedCache as refusal:
             return self._under_autocast(request, str(refusal), args, kwargs)
         key = (kwarg, layout)
-        if key in self._refused:
-            return self._under_autocast(request, self._refused[key], args, kwargs)
-        others = {k: v for k, v in kwargs.items() if k != kwarg}
-        tensors = [getattr(passed.layers[i], a) for i, a in layout.tensors] if layout else []
-        graphs = self._graphs.get(key)
-        if graphs is None:
-            graphs = self._graphs[key] = self._new_graphs(request, kwarg, layout, passed)
-        try:
-            captured, leaves = graphs.get((args, others, tensors), {})
-        except CaptureError as error:
-            self._refused[key] = _first_line(error)
-            return self._under_autocast(request, self._refused[key], args, kwargs)
-        return self._run(captured, leaves, passed)
+        reason = self._refused.get(key) or (self._eager.get(passed) if layout else None)
+        if reason is None:
+            others = {k: v for k, v in kwargs.items() if k != kwarg}
+            tensors = [getattr(passed.layers[i], a) for i, a in layout.tensors] if layout else []
+            graphs = self._graphs.get(key)
+            if graphs is None:
+                graphs = self._graphs[key] = self._new_graphs(request, kwarg, layout, passed)
+            try:
+                captured, leaves = graphs.get((args, others, tensors), {})
+            except CaptureError as error:
+                reason = self._refused[key] = _first_line(error)
+            else:
+                return self._run(captured, leaves, passed)
+        if layout is not None:
+            self._eager[passed] = reason
+        return self._under_autocast(request, reason, args, kwargs, passed)
 
     def _warn_encoder_ran_outside(self, request: AmpRequest) -> None:
         """An encoder-decoder model's ``generate`` runs the encoder itself
@@ -373,16 +411,19 @@ class CachedDecoder:
             forward = DecodeForward(model, kwarg, layout, template)
             installed = model.__dict__.get("forward")
             model.__dict__["forward"] = forward  # what export traces (removed after)
+            # compiled in place, the model's own hooks run in its __call__, around the graph
+            own_hooks = own_hooks_hidden(model) if self.compiled._in_place else None
             try:
-                captured = capture_and_rewrite(
-                    model,
-                    args,
-                    kwargs,
-                    request,
-                    check_nodes=False,
-                    check_each_pass=self.compiled.check_each_pass,
-                    dynamic=dynamic,
-                )
+                with own_hooks or contextlib.nullcontext():
+                    captured = capture_and_rewrite(
+                        model,
+                        args,
+                        kwargs,
+                        request,
+                        check_nodes=False,
+                        check_each_pass=self.compiled.check_each_pass,
+                        dynamic=dynamic,
+                    )
             except (CaptureError, UncapturedCache) as error:
                 if forward.refused is not None:
                     raise CaptureError(forward.refused) from error
@@ -416,9 +457,13 @@ class CachedDecoder:
         self._casts.keep_for(caches[0] if len(caches) == 1 else None)
         return pytree.tree_unflatten(out_leaves, plan.spec)
 
-    def _under_autocast(self, request: AmpRequest, reason: str, args: tuple, kwargs: dict) -> Any:
+    def _under_autocast(
+        self, request: AmpRequest, reason: str, args: tuple, kwargs: dict, cache: Any = None
+    ) -> Any:
         """The class's forward under torch.autocast in the policy's dtype (none for O0):
-        torch.autocast's decisions, exactly the policy's only for ``"autocast"``."""
+        torch.autocast's decisions, exactly the policy's only for ``"autocast"``. What it
+        writes into ``cache`` keeps the dtypes the cache holds
+        (:func:`_writes_at_held_dtypes`)."""
         model = self.compiled.model
         low = None if request.policy.casts_nothing else request.dtype
         if reason not in self._warned:
@@ -432,16 +477,52 @@ class CachedDecoder:
                 "amp_graph: %s called with a KV cache runs its own forward eagerly under "
                 "torch.autocast(%r, %s), not as a graph: %s. torch.autocast's decisions "
                 "then, not all of policy %s's (its own tables, overrides, O2/O3's "
-                "low-precision model). A transformers DynamicCache or StaticCache "
-                "(generate's default, or cache_implementation='static') decodes as graphs",
+                "low-precision model), for the prefill and every step of this cache. A "
+                "transformers DynamicCache or StaticCache (generate's default, or "
+                "cache_implementation='static') decodes as graphs unless a layer counts "
+                "tokens in Python (a sliding window's)",
                 type(model).__name__,
                 request.device_type,
                 short(low) if low is not None else "disabled",
                 reason,
                 request.policy.name,
             )
-        with capture_autocast(request.device_type, low):
+        with capture_autocast(request.device_type, low), _writes_at_held_dtypes(cache):
             return type(model).forward(model, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _writes_at_held_dtypes(cache: Any) -> Iterator[None]:
+    """While an eager call runs, each filled layer of ``cache`` stores the keys and values it
+    is given at the dtypes it holds. A cache filled by a graph (the one a graph made, or a
+    step refused after the prefill's graph) holds O2's bf16 keys, where torch.autocast
+    computes float32 ones (RoPE multiplies by float32 cos): a static layer's ``index_copy_``
+    would raise, a dynamic layer's ``cat`` would silently make the whole cache float32.
+    HF's ``update`` stores what it is given, so the layers' own ``update`` is wrapped for
+    the call, then restored."""
+    layers = [
+        layer
+        for layer in getattr(cache, "layers", None) or ()
+        if isinstance(getattr(layer, "keys", None), torch.Tensor)
+        and isinstance(getattr(layer, "values", None), torch.Tensor)
+    ]
+    own = [vars(layer).get("update") for layer in layers]
+    for layer in layers:
+        layer.update = functools.partial(_update_at_held_dtypes, layer, layer.update)
+    try:
+        yield
+    finally:
+        for layer, update in zip(layers, own, strict=True):
+            if update is None:
+                del layer.update
+            else:
+                layer.update = update
+
+
+def _update_at_held_dtypes(
+    layer: Any, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
+    return update(keys.to(layer.keys.dtype), values.to(layer.values.dtype), *args, **kwargs)
 
 
 __all__ = [

@@ -7,8 +7,9 @@ model runs).
   same (calls that decode with a KV cache run the decode graphs,
   :mod:`amp_graph.frontends.cached_decode`), marked as the compiled model's.
 * :func:`class_forward`: while active, the class's own forward again (for a capture).
-* :func:`in_place_capture`: the same, without the model's own forward hooks (which
-  ``nn.Module.__call__`` runs around the forward ``compile_`` set).
+* :func:`in_place_capture`: the same, without the model's own forward hooks
+  (:func:`own_hooks_hidden`: ``nn.Module.__call__`` runs them around the forward
+  ``compile_`` set).
 * :func:`graph_forward`: while active, a :class:`~amp_graph.frontends.compiler.CompiledModule`'s
   model calls itself as if compiled in place, so that its own methods that call it
   (HF ``generate``) run the graph and the decode graphs, not the model in float32.
@@ -95,20 +96,27 @@ _FORWARD_HOOKS = (
 
 
 @contextlib.contextmanager
-def in_place_capture(model: nn.Module) -> Iterator[None]:
-    """While active, a capture of a model :func:`~amp_graph.compile_` compiled traces its
-    class's forward (:func:`class_forward`) without the model's own forward hooks and
-    pre-hooks: every call of such a model passes through ``nn.Module.__call__``, which runs
-    them around the forward ``compile_`` set, so a graph that ran them too would run them
-    twice. Its submodules' hooks stay in the graph (nothing else calls them)."""
+def own_hooks_hidden(model: nn.Module) -> Iterator[None]:
+    """While active, ``model`` has no forward hooks or pre-hooks of its own (its submodules
+    keep theirs): for a capture whose graph runs inside ``model``'s ``nn.Module.__call__``,
+    which runs them around it, so that the graph does not run them a second time."""
     hooks = {name: model.__dict__[name] for name in _FORWARD_HOOKS if name in model.__dict__}
     for name in hooks:
         model.__dict__[name] = type(hooks[name])()
     try:
-        with class_forward(model):
-            yield
+        yield
     finally:
         model.__dict__.update(hooks)
+
+
+@contextlib.contextmanager
+def in_place_capture(model: nn.Module) -> Iterator[None]:
+    """While active, a capture of a model :func:`~amp_graph.compile_` compiled traces its
+    class's forward (:func:`class_forward`) without the model's own forward hooks
+    (:func:`own_hooks_hidden`): every call of such a model passes through
+    ``nn.Module.__call__``, which runs them around the forward ``compile_`` set."""
+    with own_hooks_hidden(model), class_forward(model):
+        yield
 
 
 @contextlib.contextmanager
