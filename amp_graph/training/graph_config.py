@@ -2,8 +2,11 @@
 OneFlow's ``nn.Graph`` (``config.enable_amp(True)``): AMP, gradient clipping and
 accumulation, the agreement on skipped steps, torch.compile, CUDA graphs, a monitor.
 
-Each setter checks its argument where the user calls it; the Graph reads the settings at its
-first call (the capture).
+Each setter checks its argument where the user calls it. What the capture decides (AMP, its
+policy and dtype; torch.compile) is fixed by the first call: setting another value later raises
+at the setter. What only the step graph around the capture decides (clipping, accumulation,
+the process group) may change at any time: the next call builds the step graphs again around
+the same captures (no new capture), and under CUDA graphs captures them again.
 """
 
 from __future__ import annotations
@@ -23,11 +26,21 @@ from amp_graph.training import cuda_graph_step as cuda_graphs
 # What enable_compile passes on: torch.compile's keyword arguments.
 COMPILE_OPTIONS = tuple(p for p in inspect.signature(torch.compile).parameters if p != "model")
 
+# setter -> what the first call built from it (said when a later call would change it)
+FIXED_BY_CAPTURE = {
+    "enable_amp": "AMP, its policy and dtype decide the captured graph's casts (and under O2 "
+    "the dtype the model's parameters are stored in)",
+    "enable_compile": "torch.compile wraps the captured build, and the capture decided what "
+    "backward keeps for it",
+}
+
 
 class GraphConfig:
     """``graph.config``: AMP, gradient clipping and accumulation, compilation, as in OneFlow."""
 
     def __init__(self) -> None:
+        self.revision = 0  # counts changes of the settings (the Graph compares it each call)
+        self._fixed: set[str] = set()  # setters whose value the Graph has built on
         self.amp = False
         self.policy: Policy | str = "O1"
         self.dtype: torch.dtype | None = None
@@ -39,6 +52,37 @@ class GraphConfig:
         self.monitor: Monitor | None = None
         self.cuda_graph: cuda_graphs.CudaGraphOptions | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # any change of a setting, through a setter or not, is seen by the next call
+        object.__setattr__(self, name, value)
+        if not name.startswith("_") and name != "revision":
+            object.__setattr__(self, "revision", self.__dict__.get("revision", 0) + 1)
+
+    def fix(self, *setters: str) -> None:
+        """The Graph has built on these setters' values (``enable_amp``, ``enable_compile``):
+        from now on they refuse another value (:data:`FIXED_BY_CAPTURE` says why)."""
+        self._fixed.update(setters)
+
+    def capture_settings(self) -> tuple:
+        """What a capture of ``build`` depends on."""
+        return (self.amp, self.policy, self.dtype, self.compile, self.cuda_graph is not None)
+
+    def step_settings(self) -> tuple:
+        """What the step graph around a capture depends on, beside the capture."""
+        return (self.clip_max_norm, self.accumulation_steps, self.process_group)
+
+    def _refuse_late(self, setter: str, current: dict[str, Any], new: dict[str, Any]) -> None:
+        """Raise if ``setter`` would change a value the Graph has built on."""
+        if setter not in self._fixed or all(current[k] == new[k] for k in new):
+            return
+        raise RuntimeError(
+            f"config.{setter}({_said(new)}) after the first call, which built the step with "
+            f"{_said(current)}: {FIXED_BY_CAPTURE[setter]}, so the new value would be silently "
+            f"unused. Call config.{setter} in __init__, before the first call, or make a new "
+            "Graph for the other setting (under O2 over a fresh model: the first call stored "
+            "the model's parameters in low precision)."
+        )
+
     def enable_amp(
         self, mode: bool = True, *, policy: Policy | str = "O1", dtype: torch.dtype | None = None
     ) -> None:
@@ -49,10 +93,15 @@ class GraphConfig:
         that match no module raise ValueError at the first call, naming the nearest path.
         """
         check_request(policy, dtype)  # unknown names and bad dtypes fail here
+        current = {"mode": self.amp, "policy": self.policy, "dtype": self.dtype}
+        self._refuse_late(
+            "enable_amp", current, {"mode": bool(mode), "policy": policy, "dtype": dtype}
+        )
         self.amp, self.policy, self.dtype = bool(mode), policy, dtype
 
     def set_gradient_clipping(self, max_norm: float | None) -> None:
-        """Clip the total 2-norm of each optimizer's gradients (after unscaling)."""
+        """Clip the total 2-norm of each optimizer's gradients (after unscaling). May change
+        between calls: the next call builds its step graph again (no new capture)."""
         if max_norm is not None and not max_norm > 0:
             raise ValueError(
                 f"max_norm must be positive, or None to disable clipping; got {max_norm}"
@@ -64,7 +113,7 @@ class GraphConfig:
         (bfloat16, float32; a GradScaler takes its own ``process_group``). ``None`` (default):
         no collective beyond the mesh of DTensor gradients (FSDP2), which is always agreed
         over. Needed where ranks hold different gradients that DTensor does not describe:
-        pipeline stages, hand-rolled sharding."""
+        pipeline stages, hand-rolled sharding. May change between calls."""
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 "set_process_group takes a torch.distributed.ProcessGroup (e.g. "
@@ -73,7 +122,8 @@ class GraphConfig:
         self.process_group = process_group
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
-        """Split each call's batch into ``steps`` micro-batches; one optimizer step per call."""
+        """Split each call's batch into ``steps`` micro-batches; one optimizer step per call.
+        May change between calls (the new micro-batch size is captured on its first call)."""
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"gradient accumulation steps is a positive int; got {steps!r}")
         self.accumulation_steps = steps
@@ -88,7 +138,7 @@ class GraphConfig:
         ``amp_graph.compile`` refuses it (:mod:`amp_graph.frontends.compile_modes`);
         ``enable_compile(False)`` turns it off). The step around the build (gradient
         check, optimizer step, master weights) stays eager, as in a hand-written loop.
-        Takes effect at the next capture (the first call).
+        Set it before the first call: later, another value raises.
         """
         for name in options:
             if name not in COMPILE_OPTIONS:
@@ -97,6 +147,8 @@ class GraphConfig:
                     f"{list(COMPILE_OPTIONS)}.{nearest(name, COMPILE_OPTIONS)}"
                 )
         check_inductor_mode(options.get("mode"), "enable_compile")
+        current = {"enabled": self.compile, "options": self.compile_options}
+        self._refuse_late("enable_compile", current, {"enabled": bool(enabled), "options": options})
         self.compile, self.compile_options = bool(enabled), dict(options)
 
     def enable_cuda_graph(
@@ -165,4 +217,9 @@ class GraphConfig:
         )
 
 
-__all__ = ["COMPILE_OPTIONS", "GraphConfig"]
+def _said(values: dict[str, Any]) -> str:
+    """``values`` as keyword arguments read: ``mode=True, dtype=torch.bfloat16``."""
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
+
+
+__all__ = ["COMPILE_OPTIONS", "FIXED_BY_CAPTURE", "GraphConfig"]

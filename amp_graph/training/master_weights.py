@@ -11,10 +11,17 @@ masters are copied back with one foreach copy. On a torch without ``grad_dtype``
 post-accumulate-grad hook moves each gradient onto its master (in float32) as backward
 produces it. The masters are the truth: ``state_dict`` reports them, ``load_state_dict``
 writes them and re-derives the low-precision copies, so the two never drift apart.
+
+The user may still write the model's parameters between steps (``model.load_state_dict``, an
+in-place re-initialization), as in eager training: each step records the version counters of
+the copies it wrote, and before the next step :meth:`MasterWeights.take_model_writes` gives
+the master of each copy written since the value written (no per-element comparison to find
+them). A parameter object replaced on its module is refused: its master belongs to the old.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,15 +31,25 @@ import torch.nn as nn
 
 from amp_graph.policy.python_ops import NORMALIZATION_MODULES
 
+log = logging.getLogger(__name__)
+
 # Newer torch (2.13 has it): a leaf whose gradients have another dtype than the leaf.
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+
+_VERSION = operator.attrgetter("_version")  # a tensor's count of in-place writes
+
+# where a module holds a parameter: (qualified name, the module's _parameters, its key)
+Site = tuple[str, dict[str, Any], str]
 
 
 class MasterWeights:
     """Pairs each low-precision model parameter with a float32 master parameter."""
 
-    def __init__(self, pairs: list[tuple[str, nn.Parameter, nn.Parameter]]) -> None:
+    def __init__(
+        self, pairs: list[tuple[str, nn.Parameter, nn.Parameter]], sites: Iterable[Site] = ()
+    ) -> None:
         self.pairs = pairs  # (qualified name, model parameter (low), master parameter (fp32))
+        self.sites = list(sites)  # where the modules hold the model parameters
         self._hooks: dict[int, Any] = {}
         self._index()
         for _, model, master in pairs:
@@ -46,6 +63,15 @@ class MasterWeights:
         self._by_model = {id(model): master for _, model, master in self.pairs}
         self._models = [model for _, model, _ in self.pairs]
         self._masters = [master for _, _, master in self.pairs]
+        self.sites = [site for site in self.sites if id(site[1].get(site[2])) in self._by_model]
+        self._site_dicts = [owner for _, owner, _ in self.sites]
+        self._site_keys = [key for _, _, key in self.sites]
+        self._site_params = [owner[key] for _, owner, key in self.sites]
+        self._record()
+
+    def _record(self) -> None:
+        """Remember the version counters of the model's copies: they have the masters' values."""
+        self._versions = list(map(_VERSION, self._models))
 
     @staticmethod
     def create(
@@ -70,7 +96,7 @@ class MasterWeights:
                 with torch.no_grad():
                     param.data = param.data.to(low_dtype)
                 pairs.append((f"{prefix}.{name}", param, master))
-        weights = MasterWeights(pairs)
+        weights = MasterWeights(pairs, _sites(modules, {id(model) for _, model, _ in pairs}))
         for optimizer in optimizers:
             _swap_in(optimizer, weights._by_model)
         return weights
@@ -97,6 +123,56 @@ class MasterWeights:
         self._index()
         return [name for name, _, _ in released]
 
+    def take_model_writes(self) -> None:
+        """Before a step (and before ``state_dict``): give each master the value of its model
+        copy where the user wrote the copy since the step last did (its version counter
+        moved; reading the counters is the whole cost when nothing was written). Where a
+        written element still equals the master's rounding, the master keeps its float32
+        value. The optimizer's state is kept. A parameter replaced on its module raises."""
+        now = map(dict.get, self._site_dicts, self._site_keys)
+        if not all(map(operator.is_, now, self._site_params)):
+            raise RuntimeError(self._replaced())
+        if list(map(_VERSION, self._models)) != self._versions:
+            self._reseed_written()
+
+    @torch.no_grad()
+    def _reseed_written(self) -> None:
+        """The masters of the copies written since the step wrote them take their values."""
+        written = [
+            pair
+            for pair, seen in zip(self.pairs, self._versions, strict=True)
+            if pair[1]._version != seen
+        ]
+        for _, model, master in written:
+            unchanged = model == master.to(model.dtype)  # there, keep the master's extra bits
+            master.copy_(torch.where(unchanged, master, model.to(master.dtype)))
+        self._record()
+        log.info(
+            "O2: %s written on the model since the last step: their float32 masters take the "
+            "values written (optimizer state kept). The model holds them in %s; to restore "
+            "float32 values exactly, use the Graph's load_state_dict, which writes the masters.",
+            ", ".join(name for name, _, _ in written),
+            written[0][1].dtype,
+        )
+
+    def _replaced(self) -> str:
+        """What :meth:`take_model_writes` says of parameters replaced on their modules."""
+        gone = [
+            name
+            for (name, owner, key), param in zip(self.sites, self._site_params, strict=True)
+            if owner.get(key) is not param
+        ]
+        return (
+            f"O2 master weights: {', '.join(gone)} replaced on its module since the last step "
+            "(module.weight = nn.Parameter(...), or the attribute deleted). Its float32 master, "
+            "which the optimizer steps, belongs to the parameter the step stored in low "
+            "precision, so the step would no longer train what the model holds. Write the new "
+            "values into the parameter instead (with torch.no_grad(): param.copy_(value), or "
+            "model.load_state_dict(state)): the next step gives them to the master. The "
+            "Graph's load_state_dict restores float32 values exactly. To change the model's "
+            "parameters themselves, make a new Graph (and optimizer)."
+        )
+
     def low_parameters(self) -> list[nn.Parameter]:
         """The model's parameters stored in the low dtype (those with a master)."""
         return list(self._models)
@@ -107,7 +183,9 @@ class MasterWeights:
     @torch.no_grad()
     def module_state(self, module: nn.Module) -> dict[str, Any]:
         """``module.state_dict()`` with each low copy's entry replaced by its float32 master:
-        a checkpoint holds the masters, not their rounding."""
+        a checkpoint holds the masters, not their rounding (writes to the model since the
+        last step taken into them first)."""
+        self.take_model_writes()
         state = module.state_dict()
         for key in list(state):
             master = self.master_of(operator.attrgetter(key)(module))
@@ -127,6 +205,7 @@ class MasterWeights:
                     master.copy_(value)
                 state[key] = value.to(param.dtype)
         module.load_state_dict(state)
+        self._record()  # the copies now hold the masters' rounding: not a user's write
 
     def grads_to_master(self) -> None:
         """Hand the float32 gradients accumulated on the model's parameters to the masters."""
@@ -142,6 +221,7 @@ class MasterWeights:
         """Copy the masters into the low-precision parameters: one foreach copy (casting)."""
         if self._models:
             torch._foreach_copy_(self._models, self._masters)
+            self._record()  # (a CUDA graph's replay moves no counter: its capture's record holds)
 
     def parameter_bytes(self) -> dict[str, int]:
         """Bytes held by the model copies, the masters and their gradients right now."""
@@ -155,6 +235,19 @@ class MasterWeights:
             "model_grads": sum(size(m.grad) for _, m, _ in self.pairs),
             "master_grads": sum(size(w.grad) for _, _, w in self.pairs),
         }
+
+
+def _sites(modules: dict[str, nn.Module], params: set[int]) -> list[Site]:
+    """Every place a module of ``modules`` holds one of ``params`` (by id): a tied parameter
+    has several."""
+    sites: dict[tuple[int, str], Site] = {}
+    for prefix, root in modules.items():
+        for path, module in root.named_modules(prefix=prefix):
+            for key, param in module._parameters.items():
+                if id(param) in params:
+                    owner = module._parameters
+                    sites.setdefault((id(owner), key), (f"{path}.{key}", owner, key))
+    return list(sites.values())
 
 
 def _swap_in(optimizer: torch.optim.Optimizer, replacements: dict[int, nn.Parameter]) -> None:

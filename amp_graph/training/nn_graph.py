@@ -89,6 +89,12 @@ class Graph:
             )
         if lr_sch is not None and not callable(getattr(lr_sch, "step", None)):
             raise TypeError(f"lr_sch must have a step() method (an LR scheduler); got {lr_sch!r}")
+        if "_builder" in self.__dict__ and self._builder.started:  # a training capture or not
+            self._refuse_late(
+                "add_optimizer",
+                "the captured build and its step graph step the optimizers registered then "
+                "(and under O2 point them at the float32 masters)",
+            )
         self._optimizers.append(optimizer)
         if lr_sch is not None:
             self._schedulers.append(lr_sch)
@@ -100,7 +106,21 @@ class Graph:
                 "set_grad_scaler takes an amp_graph.GradScaler or amp_graph.StaticGradScaler "
                 f"(its fused check runs inside the step graph); got {type(scaler).__name__}"
             )
+        if scaler is not self._scaler and "_builder" in self.__dict__ and self._builder.built:
+            self._refuse_late(
+                "set_grad_scaler",
+                "the step graph checks the gradients with the scaler (or the non-finite "
+                "guard) of the first call; to change the scaler's state, use "
+                "g.grad_scaler.load_state_dict",
+            )
         self._scaler = scaler
+
+    def _refuse_late(self, what: str, why: str) -> None:
+        """``what``, called after the first call, would go silently unused: say ``why``."""
+        raise RuntimeError(
+            f"{type(self).__name__}.{what} after the first call: {why}. Call it in "
+            "__init__, before the first call, or make a new Graph."
+        )
 
     def build(self, *args: Any) -> Any:
         raise NotImplementedError(

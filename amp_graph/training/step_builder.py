@@ -18,8 +18,13 @@ and ``build``); :class:`StepBuilder` is what turns them into a graph per input s
    (:mod:`amp_graph.training.cuda_graph_step`), started once the refusals have passed.
 
 Guarantees: one capture per input signature (a :class:`CaptureCache`), one step graph per
-capture; a ``build`` that calls ``backward`` without an optimizer (or the reverse) is refused
-at the first call, saying which; so is a batch that gradient accumulation cannot split.
+capture and step settings; a ``build`` that calls ``backward`` without an optimizer (or the
+reverse) is refused at the first call, saying which; so is a batch that gradient
+accumulation cannot split. Settings changed between calls are never silently unused: a
+change of clipping, accumulation or process group builds the step graphs again around the
+same captures (the CUDA graphs are captured again); what the captures are made of (AMP,
+torch.compile, CUDA graphs) is refused once a step graph is built; under O2, writes to the
+model's parameters reach the masters before each step (:mod:`.master_weights`).
 """
 
 from __future__ import annotations
@@ -99,6 +104,15 @@ class StepBuilder:
         self.scaler_in_use: GradScaler | None = None
         self.replayer: cuda_graphs.StepReplayer | None = None  # config.enable_cuda_graph
         self.replayed_lrs: list[Any] = []  # the Python learning rates its graphs keep
+        self.built = False  # a step graph has been built: capture settings are fixed
+        self.revision = -1  # the config's revision the graphs were made for
+        self.settings: tuple[tuple, tuple] | None = None  # (capture, step) settings then
+        self.hoisted: dict[int, list[tuple[str, torch.dtype]]] = {}  # by id of the Captured
+
+    @property
+    def started(self) -> bool:
+        """Whether ``build`` has been captured: what is registered now is in the capture."""
+        return self.built or bool(self.cache is not None and self.cache.captures)
 
     @property
     def name(self) -> str:
@@ -107,6 +121,10 @@ class StepBuilder:
     def step_for(self, args: tuple) -> tuple[fx.GraphModule, list]:
         """The step graph for these inputs (captured on first sight) and its flat inputs."""
         graph, config = self.graph, self.graph.config
+        if self.master is not None:  # O2: the model's parameters written since the last step
+            self.master.take_model_writes()
+        if self.revision != config.revision:
+            self._settings_changed()
         if self.cache is None:
             root = self._root()
             self.cache = CaptureCache(
@@ -114,10 +132,6 @@ class StepBuilder:
                 list(root.modules()),
                 f"{self.name}.build",
             )
-        if self.steps and (config.cuda_graph is None) != (self.replayer is None):
-            raise RuntimeError(CUDA_GRAPH_TOO_LATE)
-        if graph._guard.process_group is not config.process_group:
-            graph._guard.set_process_group(config.process_group)
         n = config.accumulation_steps
         if n > 1:
             _check_divisible(args, n)
@@ -136,7 +150,39 @@ class StepBuilder:
                 tensors = cuda_graphs.step_tensors(graph._modules, leaves)
                 self.replayer.device.check_devices(tensors)
             self.steps[id(captured)] = step
+            self.built = True
+            config.fix("enable_amp", "enable_compile")
         return self.steps[id(captured)], leaves
+
+    def _settings_changed(self) -> None:
+        """The config changed since the last call. A change of what the step graphs decide
+        (clipping, accumulation, process group) drops them: the next calls build them again
+        around the same captures (and capture their CUDA graphs again). A change of what the
+        captures decide, before any step graph was built (a first call that failed), drops
+        the captures; later the setters refuse it (:meth:`GraphConfig.fix`), but for
+        ``enable_cuda_graph``, refused here at every call."""
+        config, replayer = self.graph.config, self.replayer
+        if self.built and (
+            (config.cuda_graph is None) != (replayer is None)
+            or (replayer is not None and config.cuda_graph != replayer.options)
+        ):
+            raise RuntimeError(CUDA_GRAPH_TOO_LATE)
+        settings = (config.capture_settings(), config.step_settings())
+        if self.settings is not None and settings[0] != self.settings[0]:
+            if self.built:  # the setters refuse it: the attributes were set directly
+                raise RuntimeError(
+                    f"{self.name}.config's AMP or compile settings changed after the first "
+                    f"call, from {self.settings[0]} to {settings[0]}; set them before it"
+                )
+            self.cache = None  # the captures were made under the old settings
+            self.hoisted.clear()
+        if self.settings is None or settings != self.settings:
+            self.steps.clear()
+            if replayer is not None:
+                replayer.clear()
+        if self.graph._guard.process_group is not config.process_group:
+            self.graph._guard.set_process_group(config.process_group)
+        self.settings, self.revision = settings, config.revision
 
     def replay(self, step: fx.GraphModule, monitor: Any) -> Any:
         """``step`` (the step graph, or a monitor's logging graph of it) run by the CUDA
@@ -201,6 +247,7 @@ class StepBuilder:
         if request.policy.master_weights and graph.training and self.master is None:
             _refuse_masters_of_sharded(root, request.policy)
             self.master = MasterWeights.create(graph._modules, graph._optimizers, request.dtype)
+            config.fix("enable_amp")  # the model's parameters are stored low now
         # The graph reads the Graph's modules as its own attributes (self.model.fc.weight),
         # unless a module's name would shadow a GraphModule attribute (then self.root.model).
         names = set(dict(root.named_children()))
@@ -248,7 +295,11 @@ class StepBuilder:
                 "add one with self.add_optimizer(...) or remove the backward call"
             )
         output_positions, output_spec = pytree.tree_flatten(output_tree)
+        hoist = graph.training and (config.accumulation_steps > 1 or id(captured) in self.hoisted)
+        weight_casts = self._hoisted_casts(captured) if hoist else []
         placeholders = [n for n in build.graph.nodes if n.op == "placeholder"]
+        if weight_casts:  # the last: the weights cast, which the step graph passes
+            placeholders = placeholders[:-1]
         record = build.meta[COMPILE_META]
         scaler = self._active_scaler(record.dtype, record.policy) if graph.training else None
         step_root = nn.Module()
@@ -267,11 +318,8 @@ class StepBuilder:
             grads_to_none=config.cuda_graph is None or config.cuda_graph.set_to_none,
             scaler="scaler" if scaler is not None else None,
             guard="guard" if scaler is None and graph.training else None,
+            weight_casts=weight_casts,
         )
-        if graph.training and config.accumulation_steps > 1:
-            # cast each weight once per step, not once per micro-batch
-            _, plan.weight_casts = hoist_parameter_casts(build)
-            build.recompile()
         for i, optimizer in enumerate(graph._optimizers):
             setattr(step_root, f"optimizer_{i}", optimizer)
             plan.optimizers.append(f"optimizer_{i}")
@@ -290,6 +338,17 @@ class StepBuilder:
         if config.compile:
             step.build = inductor_compiled(build, config.compile_options)
         return step
+
+    def _hoisted_casts(self, captured: Captured) -> list[tuple[str, torch.dtype]]:
+        """Gradient accumulation: each weight cast once per step, not once per micro-batch.
+        Hoisting rewrites the captured build in place, once: every step graph built around
+        it afterwards (one micro-batch too, after a change of the accumulation steps) passes
+        it the weights cast."""
+        key = id(captured)
+        if key not in self.hoisted:
+            _, self.hoisted[key] = hoist_parameter_casts(captured.graph_module)
+            captured.graph_module.recompile()
+        return self.hoisted[key]
 
     def _active_scaler(self, dtype: torch.dtype, policy: Policy) -> GradScaler | None:
         """The loss scaler the step uses, or None where scaling does not apply (anything but
