@@ -34,6 +34,7 @@ no scaler, run under ``torch.no_grad()``.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from typing import Any
 
@@ -89,6 +90,13 @@ class Graph:
             )
         if lr_sch is not None and not callable(getattr(lr_sch, "step", None)):
             raise TypeError(f"lr_sch must have a step() method (an LR scheduler); got {lr_sch!r}")
+        if lr_sch is not None and _step_needs_arguments(lr_sch):
+            raise TypeError(
+                f"lr_sch: {type(lr_sch).__name__}.step needs an argument (ReduceLROnPlateau's "
+                "metric), and the Graph steps its schedulers with none, after the optimizer "
+                "step. Call lr_sch.step(metric) yourself after each call of the Graph, and "
+                "register only the optimizer: add_optimizer(optimizer)."
+            )
         if "_builder" in self.__dict__ and self._builder.started:  # a training capture or not
             self._refuse_late(
                 "add_optimizer",
@@ -283,6 +291,18 @@ class Graph:
         if self.training:
             parts += ["build graph:", self.build_graph.code.strip()]
         return "\n".join(parts)
+
+
+def _step_needs_arguments(scheduler: Any) -> bool:
+    """Whether ``scheduler.step()`` cannot be called without arguments."""
+    try:
+        signature = inspect.signature(scheduler.step)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        return False
+    return any(
+        p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in signature.parameters.values()
+    )
 
 
 __all__ = ["Graph", "GraphConfig"]

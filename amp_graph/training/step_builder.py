@@ -353,8 +353,12 @@ class StepBuilder:
     def _active_scaler(self, dtype: torch.dtype, policy: Policy) -> GradScaler | None:
         """The loss scaler the step uses, or None where scaling does not apply (anything but
         float16: bfloat16, fp8 whose e5m2 gradients have the range, AMP off); then the step's
-        NonFiniteGuard keeps inf/nan gradients off the weights."""
+        NonFiniteGuard keeps inf/nan gradients off the weights. So does a disabled scaler
+        (``enabled=False``, or ``GradScaler("cuda")`` without CUDA), whose step would apply
+        whatever gradients it is given."""
         amp, scaler = self.graph.config.amp, self.graph._scaler
+        if scaler is not None and not scaler.is_enabled():
+            return None
         fp16 = amp and dtype == torch.float16
         if scaler is not None and not fp16:
             why = "off" if not amp else f"on with {dtype}"
