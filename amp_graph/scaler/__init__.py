@@ -19,7 +19,8 @@ Its parts, one job each: :mod:`~amp_graph.scaler.scale_state` (the scale and its
 :mod:`~amp_graph.scaler.grad_check` and :mod:`~amp_graph.scaler.sharding` (gradients ->
 ``found_inf``, across ranks), :mod:`~amp_graph.scaler.skip_monitor` (skips and diagnosis),
 :mod:`~amp_graph.scaler.errors` (torch's errors), :mod:`~amp_graph.scaler.pipelining` (the
-pipeline schedules' loss); :mod:`~amp_graph.scaler.grad_scaler` is the
+pipeline schedules' loss), :mod:`~amp_graph.scaler.fused_sgd_first_step` (no uninitialized
+momentum after a skipped first step of fused SGD); :mod:`~amp_graph.scaler.grad_scaler` is the
 facade. :class:`NonFiniteGuard` (:mod:`~amp_graph.scaler.nonfinite_guard`) is the same check
 without a scale, for steps that scale no loss (bfloat16, float32). The work on gradients is
 done by the ``amp_graph`` custom ops (:mod:`amp_graph.ops`).

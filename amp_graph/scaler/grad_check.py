@@ -62,10 +62,13 @@ class GradientCheck:
 
     # ---- gathering --------------------------------------------------------------------------
 
-    def collect(self, optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> list[Partition]:
+    def collect(
+        self, optimizer: torch.optim.Optimizer, *, allow_fp16: bool, norm: bool = False
+    ) -> list[Partition]:
         """The optimizer's gradients, partitioned. torch's ``ValueError`` for float16 gradients
-        unless ``allow_fp16``; float16 sparse gradients are coalesced first, as torch does (their
-        duplicate indices may overflow when summed)."""
+        unless ``allow_fp16``. Sparse gradients are coalesced first (``param.grad`` replaced)
+        when float16, as torch does (their duplicate indices may overflow when summed), and for
+        a ``norm``: the values of one index add up before they are squared."""
         groups = optimizer.param_groups
         grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
         plain = _plain_partition(grads, allow_fp16)
@@ -79,7 +82,7 @@ class GradientCheck:
             if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError(errors.with_fix(errors.FP16_GRADS, errors.FIX_FP16_GRADS))
             if grad.is_sparse:
-                if grad.dtype is torch.float16:
+                if norm or grad.dtype is torch.float16:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
             shard = sharding.local_shard(grad)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from amp_graph.ops import scaler_ops as ops
-from amp_graph.scaler import errors
+from amp_graph.scaler import errors, fused_sgd_first_step
 from amp_graph.scaler.grad_check import CheckResult, GradientCheck, Partition
 from amp_graph.scaler.scale_state import ScaleState
 from amp_graph.scaler.skip_monitor import NamedParameters, SkipMonitor
@@ -182,7 +182,7 @@ class GradScaler:
     ) -> tuple[CheckResult, list[Partition]]:
         state = self._begin_unscale(optimizer, funcname)
         scale_state = self._scale_state
-        parts = self._check.collect(optimizer, allow_fp16=allow_fp16)
+        parts = self._check.collect(optimizer, allow_fp16=allow_fp16, norm=norm)
         assert scale_state.scale is not None
         result = self._check.run(
             parts, scale_state.scale.device, scale_state.inv_scale(funcname), norm=norm
@@ -257,7 +257,10 @@ class GradScaler:
         (``_step_supports_amp_scaling``, e.g. ``torch.optim.Adam(..., fused=True)``); there the
         grads are only checked (read, not written) and the optimizer unscales and skips on the
         device. Any other optimizer: exactly one (reading ``found_inf`` to decide whether to
-        call ``optimizer.step``).
+        call ``optimizer.step``). Fused SGD with momentum: on a group's first step, a skip
+        leaves the momentum buffers torch allocated zero, which the next step reads as no buffer
+        (:mod:`~amp_graph.scaler.fused_sgd_first_step`); with ``dampening`` that step alone
+        costs one host read instead.
         """
         run = optimizer.step if step_fn is None else step_fn
         if not self._enabled:
@@ -317,15 +320,26 @@ class GradScaler:
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
         assert state.check is not None
+        found_inf = state.check.found_inf
+        # Fused SGD groups about to allocate momentum buffers, which a skip leaves uninitialized.
+        first = fused_sgd_first_step.first_step_groups(optimizer)
+        if first and not fused_sgd_first_step.zero_is_exact(first) and found_inf.item() != 0:
+            # (that host read: only on such a first step, with dampening)
+            _mark_step_attempted(optimizer)
+            state.stage = _Stage.STEPPED
+            self._last_step_taken = found_inf == 0
+            return None
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = state.check.found_inf  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             retval = run(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
+        if first:
+            fused_sgd_first_step.zero_skipped_buffers(optimizer, first, found_inf)
         state.stage = _Stage.STEPPED
-        self._last_step_taken = state.check.found_inf == 0
+        self._last_step_taken = found_inf == 0
         return retval
 
     @property
@@ -441,34 +455,37 @@ class GradScaler:
         return self._scale_state.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor."""
-        self._scale_state.growth_factor = float(new_factor)
+        """Set the growth factor (> 1, else the constructor's error)."""
+        self._set(growth_factor=float(new_factor))
 
     def get_backoff_factor(self) -> float:
         """The backoff factor."""
         return self._scale_state.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor."""
-        self._scale_state.backoff_factor = float(new_factor)
+        """Set the backoff factor (in (0, 1), else the constructor's error)."""
+        self._set(backoff_factor=float(new_factor))
 
     def get_growth_interval(self) -> int:
         """The growth interval."""
         return self._scale_state.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval."""
-        self._scale_state.growth_interval = int(new_interval)
+        """Set the growth interval (>= 1, else the constructor's error)."""
+        self._set(growth_interval=int(new_interval))
 
     def get_hysteresis(self) -> int:
         """Consecutive overflows tolerated before backing off."""
         return self._scale_state.hysteresis
 
     def set_hysteresis(self, new_hysteresis: int) -> None:
-        """Set the hysteresis; takes effect from the next finite iteration."""
-        if new_hysteresis < 1:
-            raise ValueError(f"hysteresis must be >= 1, got {new_hysteresis}")
-        self._scale_state.hysteresis = int(new_hysteresis)
+        """Set the hysteresis (>= 1, else the constructor's error); takes effect from the next
+        finite iteration."""
+        self._set(hysteresis=int(new_hysteresis))
+
+    def _set(self, **values: Any) -> None:
+        # checked as the constructor checks them: when enabled (torch checks nothing when not)
+        self._scale_state.set_hyperparameters(values, validate=self._enabled)
 
     def get_min_scale(self) -> float:
         """The floor of backoff (0.0 for none)."""

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from amp_graph.scaler.fused_sgd_first_step import first_step_groups
 from amp_graph.scaler.grad_check import GradientCheck
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class NonFiniteGuard:
         ``torch.nn.utils.clip_grad_norm_`` (the norm of all shards of sharded gradients), and
         record inf/nan gradients or a non-finite norm. Returns the norm (a device tensor).
         No synchronization."""
-        parts = self._check.collect(optimizer, allow_fp16=True)
+        parts = self._check.collect(optimizer, allow_fp16=True, norm=True)
         device = parts[0].device if parts else self._flag_device()
         one = torch.ones((), dtype=torch.float32, device=device)
         result = self._check.run(parts, device, one, norm=True)
@@ -206,22 +207,6 @@ class NonFiniteGuard:
 
 
 def _allocates_uninitialized_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a skipped fused step would leave garbage in the optimizer's state.
-
-    torch's fused SGD allocates missing momentum buffers with ``empty_like`` and fills them
-    in its kernel, which a skipped step never runs: the next step would read uninitialized
-    memory. (Fused Adam, AdamW and Adagrad initialize their state before the kernel.)
-    """
-    if not isinstance(optimizer, torch.optim.SGD):
-        return False
-    # by id: a lookup keyed by the tensor would call the Python Tensor.__hash__ per parameter
-    state_by_id = {id(p): s for p, s in optimizer.state.items()}
-    return any(
-        [
-            "momentum_buffer" not in state_by_id.get(id(p), ())
-            for group in optimizer.param_groups
-            if group["momentum"] != 0
-            for p in group["params"]
-            if p.grad is not None
-        ]
-    )
+    """Whether a skipped fused step would leave garbage in the optimizer's state: torch's fused
+    SGD with momentum on a group's first step (:mod:`amp_graph.scaler.fused_sgd_first_step`)."""
+    return bool(first_step_groups(optimizer))

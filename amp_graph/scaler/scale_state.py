@@ -10,6 +10,7 @@ synchronization.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -75,14 +76,28 @@ class ScaleState:
                 f"need 0 <= min_scale <= max_scale, got {self.min_scale}, {self.max_scale}",
             ),
             (
-                self.min_scale <= self.init_scale <= self.max_scale and self.init_scale > 0,
-                f"init_scale {self.init_scale} must be > 0 and within "
+                self.min_scale <= self.init_scale <= self.max_scale
+                and 0 < self.init_scale < math.inf,
+                f"init_scale {self.init_scale} must be finite, > 0 and within "
                 f"[min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
             ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def set_hyperparameters(self, values: dict[str, Any], *, validate: bool) -> None:
+        """Set attributes of the update rule (``{"growth_factor": 3.0}``), all or none: with
+        ``validate``, a value :meth:`validate` refuses raises its error and nothing changes."""
+        old = {name: getattr(self, name) for name in values}
+        vars(self).update(values)
+        if not validate:
+            return
+        try:
+            self.validate()
+        except ValueError:
+            vars(self).update(old)
+            raise
 
     # ---- the tensors ---------------------------------------------------------------------
 
@@ -184,22 +199,51 @@ class ScaleState:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load ours or torch's (the entries torch lacks keep their values)."""
+        """Load ours or torch's. Entries torch's lacks keep their values (the hysteresis
+        allowance and the skip counters included). All or nothing: a value the constructor
+        refuses raises its error and nothing is loaded. A scale outside ``[min_scale,
+        max_scale]`` (torch's, loaded into a scaler with a floor or a ceiling) is clamped into
+        it, with a warning: the update rule would never take it there."""
         if len(state_dict) == 0:
             raise RuntimeError(errors.EMPTY_STATE_DICT)
-        self.init_scale = float(state_dict["scale"])
-        self.growth_factor = float(state_dict["growth_factor"])
-        self.backoff_factor = float(state_dict["backoff_factor"])
-        self.growth_interval = int(state_dict["growth_interval"])
-        self.hysteresis = int(state_dict.get("hysteresis", self.hysteresis))
-        self.min_scale = float(state_dict.get("min_scale", self.min_scale))
-        self.max_scale = float(state_dict.get("max_scale", self.max_scale))
-        self.init_trackers = [
+        values = {
+            "growth_factor": float(state_dict["growth_factor"]),
+            "backoff_factor": float(state_dict["backoff_factor"]),
+            "growth_interval": int(state_dict["growth_interval"]),
+            "hysteresis": int(state_dict.get("hysteresis", self.hysteresis)),
+            "min_scale": float(state_dict.get("min_scale", self.min_scale)),
+            "max_scale": float(state_dict.get("max_scale", self.max_scale)),
+        }
+        loaded = float(state_dict["scale"])
+        if not 0 < loaded < math.inf:
+            raise ValueError(
+                f"load_state_dict: the state dict's scale must be finite and > 0, got {loaded}; "
+                "nothing was loaded."
+            )
+        scale = min(max(loaded, values["min_scale"]), values["max_scale"])
+        current = self.host_trackers()
+        trackers = [
             int(state_dict["_growth_tracker"]),
-            int(state_dict.get("_hysteresis_tracker", self.hysteresis)),
-            int(state_dict.get("_skipped_steps", 0)),
-            int(state_dict.get("_consecutive_skips", 0)),
+            int(state_dict.get("_hysteresis_tracker", current[ops.HYSTERESIS_TRACKER])),
+            int(state_dict.get("_skipped_steps", current[ops.SKIPPED_STEPS])),
+            int(state_dict.get("_consecutive_skips", current[ops.CONSECUTIVE_SKIPS])),
         ]
+        try:
+            self.set_hyperparameters({**values, "init_scale": scale}, validate=True)
+        except ValueError as error:
+            raise type(error)(
+                f"load_state_dict: the state dict holds a value the constructor refuses, so "
+                f"nothing was loaded: {error}"
+            ) from None
+        if scale != loaded:
+            warnings.warn(
+                f"GradScaler.load_state_dict: the loaded scale {loaded} is outside this "
+                f"scaler's [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]; "
+                f"using {scale}. Construct the scaler with bounds that hold the saved scale to "
+                "keep it.",
+                stacklevel=3,
+            )
+        self.init_trackers = trackers
         if self.scale is not None and self.trackers is not None:
             self.scale.fill_(self.init_scale)
             self.trackers.copy_(torch.tensor(self.init_trackers, dtype=torch.int64))
