@@ -66,8 +66,61 @@ def test_a_tampered_policy_is_refused_by_name(bundle) -> None:
     data = json.loads((bundle / "policy.json").read_text())
     data["module_types"] = {"os:system": "deny"}  # a name, never called: not a module type
     (bundle / "policy.json").write_text(json.dumps(data))
-    with pytest.raises(BundleRefused, match=r"policy\.json.*os:system names no nn\.Module"):
+    with pytest.raises(BundleRefused, match=r"policy\.json.*os:system is not a subclass of"):
         bundle_policy(bundle, meta)
+
+
+def _ship_code(bundle, monkeypatch, marker) -> str:
+    """A module the bundle carries beside its files, importable as a package under the
+    current directory (on sys.path, as under ``python -m`` or in a notebook): importing it
+    creates ``marker``. Returns its module name."""
+    (bundle / "payload.py").write_text(
+        f"import os\nos.mkdir({str(marker)!r})\nimport torch.nn as nn\n"
+        "class Net(nn.Module):\n    pass\n"
+    )
+    monkeypatch.chdir(bundle.parent.parent)
+    monkeypatch.syspath_prepend(str(bundle.parent.parent))
+    return f"{bundle.parent.name}.{bundle.name}.payload"
+
+
+@pytest.mark.parametrize("where", ["graph_class", "policy"])
+def test_a_class_a_bundle_names_from_code_it_ships_is_never_imported(
+    bundle, tmp_path, monkeypatch, where
+) -> None:
+    """Importing runs a module: a bundle naming a module it carries (as its Graph class, or a
+    policy's module type) had it imported by replay, which ran it. Names are now looked up
+    among the modules this process imported, and the code never runs."""
+    marker = tmp_path / "ran"
+    module = _ship_code(bundle, monkeypatch, marker)
+    meta = json.loads((bundle / "meta.json").read_text())
+    if where == "graph_class":
+        meta["graph_class"] = f"{module}:Net"
+        (bundle / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(TypeError, match=r"has not imported.*pass graph="):
+            amp_graph.replay(bundle, numerics=False)
+    else:
+        data = json.loads((bundle / "policy.json").read_text())
+        data["module_types"] = {f"{module}:Net": "deny"}
+        (bundle / "policy.json").write_text(json.dumps(data))
+        with pytest.raises(BundleRefused, match=r"has not imported"):
+            bundle_policy(bundle, meta)
+    assert not marker.exists()
+
+
+def test_a_recorded_class_that_is_no_graph_is_not_called(bundle, monkeypatch) -> None:
+    """``graph_class`` naming any zero-argument callable of an imported module
+    (``tempfile:mkdtemp``) had replay call it; a name that is not a Graph subclass is
+    refused before any call."""
+    import tempfile
+
+    made: list[str] = []
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda: made.append("called"))
+    meta = json.loads((bundle / "meta.json").read_text())
+    meta["graph_class"] = "tempfile:mkdtemp"
+    (bundle / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TypeError, match=r"tempfile:mkdtemp is not a subclass of Graph"):
+        amp_graph.replay(bundle, numerics=False)
+    assert made == []
 
 
 def test_policies_round_trip_through_data() -> None:

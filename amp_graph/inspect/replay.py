@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from amp_graph.monitoring.repro import META_FILE, buffers_after, gradients, set_rng
+from amp_graph.training.nn_graph import Graph
 
 from .bundle_files import load_bundle_file
 from .numerics import numerics as run_numerics
@@ -134,6 +135,7 @@ def replay(
     if not compiled and graph is None:
         graph = built_from(
             meta["graph_class"],
+            Graph,
             "the Graph",
             "graph= (a new instance of the training Graph, built as the training script builds "
             "it), or --graph FILE.py:factory from the command line",

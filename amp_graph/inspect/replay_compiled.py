@@ -13,8 +13,6 @@ float32 shadow and names the first non-finite node.
 
 from __future__ import annotations
 
-import importlib
-import operator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.frontends.compiler import compile as compile_model
 from amp_graph.monitoring.repro import detached, set_rng
+from amp_graph.policy.named_types import imported_type
 
 from .bundle_files import bundle_policy, load_bundle_file
 from .numerics import numerics as run_numerics
@@ -41,6 +40,7 @@ def replay_compiled(
     if model is None:
         model = built_from(
             meta["model_class"],
+            nn.Module,
             "the model",
             "model= (a new instance, built as the training script builds it)",
         )
@@ -141,12 +141,17 @@ def _loss_with_grads(out: Any, output_grads: list[Any]) -> torch.Tensor:
     )
 
 
-def built_from(spec: str, what: str, instead: str) -> Any:
-    """The class (or factory) ``module:qualname`` called with no arguments: how replay builds
-    the recorded Graph or model; a TypeError saying to pass ``instead`` where it cannot."""
-    module_name, _, qualname = spec.partition(":")
+def built_from(spec: str, base: type, what: str, instead: str) -> Any:
+    """The recorded class ``module:qualname`` called with no arguments: how replay builds
+    the Graph or model a bundle names. The class must be a subclass of ``base`` in a module
+    this process has imported already (:func:`~amp_graph.policy.named_types.imported_type`:
+    a bundle's names run no code); a TypeError saying to pass ``instead`` where it cannot."""
     try:
-        return operator.attrgetter(qualname)(importlib.import_module(module_name))()
+        cls = imported_type(spec, base, f"the class the bundle records for {what}")
+    except ValueError as error:
+        raise TypeError(f"replay cannot build {what}: {error}; pass {instead}") from None
+    try:
+        return cls()
     except Exception as error:
         raise TypeError(
             f"replay could not build {what} {spec} with no arguments ({type(error).__name__}:"

@@ -7,9 +7,9 @@ are stored as names and looked up, never called:
 
 * an aten op as ``"aten::softmax.int"`` (found in ``torch.ops``), a torch callable as
   ``"torch:nn.functional.softmax"`` (found under ``torch`` only);
-* a module type as ``"package.module:Qualname"``: its module is imported (code installed on
-  the machine that reads the bundle, as ``replay`` imports the recorded Graph class) and the
-  name must be an ``nn.Module`` subclass.
+* a module type as ``"package.module:Qualname"``: found among the modules the reading
+  process has imported already, never imported (:mod:`amp_graph.policy.named_types`), and
+  the name must be an ``nn.Module`` subclass.
 
 A policy holding code (a key that is a user's function, an fp8 ``module_filter``) is not
 data: :func:`policy_as_data` raises :class:`PolicyNotData` naming it.
@@ -17,7 +17,6 @@ data: :func:`policy_as_data` raises :class:`PolicyNotData` naming it.
 
 from __future__ import annotations
 
-import importlib
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +26,7 @@ import torch.nn as nn
 
 from amp_graph.policy.fp8_cost import Fp8CostModel, GemmSpeed
 from amp_graph.policy.fp8_recipe import Fp8Config
+from amp_graph.policy.named_types import imported_type
 from amp_graph.policy.precision_policy import Policy, Rule
 
 FORMAT = 1
@@ -201,11 +201,7 @@ def _key(name: str) -> Any:
 
 
 def _type(name: str) -> type:
-    module_name, _, qualname = name.partition(":")
-    found = operator.attrgetter(qualname)(importlib.import_module(module_name))
-    if not (isinstance(found, type) and issubclass(found, nn.Module)):
-        raise ValueError(f"{name} names no nn.Module type")
-    return found
+    return imported_type(name, nn.Module, "a module_types key of the policy")
 
 
 __all__ = ["PolicyNotData", "policy_as_data", "policy_from_data"]
