@@ -17,7 +17,9 @@ dtypes) are checked by running the model on FakeTensors, so nothing is computed;
 ``torch.export`` and rewrites it, and the commands inspect the resulting graph (aten ops
 named by export: ``linear``, ``softmax``...). Mistakes (a missing file or name, a bad
 shape, a model that fails on those shapes, a ``--keep-fp32`` path that names no module, a
-node name that is not in the graph) are reported in one line on stderr with exit status 2.
+node name that is not in the graph, a drawing option out of range or without a drawing, a
+calibration sample that does not fit the example inputs) are reported in one line on
+stderr with exit status 2, before any output.
 A model that cannot be captured exits with status 1 and amp_graph's ``CaptureError``,
 which names the construct and what to do. ``--debug`` shows tracebacks, and torch's own
 warnings, instead.
@@ -187,13 +189,16 @@ def example_inputs(shapes: list[str], dtypes: list[str] | None) -> tuple[Any, ..
     return tuple(inputs)
 
 
-def check_runs(model: Any, inputs: tuple[Any, ...]) -> None:
+def check_runs(model: Any, inputs: tuple[Any, ...], debug: bool = False) -> None:
     """Run the model on FakeTensors of the inputs' shapes: shape errors, no computation.
 
     A model whose Python code reads tensor values (``if x.sum() > 0``) cannot run on
-    FakeTensors; it is run once on the real inputs instead.
+    FakeTensors; it is run once on the real inputs instead. The error is the one line
+    this raises: FakeTensorMode's own log of it (a traceback) is kept off stderr, unless
+    ``debug``.
     """
     import torch
+    from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -202,7 +207,7 @@ def check_runs(model: Any, inputs: tuple[Any, ...]) -> None:
     shapes = ", ".join(str(tuple(x.shape)) for x in inputs)
     try:
         try:
-            with mode, torch.no_grad():
+            with mode, torch.no_grad(), _logger_off(fake_tensor.__name__, not debug):
                 torch.func.functional_call(model, state, tuple(fakes))
         except DataDependentOutputException:
             with torch.no_grad():
@@ -235,6 +240,19 @@ def build_policy(args: argparse.Namespace, model: Any) -> Any:
         output_dtype = torch.float32 if args.output_dtype == "float32" else None
         policy = dataclasses.replace(policy, output_dtype=output_dtype)
     return policy
+
+
+@contextlib.contextmanager
+def _logger_off(name: str, off: bool) -> Iterator[None]:
+    """The logger ``name`` silent while inside (when ``off``); its level restored after."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    if off:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -274,30 +292,56 @@ def compile_model_and_inputs(args: argparse.Namespace) -> tuple[Any, tuple[Any, 
 
     model = load_model(args.model)
     inputs = example_inputs(args.input_shape, args.input_dtype)
-    check_runs(model, inputs)
+    check_runs(model, inputs, args.debug)
     policy = build_policy(args, model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     with quiet_torch(args.debug):
         return amp_graph.compile(model, policy, dtype, example_inputs=inputs), inputs
 
 
+# inspect's options that only shape the drawing (--svg, --html)
+DRAWING_FLAGS = {"--collapse": "collapse", "--focus": "focus", "--max-nodes": "max_nodes"}
+
+
+def _check_inspect_options(args: argparse.Namespace) -> None:
+    """inspect's drawing and grouping options, checked before any work (--focus, which
+    names a node or module of the compiled graph, is checked by drawing it first)."""
+    limits = {
+        "--collapse": (args.collapse, "a module depth >= 1 (1 folds each top-level module)"),
+        "--max-nodes": (args.max_nodes, "a number of nodes >= 1"),
+        "--depth": (args.depth, "a module depth >= 1 (1 groups by top-level module)"),
+    }
+    for flag, (value, what) in limits.items():
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} is {what}; got {value}")
+    drawing = [flag for flag, name in DRAWING_FLAGS.items() if getattr(args, name) is not None]
+    if drawing and not (args.svg or args.html):
+        raise UsageError(f"{drawing[0]} shapes the drawing: give --svg FILE or --html FILE too")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import amp_graph
     from amp_graph import inspect
 
+    _check_inspect_options(args)
     compiled = compile_model(args)
+    svg = None
+    if args.svg or args.html:  # drawn first: a --focus naming nothing is found before output
+        try:
+            svg = inspect.draw(
+                compiled,
+                collapse_modules=args.collapse or False,
+                focus=args.focus,
+                max_nodes=args.max_nodes,
+            )
+        except KeyError as error:
+            raise UsageError(f"--focus: {error.args[0]}") from error
     report = amp_graph.report(compiled)
     flow = inspect.dataflow(compiled, depth=args.depth)
     print(report if not args.summary else report.totals())
     print()
     print(flow)
-    if args.svg or args.html:
-        svg = inspect.draw(
-            compiled,
-            collapse_modules=args.collapse or False,
-            focus=args.focus,
-            max_nodes=args.max_nodes,
-        )
+    if svg is not None:
         if args.svg:
             svg.save(args.svg)
             print(f"\nwrote {args.svg} ({svg.nodes} boxes, drawn by {svg.renderer})")
@@ -451,15 +495,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     import amp_graph
     from amp_graph.deploy import save
     from amp_graph.deploy.against_float32 import deploy_report, float32_program
+    from amp_graph.deploy.program import calibration_samples
 
     model = load_model(args.model)
     inputs = example_inputs(args.input_shape, args.input_dtype)
-    check_runs(model, inputs)
+    check_runs(model, inputs, args.debug)
     policy = build_policy(args, model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     samples = load_samples(args.calibrate) if args.calibrate else None
     batch = torch.export.Dim("batch")
     dynamic = tuple({0: batch} for _ in inputs) if args.dynamic_batch else None
+    if samples is not None:  # before any work: each sample fits the forward and the shapes
+        try:
+            calibration_samples(model, samples, inputs, {}, dynamic)
+        except (TypeError, ValueError) as error:
+            hint = (  # the command's one dynamic_shapes
+                "; here, --dynamic-batch lets dimension 0 vary"
+                if isinstance(error, ValueError) and not args.dynamic_batch
+                else ""
+            )
+            raise UsageError(f"--calibrate {args.calibrate}: {error}{hint}") from error
     with quiet_torch(args.debug):
         program = amp_graph.export(
             model, inputs, policy=policy, dtype=dtype, dynamic_shapes=dynamic, calibration=samples
@@ -646,14 +701,16 @@ def build_parser() -> argparse.ArgumentParser:
     replay_cmd.add_argument(
         "--graph",
         metavar="FILE.py:factory",
-        help="a function that builds the training Graph (default: the recorded class, "
-        "called with no arguments)",
+        help="a function (or class) that builds the training Graph (default: the recorded "
+        "class, called with no arguments, only where its module is imported: a bundle's "
+        "names are never imported)",
     )
     replay_cmd.add_argument(
         "--model",
         metavar="FILE.py:factory",
-        help="a compiled module's bundle: a function that builds the model (default: the "
-        "recorded class, called with no arguments)",
+        help="a compiled module's bundle: a function (or class) that builds the model "
+        "(default: the recorded class, called with no arguments, only where its module is "
+        "imported)",
     )
     replay_cmd.add_argument("--no-numerics", action="store_true", help="only rerun the step")
     replay_cmd.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -285,3 +285,47 @@ def test_quick_demo_runs_end_to_end(capsys):
     assert demo_main(["--steps", "4", "--batch", "16", "--channels", "4"]) == 0
     out = capsys.readouterr().out
     assert "float32 step" in out and "4 steps per run" in out and "amp_graph.Graph O2" in out
+
+
+def test_a_wrong_shape_in_a_subprocess_is_one_line_without_torchs_log(tmp_path):
+    """FakeTensorMode logs a failing meta kernel (here mm's) with its traceback; the
+    command's one line says it all."""
+    model = tmp_path / "linear_model.py"
+    model.write_text(
+        "import torch.nn as nn\n"
+        "class Small(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x)\n"
+    )
+    done = run("inspect", f"{model}:Small", "--input-shape", "2,9", "--summary")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("amp-graph inspect: error: Small fails on inputs of shape")
+
+
+DRAWING = ["inspect", f"{SAMPLE}:SmallNet", "--input-shape", "2,3,8,8", "--summary"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--collapse", "-1"], "--collapse is a module depth >= 1 (1 folds each top-level"),
+        (["--collapse", "0", "--svg", "x.svg"], "--collapse is a module depth >= 1"),
+        (["--max-nodes", "0", "--svg", "x.svg"], "--max-nodes is a number of nodes >= 1; got 0"),
+        (["--depth", "-2"], "--depth is a module depth >= 1"),
+        (["--focus", "head"], "--focus shapes the drawing: give --svg FILE or --html FILE too"),
+        (
+            ["--focus", "haed", "--svg", "x.svg"],
+            "--focus: focus='haed' names no node and no module of this graph. Did you mean 'head'?",
+        ),
+    ],
+)
+def test_bad_drawing_options_are_usage_errors_before_any_output(extra, message, capsys, tmp_path):
+    extra = [str(tmp_path / a) if a.endswith(".svg") else a for a in extra]
+    assert main([*DRAWING, *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not list(tmp_path.iterdir())
+    assert message in captured.err and captured.err.count("\n") == 1

@@ -10,7 +10,7 @@ import torch
 from amp_graph.passes import AMP, UNKNOWN, Role
 
 import amp_graph
-from amp_graph.demo.models import DecoderBlock
+from amp_graph.demo.models import DecoderBlock, NanoAttention
 from amp_graph.inspect import before_passes, before_simplification, diff
 from amp_graph.inspect.style import STATUS_COLORS
 
@@ -179,3 +179,20 @@ def test_a_graph_that_does_not_type_check_as_written_leaves_those_dtypes_unprove
     assert dtypes["bmm"] is UNKNOWN and dtypes["relu"] is UNKNOWN
     assert "node 'bmm' (aten.bmm.default)" in caplog.text
     assert rows(diff(compiled), "changed")["bmm"].before == "?"
+
+
+def test_two_identical_compiles_diff_empty_and_absorbed_casts_show_once():
+    """A node that widens its input itself (softmax's dtype=) is a change against the
+    capture, never between two compiles that both made it so."""
+    torch.manual_seed(0)
+    model, x = NanoAttention(), torch.randn(2, 8, 32)
+    first, second = (
+        amp_graph.compile(model, "O2", torch.bfloat16, example_inputs=(x,)) for _ in range(2)
+    )
+    absorbed = [n.name for n in first.graph.nodes if n.meta[AMP].cast_absorbed]
+    assert absorbed  # the case: softmax widens its input itself
+    same = diff(first, second)
+    assert same.rows == [] and same.unchanged == len(second.graph.nodes)
+    against_capture = rows(diff(first), "changed")
+    for name in absorbed:
+        assert "widens its input itself" in against_capture[name].detail

@@ -646,6 +646,32 @@ def test_bad_arguments_get_specific_errors() -> None:
         amp_graph.monitor(compiled)
 
 
+class WideLinear(nn.Linear):
+    """A subclass: a module type selector matches exact types, as a policy's does."""
+
+
+SELECTS_NOTHING = {
+    "a module type": (
+        {"module_types": [nn.Conv2d]},
+        r"nodes=\{'module_types': \[nn\.Conv2d\]\} selects no op of this graph\. "
+        r"Its modules' types .*nn\.LayerNorm, nn\.Linear",
+    ),
+    "a subclass": (
+        {"module_types": [nn.LayerNorm, WideLinear]},
+        r"WideLinear\]\} selects no op of this graph\. Did you mean 'nn\.Linear'\?",
+    ),
+    "an op": ({"ops": ["softmax"]}, r"\['softmax'\]\} selects no op.*Its ops: .*aten\.linear"),
+}
+
+
+@pytest.mark.parametrize(("nodes", "message"), SELECTS_NOTHING.values(), ids=SELECTS_NOTHING.keys())
+def test_a_selector_that_selects_nothing_is_an_error_at_the_first_call(nodes, message) -> None:
+    compiled = amp_graph.compile(GPT(), policy="O1", dtype=BF16)
+    amp_graph.monitor(compiled, every=1, nodes=nodes)
+    with pytest.raises(ValueError, match=message):
+        compiled(torch.randint(0, 64, (2, 8)))
+
+
 def test_docstring_example_runs() -> None:
     import doctest
 

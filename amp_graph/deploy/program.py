@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -129,13 +130,20 @@ def _describe(args: tuple, kwargs: dict) -> str:
 
 
 def calibration_samples(
-    model: nn.Module, calibration: Iterable[Any], args: tuple, kwargs: dict
+    model: nn.Module,
+    calibration: Iterable[Any],
+    args: tuple,
+    kwargs: dict,
+    dynamic_shapes: Any = None,
 ) -> list[tuple[tuple, dict]]:
     """The calibration samples as (args, kwargs), each checked against the forward's
-    signature and the structure of the export's example inputs.
+    signature, the structure of the export's example inputs, and the shapes the program
+    will take (the example's, but where ``dynamic_shapes`` lets a size vary).
 
     Raises:
         TypeError: naming the sample, what it is, and the signature it must fit.
+        ValueError: naming the sample, the input whose shape the program will not take,
+            and the example's shape.
     """
     if isinstance(calibration, (torch.Tensor, dict)) or not isinstance(calibration, Iterable):
         raise TypeError(
@@ -145,6 +153,7 @@ def calibration_samples(
     signature = inspect.signature(model.forward)
     expected = _structure(args, kwargs)
     where = f"{type(model).__name__}.forward{signature}"
+    ranges = _dynamic_ranges(model, args, kwargs, dynamic_shapes)
     samples = []
     for i, sample in enumerate(calibration):
         call = as_call(sample)
@@ -163,10 +172,96 @@ def calibration_samples(
                 "example inputs' structure (the same arguments, tensors where they have "
                 "tensors), since calibration picks nodes of that one graph"
             )
+        _check_shapes(i, call, (args, kwargs), signature, ranges)
         samples.append(call)
     if not samples:
         raise ValueError("calibration is empty: pass at least one sample input, or None")
     return samples
+
+
+def _dynamic_ranges(
+    model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
+) -> dict[int, dict[int, tuple[float, float]]]:
+    """``{leaf index of (args, kwargs): {dim: (min, max)}}``: the sizes ``dynamic_shapes``
+    lets vary. Read with torch.export's own parser of ``dynamic_shapes`` (private: torch
+    has no public one), so that every form it takes means what it means there."""
+    if dynamic_shapes is None:
+        return {}
+    from torch.export import dynamic_shapes as shapes
+
+    combined = shapes._combine_args(model, args, kwargs)
+    leaf_of = {id(v): j for j, v in enumerate(pytree.tree_leaves((args, kwargs)))}
+    ranges: dict[int, dict[int, tuple[float, float]]] = {}
+    for constraint in shapes._process_dynamic_shapes(combined, dynamic_shapes):
+        bounds = getattr(constraint, "constraint_range", None)  # None: Dim.AUTO, any size
+        low, high = (0, math.inf) if bounds is None else (bounds.vr.lower, bounds.vr.upper)
+        low, high = float(low), float(high)  # sympy's bounds; int_oo is inf
+        ranges.setdefault(leaf_of[constraint.t_id], {})[constraint.dim] = (low, high)
+    return ranges
+
+
+def _check_shapes(
+    index: int,
+    call: tuple[tuple, dict],
+    example: tuple[tuple, dict],
+    signature: inspect.Signature,
+    ranges: dict[int, dict[int, tuple[float, float]]],
+) -> None:
+    """A ValueError where sample ``index``'s tensors (of the example's structure) have a
+    shape the program will not take: a size other than the example's where
+    ``dynamic_shapes`` does not let it vary, or outside the range it gives."""
+    positional = list(signature.parameters)
+    mine = pytree.tree_leaves(call)
+    for j, (path, theirs) in enumerate(pytree.tree_flatten_with_path(example)[0]):
+        ours = mine[j]
+        if not isinstance(theirs, torch.Tensor):
+            continue
+        free = ranges.get(j, {})
+        same_rank = ours.dim() == theirs.dim()
+        bad = [
+            d
+            for d in range(ours.dim())
+            if same_rank
+            and not (
+                free[d][0] <= ours.shape[d] <= free[d][1]
+                if d in free
+                else ours.shape[d] == theirs.shape[d]
+            )
+        ]
+        if same_rank and not bad:
+            continue
+        name = _input_name(path, positional)
+        if not same_rank:
+            fix = "give samples with as many dimensions as the example inputs"
+        elif all(d not in free for d in bad):
+            dims = ", ".join(f"{d}: Dim('{name.split('[')[0]}_{d}')" for d in bad)
+            fix = (
+                f"export with dynamic_shapes marking the sizes that vary (e.g. "
+                f"dynamic_shapes={{'{name.split('[')[0]}': {{{dims}}}}}, Dim from "
+                "torch.export), or give samples of the example's shapes"
+            )
+        else:
+            spans = ", ".join(f"dim {d}: {_span(*free[d])}" for d in bad if d in free)
+            fix = f"widen the Dim's min/max in dynamic_shapes ({spans}), or give samples within it"
+        raise ValueError(
+            f"calibration sample {index}: {name} has shape {list(ours.shape)}, but the program "
+            f"is exported for {name} of shape {list(theirs.shape)} (the example inputs'"
+            f"{', dynamic_shapes aside' if free else ''}) and would refuse it: {fix}"
+        )
+
+
+def _span(low: float, high: float) -> str:
+    return f"{low:.0f}..{'' if math.isinf(high) else f'{high:.0f}'}"
+
+
+def _input_name(path: tuple, positional: list[str]) -> str:
+    """The forward's argument a leaf path of ``(args, kwargs)`` is in: ``x``, ``batch['ids']``."""
+    where, key, *rest = path
+    if where.idx == 0:  # args
+        name = positional[key.idx] if key.idx < len(positional) else f"args[{key.idx}]"
+    else:
+        name = str(key.key)
+    return name + pytree.keystr(tuple(rest))
 
 
 def export(
@@ -243,7 +338,7 @@ def export(
         demoted: dict[str, str] = {}
         table_name = base.name  # "O2", also after calibration adds its overrides
         if calibration is not None:
-            samples = calibration_samples(model, calibration, args, kwargs)
+            samples = calibration_samples(model, calibration, args, kwargs, dynamic_shapes)
             start = time.perf_counter()
             calibrated = autopolicy(
                 model,
@@ -324,7 +419,18 @@ def _check_calibrated(
     """The program itself, run on the calibration samples against the float32 model: what
     calibration promises is checked on what is shipped, not only on autopolicy's graphs."""
     tol = default_tol(dtype) if tol is None else float(tol)
-    errors = sample_errors(program.module(), model, samples)
+    run, errors = program.module(), []
+    for i, call in enumerate(samples):
+        try:
+            errors += sample_errors(run, model, [call])
+        except AssertionError as error:  # a guard of the program (calibration_samples
+            if not str(error).startswith("Guard failed"):  # checked the shapes it knows)
+                raise
+            raise ValueError(
+                f"calibration sample {i} {_describe(*call)} is refused by the exported "
+                f"program ({error}): the model's code fixes that size; give samples the "
+                "program takes"
+            ) from None
     for i, error in enumerate(errors):
         if not error.rel_l2 <= tol:
             raise AutopolicyError(

@@ -185,7 +185,7 @@ def _changed_detail(old: fx.Node, new: fx.Node) -> str:
         fresh = [name for name in new_inputs if name not in old_inputs]
         if fresh:
             parts.append("reads " + ", ".join(fresh))
-    if amp.cast_absorbed:
+    if amp.cast_absorbed and not old.meta["amp"].cast_absorbed:
         parts.append(f"widens its input itself (dtype={short(amp.compute_dtype)})")
     return "; ".join(parts)
 

@@ -64,7 +64,8 @@ def monitor(
             exactly as without a monitor.
         nodes: None: every matrix product, convolution and fp8 quantization. Or selectors as
             a Policy's overrides take them: ``{"modules": ["blocks.*.mlp"], "ops": ["matmul"],
-            "module_types": [nn.Conv2d], "nodes": ["linear_3"]}`` (any match counts).
+            "module_types": [nn.Conv2d], "nodes": ["linear_3"]}`` (any match counts). A
+            selector that selects no op is a ValueError at the first call.
         stats: the statistics to compute, from ``amax``, ``zeros``, ``underflow``,
             ``nonfinite``, ``whatif`` (fp16/bf16/e4m3/e5m2 underflow and overflow); all by
             default (:mod:`amp_graph.ops.tensor_stats` defines each).

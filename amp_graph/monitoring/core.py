@@ -29,8 +29,7 @@ import torch.nn as nn
 
 from amp_graph.ops.tensor_stats import STAT_GROUPS, STATS, StatsSink
 from amp_graph.passes.graph_copy import copy_graph_module
-from amp_graph.passes.instrument import Probe, computed_order, instrument, region_graphs
-from amp_graph.passes.meta import model_root
+from amp_graph.passes.instrument import Probe, computed_order, instrument
 from amp_graph.policy import nearest
 
 from .history import History, make_row, write_csv, write_jsonl
@@ -221,7 +220,7 @@ class Monitor:
             return known
         build = gm.get_submodule("build") if _is_step_graph(gm) else None
         inner = gm if build is None else getattr(build, "_orig_mod", build)
-        self._validate(inner)
+        self.selection.validate(inner)
         result = instrument(inner, self.selection.predicate(inner), self._column_ids)
         if not result.probes:
             warnings.warn(
@@ -244,13 +243,6 @@ class Monitor:
         )
         self._instrumented[id(gm)] = made
         return made if result.probes else None
-
-    def _validate(self, gm: fx.GraphModule) -> None:
-        names = [n.name for n in gm.graph.nodes]
-        for region in region_graphs(gm):
-            names += [n.name for n in getattr(gm, region).graph.nodes]
-        paths = [path for path, _ in model_root(gm).named_modules()]
-        self.selection.validate(paths, names)
 
     # ---- reading ----------------------------------------------------------------------------
 

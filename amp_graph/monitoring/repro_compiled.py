@@ -13,8 +13,13 @@ several calls is not what the bundle describes). For the step running, the recor
   state (a scheduler steps on a skipped step too), the scaler's scale and counters (device
   copies);
 * as backward makes them: the gradient reaching each output of the call (the loss's
-  gradient at the step's scale: replay's backward starts there) and each parameter's
-  gradient (references, kept until the next call's).
+  gradient at the step's scale: replay's backward starts there; a reference) and a copy of
+  each parameter's gradient, taken when backward has accumulated it: the loop changes the
+  gradient in place afterwards (``scaler.step`` and ``unscale_`` divide it by the scale,
+  ``clip_grad_norm_`` multiplies it, ``zero_grad(set_to_none=False)`` zeroes it), and
+  replay compares the gradient backward computed, at the step's scale. Kept until the next
+  call's: one more gradient's worth of memory on the parameters' device, and one device
+  copy of every gradient per step.
 
 At the next call (or when ``monitor.repro_path`` is read, or the monitor is closed) it asks
 the scaler whether that step was skipped: one host read per step, only with ``repro_dir``.
@@ -26,10 +31,6 @@ before the step: the skip left parameters and optimizer state as they were, so t
 read then), ``step_result.pt`` (the output, the output gradients, the parameters' gradients,
 the buffers after), ``policy.txt`` and ``policy.json`` (the policy as plain data),
 ``graph.txt`` and ``meta.json`` (``"kind": "compile"``).
-
-A loop that zeroes gradients in place (``zero_grad(set_to_none=False)``) before the next
-call leaves no gradient to keep: the bundle then holds none, says so, and replay compares the
-output and the buffers.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class CompiledReproRecorder:
 
     def _grad_keeper(self, name: str) -> Any:
         def keep(param: torch.Tensor) -> None:
+            # a copy: the loop's scaler unscales this very tensor in place after backward
             if self._last is not None and param.grad is not None:
-                self._last.grads[name] = param.grad
+                self._last.grads[name] = param.grad.detach().clone()
 
         return keep
 
@@ -194,7 +196,6 @@ class CompiledReproRecorder:
         model_state.update(last.buffers)
         optimizer_state = self.optimizer.state_dict()
         restore_hyperparameters(optimizer_state, last.hyperparameters)
-        grads, note = _kept_grads(self.model, last.grads)
         state = {
             "model": model_state,
             "optimizer": optimizer_state,
@@ -208,7 +209,7 @@ class CompiledReproRecorder:
         result = {
             "out": last.out,
             "output_grads": [last.output_grads.get(i) for i in range(len(outputs))],
-            "grads": grads,
+            "grads": last.grads,
             "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
         }
         torch.save(result, path / "step_result.pt")
@@ -229,26 +230,11 @@ class CompiledReproRecorder:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),  # a CPU reduction's order depends on it
             "training": last.training,
-            "grads_kept": not note,
-            "note": note,
+            "grads_kept": True,
+            "note": "",
         }
         (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return path
-
-
-def _kept_grads(
-    model: nn.Module, kept: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], str]:
-    """The step's gradients, unless the loop zeroed them in place since (the same tensor is
-    still the parameter's ``.grad``: ``zero_grad(set_to_none=False)``); then none, and why."""
-    params = dict(model.named_parameters())
-    zeroed = [n for n, g in kept.items() if params[n].grad is g and not bool(g.any())]
-    if zeroed:
-        return {}, (
-            "the loop zeroed the gradients in place before the next call "
-            "(zero_grad(set_to_none=False)): the bundle holds none to compare"
-        )
-    return {n: g.detach().clone() for n, g in kept.items()}, ""
 
 
 def _scaler_before(scaler: Any) -> dict[str, Any]:

@@ -18,8 +18,9 @@ import torch.fx as fx
 
 from amp_graph.ops.recompute_ops import recomputed_quantize
 from amp_graph.passes.classify import op_facts
-from amp_graph.passes.meta import AMP, Role
-from amp_graph.policy import Policy, Rule, nearest
+from amp_graph.passes.instrument import region_graphs
+from amp_graph.passes.meta import AMP, Role, model_root
+from amp_graph.policy import Policy, Rule, nearest, op_key_name
 
 # schema names of the ops measured by default
 DEFAULT_OPS: frozenset[str] = frozenset(
@@ -100,11 +101,32 @@ class NodeSelection:
             raise ValueError("monitor nodes= selects nothing: give at least one selector")
         self.policy = Policy(name="monitor selection", **fields)
 
-    def validate(self, module_paths: Iterable[str], node_names: Iterable[str]) -> None:
-        """A ValueError for a module glob or node name that matches nothing (the policy's)."""
-        if self.policy is not None:
-            self.policy.validate_modules(module_paths)
-            self.policy.validate_nodes(node_names)
+    def validate(self, gm: fx.GraphModule) -> None:
+        """A ValueError for a selector that selects no node of ``gm`` (or of a region it
+        calls), naming the nearest: module globs and node names as a policy checks them,
+        each op and module type by asking :meth:`predicate` with that selector alone."""
+        policy = self.policy
+        if policy is None:
+            return
+        graphs = [gm, *(getattr(gm, name) for name in region_graphs(gm))]
+        nodes = [node for graph in graphs for node in graph.graph.nodes]
+        policy.validate_modules([path for path, _ in model_root(gm).named_modules()])
+        policy.validate_nodes([node.name for node in nodes])
+        ops = [node for node in nodes if _is_op(node)]
+        known = {
+            "ops": sorted({node.meta[AMP].op for node in ops if node.meta[AMP].op}),
+            "module_types": sorted({op_key_name(type(m)) for m in model_root(gm).modules()}),
+        }
+        for field in ("ops", "module_types"):
+            for key in getattr(policy, field):
+                alone = NodeSelection({field: [key]}).predicate(gm)
+                if not any(alone(node) for node in ops):
+                    name = repr(key) if isinstance(key, str) else op_key_name(key)
+                    raise ValueError(
+                        f"monitor nodes={{{field!r}: [{name}]}} selects no op of this graph."
+                        f"{nearest(name, known[field])} Its {_KNOWN[field]}: "
+                        f"{', '.join(known[field])}"
+                    )
 
     def predicate(self, gm: fx.GraphModule) -> Callable[[fx.Node], bool]:
         """Whether to measure a node of ``gm`` (or of a region ``gm`` calls)."""
@@ -114,10 +136,18 @@ class NodeSelection:
         known: dict[str, type] = {}
 
         def selected(node: fx.Node) -> bool:
-            amp = node.meta.get(AMP)
-            if node.op != "call_function" or amp is None or amp.role is not Role.OP:
+            if not _is_op(node):
                 return False
             facts = op_facts(node, gm, known)
             return policy.decide(facts).source != "default"
 
         return selected
+
+
+_KNOWN = {"ops": "ops", "module_types": "modules' types (exact: a subclass is its own type)"}
+
+
+def _is_op(node: fx.Node) -> bool:
+    """A node a selection may measure: an op of the graph, not a cast or a parameter."""
+    amp = node.meta.get(AMP)
+    return node.op == "call_function" and amp is not None and amp.role is Role.OP
