@@ -207,7 +207,8 @@ def check_runs(model: Any, inputs: tuple[Any, ...], debug: bool = False) -> None
     shapes = ", ".join(str(tuple(x.shape)) for x in inputs)
     try:
         try:
-            with mode, torch.no_grad(), _logger_off(fake_tensor.__name__, not debug):
+            silent = None if debug else logging.CRITICAL + 1
+            with mode, torch.no_grad(), _logger_level(fake_tensor.__name__, silent):
                 torch.func.functional_call(model, state, tuple(fakes))
         except DataDependentOutputException:
             with torch.no_grad():
@@ -243,16 +244,17 @@ def build_policy(args: argparse.Namespace, model: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _logger_off(name: str, off: bool) -> Iterator[None]:
-    """The logger ``name`` silent while inside (when ``off``); its level restored after."""
+def _logger_level(name: str, level: int | None) -> Iterator[None]:
+    """The logger ``name`` at ``level`` while inside (None: as it is); its level restored
+    after. (The command is the application, so it may set a library's log level.)"""
     logger = logging.getLogger(name)
-    level = logger.level
-    if off:
-        logger.setLevel(logging.CRITICAL + 1)
+    before = logger.level
+    if level is not None:
+        logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
 
 
 @contextlib.contextmanager
@@ -267,14 +269,9 @@ def quiet_torch(debug: bool) -> Iterator[None]:
     if debug:
         yield
         return
-    logger = logging.getLogger("torch")
-    level, buffer = logger.level, io.StringIO()
-    logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(buffer):
-            yield
-    finally:
-        logger.setLevel(level)
+    buffer = io.StringIO()
+    with _logger_level("torch", logging.ERROR), contextlib.redirect_stderr(buffer):
+        yield
     sys.stderr.write(buffer.getvalue())
 
 
