@@ -10,7 +10,6 @@ shape every time).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import warnings
@@ -72,28 +71,42 @@ class _Signature:
 CaptureFn = Callable[[tuple, dict, bool], Captured]
 
 
-def _tied(root: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """The names under which one tensor is several parameters or buffers of ``root`` (an
-    embedding tied to the output layer, as GPT-2's): export reads such a tensor once, by
-    one of its names, for all its uses."""
+def _tied(root: nn.Module) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """The paths (``("lm_head", "weight")``) under which one tensor is several parameters or
+    buffers of ``root`` (an embedding tied to the output layer, as GPT-2's): export reads
+    such a tensor once, by one of its names, for all its uses."""
     names: dict[int, list[str]] = {}
     for name, tensor in itertools.chain(
         root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False)
     ):
         names.setdefault(id(tensor), []).append(name)
-    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+    return tuple(
+        tuple(tuple(name.split(".")) for name in group)
+        for group in names.values()
+        if len(group) > 1
+    )
 
 
-def _still_tied(root: nn.Module, ties: tuple[tuple[str, ...], ...]) -> bool:
-    """Whether each group of names still names one tensor (not after ``model.head.weight =
+def _state_tensor(root: nn.Module, path: tuple[str, ...]) -> torch.Tensor | None:
+    """The parameter or buffer at ``path``, or None where there is none now (a module of the
+    path replaced by one without it). Read from the modules' own dicts, not through
+    ``nn.Module.__getattr__`` per name: this runs at every call of a model with ties."""
+    module = root
+    for name in path[:-1]:
+        module = module._modules.get(name)
+        if module is None:
+            return None
+    found = module._parameters.get(path[-1])
+    return found if found is not None else module._buffers.get(path[-1])
+
+
+def _still_tied(root: nn.Module, ties: tuple[tuple[tuple[str, ...], ...], ...]) -> bool:
+    """Whether each group of paths still names one tensor (not after ``model.head.weight =
     nn.Parameter(...)`` or a new ``model.head``)."""
-    try:
-        for names in ties:
-            first = functools.reduce(getattr, names[0].split("."), root)
-            if any(functools.reduce(getattr, n.split("."), root) is not first for n in names):
-                return False
-    except AttributeError:  # a module of the path was replaced by one without it
-        return False
+    for paths in ties:
+        first = _state_tensor(root, paths[0])
+        if first is None or any(_state_tensor(root, path) is not first for path in paths[1:]):
+            return False
     return True
 
 
