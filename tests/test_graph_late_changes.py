@@ -12,7 +12,7 @@ is refused. Oracles: eager torch.autocast training, and the Graph's own ``load_s
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -351,3 +351,171 @@ def test_o2_parameter_replaced_on_its_module_raises() -> None:
         g.state_dict()
     model.lm_head.weight = weight  # put back: the step runs again
     g(*batch)
+
+
+def test_o2_data_assigned_between_steps_reaches_the_masters() -> None:
+    # param.data = value (float32 or bfloat16) moves no version counter: the new storage is
+    # found by its address; the oracle writes the same values with the Graph's
+    # load_state_dict
+    g, ref = o2_pair(mlp, Step, lr=1e-2)
+    batches = data(3)
+    g(*batches[0])
+    ref(*batches[0])
+    gen = torch.Generator().manual_seed(5)
+    w0, b2 = torch.randn(32, 16, generator=gen), torch.randn(4, generator=gen)
+    address = g.model[0].weight.data_ptr()
+    g.model[0].weight.data = w0  # float32
+    g.model[2].bias.data = b2.to(BF16)  # the copy's own dtype, new storage
+    # the oracle's write: the float32 value whole; the bfloat16 one where it is not the
+    # master's rounding (there the master keeps its bits, as a load_state_dict's would)
+    state = ref.state_dict()
+    masters = state["modules"]["model"]
+    masters["0.weight"] = w0
+    stored = b2.to(BF16)
+    masters["2.bias"] = torch.where(
+        stored == masters["2.bias"].to(BF16), masters["2.bias"], stored.float()
+    )
+    ref.load_state_dict(state)
+    for x, y in batches[1:]:
+        assert torch.equal(g(x, y), ref(x, y))
+    assert_same_state(g.model, ref.model)
+    assert g.model[0].weight.dtype == BF16
+    assert g.model[0].weight.data_ptr() == address  # the storage the step (a CUDA graph) reads
+    masters = ref.state_dict()["modules"]["model"]
+    for key, value in g.state_dict()["modules"]["model"].items():
+        assert torch.equal(value, masters[key]), key
+
+
+def test_o2_model_float_between_steps_changes_nothing() -> None:
+    # model.float() turns the copies into float32 roundings of the masters: the masters
+    # keep their float32 bits and the copies their dtype, as if nothing had been done
+    g, ref = o2_pair(mlp, Step, lr=1e-2)
+    batches = data(3)
+    g(*batches[0])
+    ref(*batches[0])
+    g.model.float()
+    assert g.model[0].weight.dtype == torch.float32
+    for x, y in batches[1:]:
+        assert torch.equal(g(x, y), ref(x, y))
+    assert_same_state(g.model, ref.model)
+    assert all(p.dtype == BF16 for p in g.model.parameters())
+
+
+def test_o2_data_of_another_shape_raises_and_changes_nothing() -> None:
+    model = mlp()
+    g = Step(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    g(*data(1)[0])
+    before = copy.deepcopy(g.state_dict())
+    model[0].weight.data = torch.zeros(8, 16)
+    with pytest.raises(
+        RuntimeError, match=r"model\.0\.weight was given a tensor of shape \(8, 16\)"
+    ):
+        g(*data(1)[0])
+    assert model[0].weight.shape == (32, 16)
+    after = g.state_dict()
+    for key, value in before["modules"]["model"].items():
+        assert torch.equal(value, after["modules"]["model"][key]), key
+
+
+def test_o2_module_replaced_on_its_parent_raises() -> None:
+    model = mlp()
+    g = Step(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2")
+    g(*data(1)[0])
+    head = model[2]
+    model[2] = nn.Linear(32, 4)  # float32, no master, not in the optimizer
+    with pytest.raises(RuntimeError, match=r"module model\.2 replaced since the last step"):
+        g(*data(1)[0])
+    model[2] = head  # put back: the step runs again
+    g(*data(1)[0])
+
+
+@pytest.mark.parametrize("policy", ["autocast", "O2"])
+def test_param_group_added_after_the_first_call_is_trained(policy: str) -> None:
+    # unfreezing a layer: its group, added after the first step, is stepped from the next
+    # one (under O2 through its masters). Oracle: the same group present from the start at
+    # lr 0 (plain SGD: a step at lr 0 changes nothing), raised to the same lr at that step
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    g = Step(model, opt, policy)
+    torch.manual_seed(0)
+    model_ref = mlp()
+    opt_ref = torch.optim.SGD(model_ref[2].parameters(), lr=0.1)
+    opt_ref.add_param_group({"params": list(model_ref[0].parameters()), "lr": 0.0})
+    ref = Step(model_ref, opt_ref, policy)
+    batches = data(3)
+    g(*batches[0])
+    ref(*batches[0])
+    opt.add_param_group({"params": list(model[0].parameters())})
+    opt_ref.param_groups[1]["lr"] = 0.1
+    first = model[0].weight.detach().clone()
+    for x, y in batches[1:]:
+        assert torch.equal(g(x, y), ref(x, y))
+    assert not torch.equal(model[0].weight, first)
+    assert_same_state(model, model_ref)
+
+
+def test_module_registered_on_the_graph_after_the_first_call_raises() -> None:
+    model = mlp()
+    g = Step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g.model = model  # before the first call, and the same module again: fine
+    g(*data(1)[0])
+    g.model = model
+    with pytest.raises(RuntimeError, match=r"Step\.model = Sequential\(\.\.\.\) after the first"):
+        g.model = mlp()
+    with pytest.raises(RuntimeError, match=r"Step\.head = Linear\(\.\.\.\) after the first"):
+        g.head = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match=r"Step\.model = NoneType"):
+        g.model = None
+    assert g.registered_modules == {"model": model}
+
+
+# ---- under CUDA graphs: a replay reads the addresses and groups its capture saw ----------
+
+
+class AddressesRerun(Rerun):
+    """A stricter stand-in: a replay, like a CUDA graph's, reads the parameters, buffers and
+    param groups its capture saw; it refuses to rerun the step where they changed (a real
+    replay would read the old storage, and step the old groups)."""
+
+    watched: ClassVar[list[Any]] = []  # the model and optimizer, set by the test
+
+    def _seen(self) -> tuple:
+        model, opt = self.watched
+        tensors = [*model.parameters(), *model.buffers()]
+        groups = [tuple(map(id, g["params"])) for g in opt.param_groups]
+        return tuple(map(id, tensors)), tuple(t.data_ptr() for t in tensors), tuple(groups)
+
+    def capture(self, fn: Any) -> list:
+        return [fn, None, self._seen()]
+
+    def replay(self, captured: list) -> Any:
+        assert self._seen() == captured[2], "a replay would read what its capture saw"
+        return super().replay(captured[:2])
+
+
+class AddressesStep(Step):
+    _step_capture = AddressesRerun
+
+
+@pytest.mark.parametrize("change", ["data", "to", "param_group"])
+def test_cuda_graphs_capture_again_after_storage_or_groups_change(change: str) -> None:
+    model, ref = mlp(batch_norm=True), mlp(batch_norm=True)
+    opt = torch.optim.SGD(model[0].parameters(), lr=torch.tensor(0.1), fused=True)
+    ref_opt = torch.optim.SGD(ref[0].parameters(), lr=torch.tensor(0.1), fused=True)
+    g = AddressesStep(model, opt)
+    AddressesRerun.watched = [model, opt]
+    g.config.enable_cuda_graph(True, warmup_steps=1)
+    for i, (x, y) in enumerate(data(6)):
+        if i == 3:  # after the capture (step 2), replayed since
+            for m, o in ((model, opt), (ref, ref_opt)):
+                if change == "data":
+                    m[0].weight.data = torch.full_like(m[0].weight, 0.01)
+                elif change == "to":
+                    m.to(torch.float64).to(torch.float32)  # every parameter and buffer moved
+                else:
+                    o.add_param_group({"params": list(m[3].parameters())})
+        g(x, y)
+        eager_step(ref, ref_opt, x, y)
+        assert_same_state(model, ref)
+    assert g._builder.replayer.captures == 2

@@ -13,10 +13,14 @@ produces it. The masters are the truth: ``state_dict`` reports them, ``load_stat
 writes them and re-derives the low-precision copies, so the two never drift apart.
 
 The user may still write the model's parameters between steps (``model.load_state_dict``, an
-in-place re-initialization), as in eager training: each step records the version counters of
-the copies it wrote, and before the next step :meth:`MasterWeights.take_model_writes` gives
-the master of each copy written since the value written (no per-element comparison to find
-them). A parameter object replaced on its module is refused: its master belongs to the old.
+in-place re-initialization, ``param.data = value``, ``model.float()``), as in eager training:
+each step records the version counters and storages of the copies it wrote, and before the
+next step :meth:`MasterWeights.take_model_writes` gives the master of each copy written since
+the value written (no per-element comparison to find them). A copy given new storage
+(``.data =``, a dtype conversion) gets its own storage back, in the low dtype, so the step
+graph and a captured CUDA graph keep reading one address. A parameter object replaced on its
+module, or a module holding one replaced on its parent, is refused: its master belongs to the
+old.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ log = logging.getLogger(__name__)
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 _VERSION = operator.attrgetter("_version")  # a tensor's count of in-place writes
+_ADDRESS = torch.Tensor.data_ptr  # moves when ``.data =`` gives a tensor new storage
 
-# where a module holds a parameter: (qualified name, the module's _parameters, its key)
+# where a module holds a parameter (qualified name, the module's _parameters, its key), or
+# a parent one of the modules holding them (qualified name, the parent's _modules, its key)
 Site = tuple[str, dict[str, Any], str]
 
 
@@ -46,10 +52,14 @@ class MasterWeights:
     """Pairs each low-precision model parameter with a float32 master parameter."""
 
     def __init__(
-        self, pairs: list[tuple[str, nn.Parameter, nn.Parameter]], sites: Iterable[Site] = ()
+        self,
+        pairs: list[tuple[str, nn.Parameter, nn.Parameter]],
+        sites: Iterable[Site] = (),
+        module_sites: Iterable[Site] = (),
     ) -> None:
         self.pairs = pairs  # (qualified name, model parameter (low), master parameter (fp32))
         self.sites = list(sites)  # where the modules hold the model parameters
+        self.module_sites = list(module_sites)  # where their parents hold those modules
         self._hooks: dict[int, Any] = {}
         self._index()
         for _, model, master in pairs:
@@ -67,11 +77,22 @@ class MasterWeights:
         self._site_dicts = [owner for _, owner, _ in self.sites]
         self._site_keys = [key for _, _, key in self.sites]
         self._site_params = [owner[key] for _, owner, key in self.sites]
+        self.module_sites = [
+            site
+            for site in self.module_sites
+            if any(id(p) in self._by_model for p in site[1][site[2]].parameters())
+        ]
+        self._module_dicts = [owner for _, owner, _ in self.module_sites]
+        self._module_keys = [key for _, _, key in self.module_sites]
+        self._module_objects = [owner[key] for _, owner, key in self.module_sites]
+        self._storages = [model.data for model in self._models]  # (same storage, no copy)
         self._record()
 
     def _record(self) -> None:
-        """Remember the version counters of the model's copies: they have the masters' values."""
+        """Remember the version counters and addresses of the model's copies: they have the
+        masters' values."""
         self._versions = list(map(_VERSION, self._models))
+        self._addresses = list(map(_ADDRESS, self._models))
 
     @staticmethod
     def create(
@@ -96,7 +117,8 @@ class MasterWeights:
                 with torch.no_grad():
                     param.data = param.data.to(low_dtype)
                 pairs.append((f"{prefix}.{name}", param, master))
-        weights = MasterWeights(pairs, _sites(modules, {id(model) for _, model, _ in pairs}))
+        paired = {id(model) for _, model, _ in pairs}
+        weights = MasterWeights(pairs, _sites(modules, paired), _module_sites(modules, paired))
         for optimizer in optimizers:
             _swap_in(optimizer, weights._by_model)
         return weights
@@ -125,15 +147,59 @@ class MasterWeights:
 
     def take_model_writes(self) -> None:
         """Before a step (and before ``state_dict``): give each master the value of its model
-        copy where the user wrote the copy since the step last did (its version counter
-        moved; reading the counters is the whole cost when nothing was written). Where a
+        copy where the user wrote the copy since the step last did (its version counter or
+        its storage moved; reading them is the whole cost when nothing was written). Where a
         written element still equals the master's rounding, the master keeps its float32
-        value. The optimizer's state is kept. A parameter replaced on its module raises."""
+        value. The optimizer's state is kept. A parameter replaced on its module, or a
+        module holding one replaced on its parent, raises."""
         now = map(dict.get, self._site_dicts, self._site_keys)
         if not all(map(operator.is_, now, self._site_params)):
             raise RuntimeError(self._replaced())
+        modules_now = map(dict.get, self._module_dicts, self._module_keys)
+        if not all(map(operator.is_, modules_now, self._module_objects)):
+            raise RuntimeError(self._replaced_modules())
+        if list(map(_ADDRESS, self._models)) != self._addresses:
+            self._take_new_storage()
         if list(map(_VERSION, self._models)) != self._versions:
             self._reseed_written()
+
+    @torch.no_grad()
+    def _take_new_storage(self) -> None:
+        """Copies given new storage since the step wrote them (``param.data = value``,
+        ``model.float()``): each master takes the value, and the copy gets its own storage
+        back, holding the master's rounding (a step graph, and a captured CUDA graph, read
+        that address, in the low dtype)."""
+        moved = [
+            (i, pair)
+            for i, (pair, seen) in enumerate(zip(self.pairs, self._addresses, strict=True))
+            if pair[1].data_ptr() != seen
+        ]
+        for i, (name, model, master) in moved:
+            value, storage = model.data, self._storages[i]
+            if value.shape != storage.shape or value.device != storage.device:
+                model.data = storage  # as the step left it: the refusal changes nothing
+                raise RuntimeError(
+                    f"O2 master weights: {name} was given a tensor of shape "
+                    f"{tuple(value.shape)} on {value.device} (param.data = ..., or "
+                    f"module.to(...)); its float32 master is {tuple(storage.shape)} on "
+                    f"{storage.device}, and the optimizer steps the master. Write values of "
+                    "the parameter's own shape and device (param.data = value and "
+                    "model.float() are taken), or make a new Graph (and optimizer) for the "
+                    "changed model."
+                )
+            rounding = master.to(storage.dtype)
+            unchanged = value == rounding.to(value.dtype)  # there, keep the master's extra bits
+            master.copy_(torch.where(unchanged, master, value.to(master.dtype)))
+            model.data = storage
+            storage.copy_(master)
+        self._record()
+        log.info(
+            "O2: %s given new storage on the model since the last step: their float32 masters "
+            "take the values, and the model holds them in %s again, in the storage the step "
+            "reads (optimizer state kept).",
+            ", ".join(name for _, (name, _, _) in moved),
+            self._storages[moved[0][0]].dtype,
+        )
 
     @torch.no_grad()
     def _reseed_written(self) -> None:
@@ -172,6 +238,31 @@ class MasterWeights:
             "Graph's load_state_dict restores float32 values exactly. To change the model's "
             "parameters themselves, make a new Graph (and optimizer)."
         )
+
+    def _replaced_modules(self) -> str:
+        """What :meth:`take_model_writes` says of modules replaced on their parents."""
+        gone = [
+            name
+            for (name, owner, key), module in zip(
+                self.module_sites, self._module_objects, strict=True
+            )
+            if owner.get(key) is not module
+        ]
+        return (
+            f"O2 master weights: module {', '.join(gone)} replaced since the last step "
+            "(parent.child = new_module, or the attribute deleted). The float32 masters the "
+            "optimizer steps belong to the parameters of the module the step stored in low "
+            "precision: the new module's would not be trained, nor cast as the plan reads "
+            "them. Load new values into the existing module (module.load_state_dict(...), "
+            "or the Graph's load_state_dict), or make a new Graph (and optimizer) for the "
+            "changed model."
+        )
+
+    def point_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Put the masters in the places of their low copies in the optimizers' groups (a
+        group added after the first step holds the model's parameters)."""
+        for optimizer in optimizers:
+            _swap_in(optimizer, self._by_model)
 
     def low_parameters(self) -> list[nn.Parameter]:
         """The model's parameters stored in the low dtype (those with a master)."""
@@ -246,6 +337,19 @@ def _sites(modules: dict[str, nn.Module], params: set[int]) -> list[Site]:
             for key, param in module._parameters.items():
                 if id(param) in params:
                     owner = module._parameters
+                    sites.setdefault((id(owner), key), (f"{path}.{key}", owner, key))
+    return list(sites.values())
+
+
+def _module_sites(modules: dict[str, nn.Module], params: set[int]) -> list[Site]:
+    """Every place a module of ``modules`` holds a submodule that holds (at any depth) one of
+    ``params`` (by id)."""
+    sites: dict[tuple[int, str], Site] = {}
+    for prefix, root in modules.items():
+        for path, module in root.named_modules(prefix=prefix):
+            for key, child in module._modules.items():
+                if child is not None and any(id(p) in params for p in child.parameters()):
+                    owner = module._modules
                     sites.setdefault((id(owner), key), (f"{path}.{key}", owner, key))
     return list(sites.values())
 

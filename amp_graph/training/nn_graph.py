@@ -74,11 +74,21 @@ class Graph:
     # ---- registration -----------------------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, nn.Module) and not name.startswith("_"):
+        registers = isinstance(value, nn.Module) and not name.startswith("_")
+        registered = self.__dict__.get("_modules", {})
+        changes = (registers or name in registered) and registered.get(name) is not value
+        if changes and "_builder" in self.__dict__ and self._builder.started:
+            self._refuse_late(
+                f"{name} = {type(value).__name__}(...)",
+                "the captured build reads the modules registered then, and would go on "
+                "running and training those; to load new weights, use "
+                f"self.{name}.load_state_dict(...) or the Graph's load_state_dict",
+            )
+        if registers:
             if "_modules" not in self.__dict__:
                 raise RuntimeError("call super().__init__() in your Graph's __init__ first")
             self._modules[name] = value
-        elif name in self.__dict__.get("_modules", {}):
+        elif name in registered:
             del self._modules[name]
         object.__setattr__(self, name, value)
 

@@ -56,6 +56,7 @@ from amp_graph.training import cuda_graph_step as cuda_graphs
 from amp_graph.training.fused_step import FusedStep
 from amp_graph.training.master_weights import MasterWeights
 from amp_graph.training.step_graph import StepPlan, build_step_graph
+from amp_graph.training.step_watch import StepWatch
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class StepBuilder:
         self.revision = -1  # the config's revision the graphs were made for
         self.settings: tuple[tuple, tuple] | None = None  # (capture, step) settings then
         self.hoisted: dict[int, list[tuple[str, torch.dtype]]] = {}  # by id of the Captured
+        self.watch = StepWatch()  # the param groups and (CUDA graphs) tensors taken as fixed
 
     @property
     def started(self) -> bool:
@@ -125,6 +127,10 @@ class StepBuilder:
             self.master.take_model_writes()
         if self.revision != config.revision:
             self._settings_changed()
+        if self.watch.optimizers_changed(graph._optimizers):
+            self._optimizers_changed()
+        if self.replayer is not None and self.watch.tensors_moved():
+            self._recapture("a parameter or buffer was replaced or given new storage")
         if self.cache is None:
             root = self._root()
             self.cache = CaptureCache(
@@ -152,7 +158,31 @@ class StepBuilder:
             self.steps[id(captured)] = step
             self.built = True
             config.fix("enable_amp", "enable_compile")
+            self.watch.record_optimizers(graph._optimizers)
         return self.steps[id(captured)], leaves
+
+    def _optimizers_changed(self) -> None:
+        """A param group was added (``add_param_group``: unfreezing layers) or changed since
+        the step graphs were built. Under O2 the model's low copies in it are replaced by
+        their float32 masters (which hold the gradients the step hands over); under CUDA
+        graphs the step graphs are built again (the refusals run on the new groups) and
+        captured again, as a replay runs no Python and would step the old groups."""
+        optimizers = self.graph._optimizers
+        if self.master is not None:
+            self.master.point_optimizers(optimizers)
+        if self.replayer is not None:
+            self.steps.clear()
+            self.replayer.grads = self._grads_per_graph()
+            self._recapture("an optimizer's param groups changed")
+        self.watch.record_optimizers(optimizers)
+
+    def _recapture(self, why: str) -> None:
+        """Drop the captured CUDA graphs: the next calls warm up and capture again."""
+        assert self.replayer is not None
+        self.replayer.clear()
+        self.replayed_lrs = cuda_graphs.learning_rates(self.graph._optimizers)
+        self.watch.record_tensors(self.graph._modules.values())
+        log.info("%s: %s since the CUDA graphs were captured: capturing again", self.name, why)
 
     def _settings_changed(self) -> None:
         """The config changed since the last call. A change of what the step graphs decide
@@ -197,8 +227,7 @@ class StepBuilder:
     def state_loaded(self) -> None:
         """The loaded state is in new tensors: the CUDA graphs capture again."""
         if self.replayer is not None:
-            self.replayer.clear()
-            self.replayed_lrs = cuda_graphs.learning_rates(self.graph._optimizers)
+            self._recapture("the state was loaded")
 
     # ---- capture -------------------------------------------------------------------
 
@@ -395,6 +424,7 @@ class StepBuilder:
                 self.name, options, graph._step_capture(), pins, self._grads_per_graph()
             )
             self.replayed_lrs = cuda_graphs.learning_rates(graph._optimizers)
+            self.watch.record_tensors(graph._modules.values())
 
     def _grads_per_graph(self) -> cuda_graphs.GradsPerGraph | None:
         """With ``enable_cuda_graph(set_to_none=True)``: the parameters whose gradients the
