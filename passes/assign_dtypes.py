@@ -327,7 +327,11 @@ class _Planner(fx.Interpreter):
                 return cast_value(v, dtype)
             key = (id(v), dtype)
             if key not in self.casts:
-                self.casts[key] = (v, cast_value(v, dtype))  # v kept alive: ids stay unique
+                # in the fake mode: DTensor propagates the sharding of a value with symbolic
+                # sizes uncached only while it sees a fake mode (a SymInt is not hashable)
+                with self.fake_mode:
+                    cast = cast_value(v, dtype)
+                self.casts[key] = (v, cast)  # v kept alive: ids stay unique
             return self.casts[key][1]
 
         return map_aggregate(value, one)
@@ -347,7 +351,8 @@ class _Planner(fx.Interpreter):
         elif entry_cast and is_castable(fact(value)):
             amp.compute_dtype = self.low
             amp.detail = "a graph input, cast to low precision at entry (policy cast_inputs)"
-            value = cast_value(value, self.low)
+            with self.fake_mode:  # (as in _cast)
+                value = cast_value(value, self.low)
         return value
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:

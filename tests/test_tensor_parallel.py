@@ -135,6 +135,66 @@ def mlp_exact(rank: int) -> dict[str, Any]:
     return results
 
 
+def mlp_new_size(rank: int) -> dict[str, Any]:
+    """Called at batch 8, then at batch 5: the second capture has symbolic sizes (the plan
+    casts DTensors of symbolic shape). Output and gradients of the batch-5 call."""
+    import amp_graph
+    from amp_graph.frontends.compiler import as_graph_module
+
+    mesh, _ = _tp_mesh()
+    gen = torch.Generator().manual_seed(1)
+    first, x = torch.randn(8, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    results = {}
+    for policy in ("O1", "autocast"):
+        model = parallel_mlp(mesh)
+        compiled = amp_graph.compile(model, policy, torch.bfloat16)
+        compiled(first)
+        out = compiled(x)
+        out.float().square().sum().backward()
+        reference = parallel_mlp(mesh)
+        with torch.autocast("cpu", torch.bfloat16):
+            ref = reference(x)
+        ref.float().square().sum().backward()
+        results[f"compile {policy}"] = {
+            "out": out.detach(),
+            "ref": ref.detach(),
+            "grads": full(model, grads=True),
+            "ref_grads": full(reference, grads=True),
+            "code": as_graph_module(compiled).code,
+        }
+    return results
+
+
+def graph_o2_refused(rank: int) -> dict[str, Any]:
+    """A Graph under O2 (float32 master weights) over DTensor parameters: refused before
+    any parameter changes."""
+    import amp_graph
+
+    mesh, _ = _tp_mesh()
+    model = parallel_mlp(mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Step(amp_graph.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.enable_amp(True, policy="O2", dtype=torch.bfloat16)
+
+        def build(self, x: torch.Tensor) -> torch.Tensor:
+            loss = self.model(x).float().square().mean()
+            loss.backward()
+            return loss
+
+    try:
+        Step()(torch.randn(8, 16))
+        error = ""
+    except ValueError as refused:
+        error = str(refused)
+    dtypes = {(p.dtype, p.to_local().dtype) for p in model.parameters()}
+    return {"error": error, "dtypes": dtypes}
+
+
 def lm_compile(rank: int, loss_parallel: bool = False) -> dict[str, Any]:
     import amp_graph
 
@@ -353,6 +413,8 @@ def vocab_parallel_lm(rank: int) -> dict[str, Any]:
 SCENARIOS = {
     "vocab_parallel_lm": vocab_parallel_lm,
     "mlp_exact": mlp_exact,
+    "mlp_new_size": mlp_new_size,
+    "graph_o2_refused": graph_o2_refused,
     "lm_compile": lm_compile,
     "lm_compile_loss_parallel": lambda rank: lm_compile(rank, loss_parallel=True),
     "graph_training": graph_training,
@@ -389,6 +451,18 @@ def _assert_mlp_as_autocast(results: dict[str, dict[str, Any]]) -> None:
 def test_column_then_row_parallel_mlp_equals_autocast_bit_for_bit(tmp_path: Path) -> None:
     for rank in run("mlp_exact", tmp_path):
         _assert_mlp_as_autocast(rank)
+
+
+def test_a_new_batch_size_captures_with_symbolic_sizes_as_autocast(tmp_path: Path) -> None:
+    for rank in run("mlp_new_size", tmp_path):
+        _assert_mlp_as_autocast(rank)
+
+
+def test_graph_master_weights_of_dtensor_parameters_are_refused(tmp_path: Path) -> None:
+    for rank in run("graph_o2_refused", tmp_path):
+        assert "cannot be made of the tensor-parallel (DTensor) parameters" in rank["error"]
+        assert "master_weights=False" in rank["error"]
+        assert rank["dtypes"] == {(torch.float32, torch.float32)}  # nothing was changed
 
 
 @pytest.mark.parametrize("scenario", ["lm_compile", "lm_compile_loss_parallel"])

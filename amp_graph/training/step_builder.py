@@ -48,6 +48,7 @@ from amp_graph.frontends.capture_cache import CaptureCache
 from amp_graph.frontends.compile_modes import inductor_compiled, refuse_cuda_graphs_off_cuda
 from amp_graph.frontends.front_door import COMPILE_META, admit, capture_and_rewrite
 from amp_graph.frontends.user_frames import users_stacklevel
+from amp_graph.ops.dtensors import is_dtensor
 from amp_graph.passes.hoist_parameter_casts import hoist_parameter_casts
 from amp_graph.passes.meta import WIDENED_PARAMETERS
 from amp_graph.policy import Policy
@@ -457,7 +458,18 @@ def _check_divisible(args: tuple, n: int) -> None:
 
 def _refuse_masters_of_sharded(root: nn.Module, policy: Policy) -> None:
     """Master weights replace the model's parameters with low-precision copies, which would
-    take FSDP2's sharded parameters from under it: refuse, saying what does work."""
+    take FSDP2's sharded parameters from under it, and cannot be made of DTensors
+    (``param.data = ...`` on a DTensor changes its dtype, not its shards'): refuse, saying
+    what does work."""
+    dtensors = [name for name, p in root.named_parameters() if is_dtensor(p)]
+    if dtensors and not fsdp_units(root):
+        raise ValueError(
+            f"policy {policy.name!r} keeps float32 master weights (master_weights=True), "
+            f"which cannot be made of the tensor-parallel (DTensor) parameters ({dtensors[0]}, "
+            "...): the low-precision copies would have to be DTensors of their own. Use "
+            "dataclasses.replace(Policy.preset('O2'), master_weights=False) for O2's compute "
+            "dtypes with the float32 parameters as the masters, or O1/O3."
+        )
     units = [path or "<root>" for path, _ in fsdp_units(root)]
     if units:
         raise ValueError(
