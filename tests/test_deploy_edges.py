@@ -110,3 +110,23 @@ def test_cli_export_names_a_sample_of_another_shape_before_any_work(tmp_path):
     )
     assert "here, --dynamic-batch lets dimension 0 vary" in done.stderr
     assert not (tmp_path / "m.pt2").exists()
+
+
+def test_the_saved_info_keeps_the_whole_policy_overrides_included(tmp_path):
+    from amp_graph import deploy
+    from amp_graph.policy.policy_data import policy_from_data
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    policy = amp_graph.Policy.preset("O1").override(
+        ops={"layer_norm": "low"}, modules={"2": "fp32"}, module_types={nn.LayerNorm: "low"}
+    )
+    program = amp_graph.export(model, (torch.randn(2, 8),), policy=policy, dtype=torch.bfloat16)
+    info = deploy.load_info(deploy.save(program, tmp_path / "model.pt2", "pt2"))
+    assert info["policy"] == policy.name == "O1+overrides"
+    again = policy_from_data(info["policy_data"])
+    assert (again.ops, again.modules, again.module_types) == (
+        policy.ops,
+        policy.modules,
+        policy.module_types,
+    )
+    assert again.allow == policy.allow and again.default == policy.default

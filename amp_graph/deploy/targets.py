@@ -21,6 +21,8 @@ import torch
 from torch.export import ExportedProgram
 
 from amp_graph.passes.meta import short
+from amp_graph.policy import Policy
+from amp_graph.policy.policy_data import PolicyNotData, policy_as_data
 
 from .program import INFO, ExportInfo
 
@@ -42,6 +44,7 @@ def info_json(program: ExportedProgram) -> str:
     return json.dumps(
         {
             "policy": info.policy.name,
+            "policy_data": _policy_data(info.policy),
             "dtype": short(info.dtype),
             "demoted": info.demoted,
             "stored_low": {k: short(v) for k, v in info.stored_low.items()},
@@ -49,6 +52,15 @@ def info_json(program: ExportedProgram) -> str:
             "casts": info.casts,
         }
     )
+
+
+def _policy_data(policy: Policy) -> dict[str, Any]:
+    """The whole policy, overrides included, as :func:`policy_from_data` reads it back; a
+    policy holding code (an fp8 module_filter) says so in place of its data."""
+    try:
+        return policy_as_data(policy)
+    except PolicyNotData as error:
+        return {"not_data": str(error)}
 
 
 def save(
