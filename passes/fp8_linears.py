@@ -55,7 +55,7 @@ from amp_graph.policy.fp8_filters import LinearFacts, decide
 from amp_graph.policy.fp8_recipe import E4M3, Fp8Config
 
 from .classify import is_model_parameter, normalize_module_path
-from .meta import AMP, UNKNOWN, VAL, AmpInfo, Role, size_hint
+from .meta import AMP, FP8_OF, UNKNOWN, VAL, AmpInfo, Role, size_hint
 from .result import PassResult
 from .sharing import CastSharing, ShareKey
 
@@ -274,6 +274,7 @@ class _Rewriter:
                 "fp8 linear",
                 reason,
             )
+            out.meta[FP8_OF] = node.name  # what a node override names
             if match.param_first:
                 out = self.node(
                     aten.transpose.int, (out, -2, -1), f"{out.name}_mT", node, "mT", view

@@ -100,6 +100,11 @@ the capture."""
 FSDP_UNIT = "amp_graph.fsdp_unit"
 """``node.meta`` key on a parameter read: the path of the FSDP2 unit that shards it."""
 
+FP8_OF = "amp_graph.fp8_of"
+"""``node.meta`` key on an fp8 linear (``amp_graph.fp8_linear``): the name of the captured
+node it stands for, the one node overrides name (``linear``, where the graph says
+``linear_fp8``). Written by :mod:`passes.fp8_linears`."""
+
 KEPT_FUNCTION = "amp_graph.kept_function"
 """``node.meta`` key on a node that calls a custom ``torch.autograd.Function`` kept whole
 (:mod:`amp_graph.capture.autograd_functions`): the Function's ``"module.QualName"`` and the

@@ -60,6 +60,8 @@ from amp_graph.passes.meta import DTYPE_READ
 from amp_graph.policy import Policy
 
 UNDERFLOW_BLAME = 0.01  # a gradient with more than this fraction underflowing is blamed
+# the fp8 pass's nodes that make an fp8 linear's operands: demoting the linear undoes them
+_FP8_OPERANDS = ("fp8 quantize", "fp8 scale")
 
 
 class AutopolicyError(RuntimeError):
@@ -95,11 +97,16 @@ class _Blame:
         return row.role == "op" and row.decided and row.forward.dtype == self.low
 
     def demotable(self, row: NumericsRow) -> tuple[str, ...]:
-        """The node itself when it is a low-precision op; a cast's low-precision consumers;
-        otherwise the nearest low-precision ops upstream."""
+        """The node overrides to demote, by the names overrides use (an fp8 linear's is the
+        captured linear's): the node itself when it is a low-precision op; a cast's, or an
+        fp8 quantization's or scale's, low-precision consumers; otherwise the nearest
+        low-precision ops upstream."""
+        return tuple(dict.fromkeys(self.rows[n].override or n for n in self._demotable(row)))
+
+    def _demotable(self, row: NumericsRow) -> tuple[str, ...]:
         if self.runs_low(row):
             return (row.node,)
-        if row.role == "cast":
+        if row.role == "cast" or row.op in _FP8_OPERANDS:
             users = tuple(u for u in row.users if u in self.rows and self.runs_low(self.rows[u]))
             if users:
                 return users
@@ -158,7 +165,7 @@ def _forward_finding(result: ShadowResult, sample: int, tol: float) -> Finding |
         f"its inputs'; output error {output_error:.2g} > tol {tol:.2g} on sample {sample}"
     )
     if blame.runs_low(best):
-        return Finding((best.node,), measured)
+        return Finding(blame.demotable(best), measured)
     return Finding(
         blame.demotable(best),
         f"'{best.node}' ({best.op}, {_name(best.forward.dtype)}) amplifies the rounding of "
@@ -233,7 +240,7 @@ def _backward_finding(result: ShadowResult, sample: int, tol: float) -> Finding 
         f"gradient error of '{worst.name}' {worst.grad.rel_error:.2g} > tol {tol:.2g} "
         f"on sample {sample}"
     )
-    return Finding((best.node,) if best is not None else (), reason)
+    return Finding(blame.demotable(best) if best is not None else (), reason)
 
 
 AUTO = "auto"  # autopolicy's dynamic_shapes default: capture as compile does

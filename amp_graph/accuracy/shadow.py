@@ -45,6 +45,7 @@ from amp_graph.frontends.front_door import COMPILE_META, CompileRecord
 from amp_graph.ops.recompute_ops import recomputed_cast, recomputed_quantize
 from amp_graph.passes.meta import (
     AMP,
+    FP8_OF,
     LOW_FLOATS,
     inputs_behind_reads,
     users_through_reads,
@@ -223,6 +224,9 @@ class NumericsRow:
     # whether a policy decides its dtype: not for a view or a getitem, which take their
     # input's (an override of one changes nothing)
     decided: bool = True
+    # the name a node override of its dtype uses: the captured linear's for an fp8 linear
+    # (``linear`` for ``linear_fp8``), else ``node``
+    override: str = ""
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -602,6 +606,7 @@ def shadow_run(
                 inputs=tuple(names[a] for a in inputs_behind_reads(node)),
                 users=tuple(names[u] for u in users_through_reads(node)),
                 decided=node.meta[AMP].source != "fixed",
+                override=node.meta.get(FP8_OF, node.name),
             )
         )
     if grads is not None:

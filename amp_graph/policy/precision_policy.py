@@ -672,11 +672,19 @@ class Policy:
         """Raise ValueError for node overrides that name no node of the captured graph."""
         names = list(node_names)
         for name in self.nodes:
-            if name not in names:
+            if name in names:
+                continue
+            captured = name.removesuffix("_fp8")
+            if captured != name and captured in names:  # the fp8 pass's name for the linear
                 raise ValueError(
-                    f"node override {name!r} names no node of the captured graph."
-                    f"{nearest(name, names)} See print(compiled.graph) or amp_graph.report()."
+                    f"node override {name!r} names the fp8 linear the fp8 pass makes of node "
+                    f"{captured!r}; overrides name the captured graph's nodes, before any "
+                    f"pass: use nodes={{{captured!r}: ...}}."
                 )
+            raise ValueError(
+                f"node override {name!r} names no node of the captured graph."
+                f"{nearest(name, names)} See print(compiled.graph) or amp_graph.report()."
+            )
 
 
 _PATHS_START = {
