@@ -18,7 +18,12 @@ hands each graph to a backend together with example inputs. For every graph, thi
 Guarantees: the user's module is never modified (casts read parameters, gradients flow back
 to them in their own dtype); each graph is rewritten on its own, from the dtypes its inputs
 really have, so values that cross a graph break carry the dtype the next graph was traced
-with; a pass failure raises (dynamo reports it) rather than running the model unconverted.
+with; a pass failure raises (dynamo reports it) rather than running the graph unconverted;
+an activation checkpoint stays one (recomputed in backward). What dynamo runs without
+calling the backend (code between graphs, frames past ``recompile_limit``, frames whose
+compile failed under ``suppress_errors``) runs as written, with autocast off: the backend
+warns where it can see it coming (the compile that reaches the limit; its own failure
+under ``suppress_errors``; torch's fused inference fast paths, which compute in float32).
 
 Example::
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +52,17 @@ from amp_graph.capture import capture_graph
 from amp_graph.capture.autograd_functions import AutocastState
 from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
 from amp_graph.frontends.compile_modes import check_inductor_mode
+from amp_graph.frontends.dynamo_checkpoints import (
+    checkpoints_as_dynamo_records_them,
+    inline_checkpoints,
+    mark_checkpoint_regions,
+)
+from amp_graph.frontends.dynamo_warnings import (
+    SUPPRESSED_FAILURE,
+    fast_path_modules,
+    fast_path_warning,
+    recompile_limit_warning,
+)
 from amp_graph.frontends.front_door import CompileRecord, admit, rewrite
 from amp_graph.frontends.policy_request import AmpRequest, check_request
 from amp_graph.frontends.traced_dtypes import (
@@ -118,7 +135,27 @@ class AmpGraphBackend:
 
         ``inner_kwargs`` are ``mode=`` and ``options=`` from ``torch.compile``; they configure
         inductor (as config patches) and are refused for other inner backends.
+
+        Warns (``UserWarning``) where dynamo is about to run code without this backend, in
+        float32: when this compile reaches the frame's ``recompile_limit``
+        (:func:`recompile_limit_warning`), and when it fails under
+        ``torch._dynamo.config.suppress_errors`` (then re-raises).
         """
+        try:
+            compiled = self._compile(gm, example_inputs, inner_kwargs)
+        except Exception:
+            if torch._dynamo.config.suppress_errors:  # dynamo will run the frame as written
+                warnings.warn(SUPPRESSED_FAILURE, stacklevel=2)
+            raise
+        message = recompile_limit_warning(_graph_owner(gm))
+        if message is not None and message not in self._warned:  # DDP's pieces share a frame
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=2)
+        return compiled
+
+    def _compile(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], inner_kwargs: dict[str, Any]
+    ) -> Callable:
         start = time.perf_counter()
         # module paths: dynamo hands the model over graph by graph (_check_overrides warns)
         request = admit(self.policy, self.dtype, gm, example_inputs, where=None)
@@ -133,7 +170,10 @@ class AmpGraphBackend:
             aten_gm = capture_dtensor_graph(gm, example_inputs, policy, dtype, device_type)
         else:
             autocast = AutocastState.of_policy(device_type, None if policy.casts_nothing else dtype)
-            aten_gm = capture_graph(gm, example_inputs, autocast)
+            aten_gm = capture_graph(inline_checkpoints(gm), example_inputs, autocast)
+            mark_checkpoint_regions(aten_gm)
+        if not policy.casts_nothing and (fused := fast_path_modules(aten_gm)):
+            warnings.warn(fast_path_warning(fused, dtype), stacklevel=2)
         with autocast_off(device_type):
             compiled = self._rewrite_and_compile(
                 aten_gm, example_inputs, inner_kwargs, request, start
@@ -169,6 +209,8 @@ class AmpGraphBackend:
         finished = time.perf_counter()
         sync_example_values(aten_gm)
         handed = copy_graph_module(aten_gm)  # inductor's pre-grad passes edit the graph they get
+        if self.inner != "eager":  # AOTAutograd would trace through a checkpoint call
+            checkpoints_as_dynamo_records_them(handed)
         record.seconds["copy_for_inner"] = time.perf_counter() - finished
         self._graphs.append(aten_gm)
         self._check_overrides(policy, aten_gm)

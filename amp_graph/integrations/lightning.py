@@ -7,11 +7,14 @@ Lightning's ``MixedPrecision`` plugin, ``lightning/pytorch/plugins/precision/amp
 * **compile** (``connect``, after Lightning has moved the model to its device, so that
   :func:`amp_graph.compile` sees the device the model trains on): every direct child of the
   LightningModule that holds parameters (or the children named in ``modules``) is compiled
-  with :func:`amp_graph.compile` and called through it, the way ``nn.Module.compile()``
-  installs torch.compile: the child keeps its class, attributes and ``state_dict`` keys, so
-  checkpoints load with or without the plugin. The LightningModule itself is not compiled
-  (its ``training_step`` is Python that Lightning calls; its ``forward`` need not be the
-  training path).
+  with :func:`amp_graph.compile` and called through it (a container, ``nn.ModuleList`` or
+  ``nn.ModuleDict``, is never called: the modules it holds are compiled instead), the way
+  ``nn.Module.compile()`` installs torch.compile: the child keeps its class, attributes and
+  ``state_dict`` keys, so checkpoints load with or without the plugin. The LightningModule
+  itself is not compiled (its ``training_step`` is Python that Lightning calls; its
+  ``forward`` need not be the training path). A child's parameter that ``training_step``
+  reads outside the child (a tied output embedding, ``h @ self.emb.weight.T``) computes in
+  float32 there, unannounced.
 * **no torch.autocast** (``forward_context`` is a null context): the compiled graphs already
   compute each op at the dtype the policy gives it. The children return their low outputs in
   float32 (``output_dtype``, by default), so that the loss ``training_step`` computes on
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,36 @@ class _CompiledCall:
             self.running = False
 
 
+def _is_container(module: nn.Module) -> bool:
+    """A module that is never called, only holds others (``nn.ModuleList``, ``nn.ModuleDict``,
+    any module without a ``forward`` of its own): compiling it would compile nothing."""
+    return type(module).forward is nn.Module.forward
+
+
+def _called_modules(
+    children: Mapping[str, nn.Module], explicit: bool, prefix: str = ""
+) -> Iterator[tuple[str, nn.Module]]:
+    """The modules to compile among ``children``, by dotted path: each child that holds
+    parameters (every one if ``explicit``: named in ``modules``), and in place of a
+    container, the modules it holds, found the same way."""
+    for name, child in children.items():
+        path = f"{prefix}{name}"
+        if _is_container(child):
+            yield from _called_modules(dict(child.named_children()), explicit, f"{path}.")
+        elif explicit or any(True for _ in child.parameters()):
+            yield path, child
+
+
+def _uncompiled_parameters(module: nn.Module) -> list[str]:
+    """The parameters no compiled forward reads: ``module``'s own, and those its containers
+    hold themselves (``nn.ParameterList``), by dotted path."""
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    for name, child in module.named_children():
+        if _is_container(child):
+            names += [f"{name}.{inner}" for inner in _uncompiled_parameters(child)]
+    return names
+
+
 def _compiled_module_of(module: nn.Module) -> nn.Module:
     """The :class:`~amp_graph.CompiledModule` a child runs through (itself if it is one)."""
     call = module._compiled_call_impl
@@ -156,6 +189,7 @@ class AmpGraphPrecision(Precision):
             device taken from the first loss). Refused with bfloat16, as by ``MixedPrecision``.
         modules: names of the LightningModule's direct children to compile. Default: every
             child that holds parameters (so metrics and parameterless losses are left alone).
+            A container (``nn.ModuleList``, ``nn.ModuleDict``) stands for the modules it holds.
         mode: what runs the compiled graphs, :func:`amp_graph.compile`'s ``mode``
             (``"eager"``, ``"default"`` for inductor, ``"reduce-overhead"``, ...; ``None``:
             by the device the model trains on, as in ``compile``). Checked here by name, and
@@ -244,35 +278,35 @@ class AmpGraphPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     def compile_modules(self, module: nn.Module) -> None:
-        """Compile ``module``'s children in place (see the module doc). Children already
-        compiled by amp_graph are left as they are; one compiled by ``nn.Module.compile()``
-        is refused. Parameters the module holds itself get a WARNING (float32)."""
+        """Compile ``module``'s children in place (see the module doc); for a container
+        child (no ``forward`` of its own: ``nn.ModuleList``, ``nn.ModuleDict``), the modules
+        it holds, recursively, by dotted path (``blocks.0``; the keys of ``monitors``).
+        Children already compiled by amp_graph are left as they are; one compiled by
+        ``nn.Module.compile()`` is refused. Parameters the module, or a container, holds
+        itself get a WARNING (float32)."""
         children = dict(module.named_children())
-        if self.modules is None:
-            names = [n for n, c in children.items() if any(True for _ in c.parameters())]
-        else:
+        if self.modules is not None:
             unknown = [n for n in self.modules if n not in children]
             if unknown:
                 raise ValueError(
                     f"AmpGraphPrecision(modules=...): {type(module).__name__} has no child "
                     f"{unknown[0]!r}; its children are {sorted(children)}"
                 )
-            names = self.modules
+            children = {n: children[n] for n in self.modules}
+        targets = dict(_called_modules(children, explicit=self.modules is not None))
         self._warn_own_parameters(module)
-        for name in names:
-            if not _is_compiled(children[name], name):
-                compile_in_place(
-                    children[name], self.policy, self.dtype, self.mode, self.output_dtype
-                )
+        for name, child in targets.items():
+            if not _is_compiled(child, name):
+                compile_in_place(child, self.policy, self.dtype, self.mode, self.output_dtype)
             if self.monitor_options is not None and name not in self.monitors:
                 options = dict(self.monitor_options)
-                if options.get("log_dir") is not None and len(names) > 1:
+                if options.get("log_dir") is not None and len(targets) > 1:
                     options["log_dir"] = Path(options["log_dir"]) / name
-                target = _compiled_module_of(children[name])
+                target = _compiled_module_of(child)
                 self.monitors[name] = monitor(target, scaler=self.scaler, **options)
 
     def _warn_own_parameters(self, module: nn.Module) -> None:
-        own = [name for name, _ in module.named_parameters(recurse=False)]
+        own = _uncompiled_parameters(module)
         if own and not self._warned_own_parameters:
             self._warned_own_parameters = True
             warnings.warn(
