@@ -26,6 +26,12 @@ would record their collectives as bare ``all_reduce`` / ``all_gather`` nodes, wh
 derivative; kept, their backward redistributes the gradient as in eager mode, and the ops
 between them compute on DTensors (the policy's dtype on each shard, as on one process).
 
+A user's ``torch.library.custom_op`` call is kept the same way (:mod:`.custom_ops`), so that
+its body and its ``register_autocast`` rule see autocast as in eager mode. What a kept call
+run on fake values writes into the attributes of its plain Python arguments (a
+bitsandbytes state's lazily quantized weight) is undone after that run
+(:func:`~amp_graph.capture.call_state.attributes_restored`).
+
 The patch is scoped: each class's ``apply`` is restored when the capture ends, raises or
 not, and a call made while no export traces (another thread, a model's own ``torch.compile``
 region) goes to the original ``apply``.
@@ -43,14 +49,23 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from amp_graph.capture.call_state import attributes_restored, fake_attribute
 from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.casts import (
     CastKeepingInterpreter,
     is_noop_cast,
     proxy_tracer,
     reads_target_dtype,
+)
+from amp_graph.capture.custom_ops import (
+    CustomOpFunction,
+    needs_fake_message,
+    op_without_fake,
+    user_custom_op,
 )
 from amp_graph.passes.meta import KEPT_FUNCTION
 
@@ -152,7 +167,10 @@ class FunctionCall:
         for position, tensor in zip(self.tensor_positions, tensors, strict=True):
             leaves[position] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        with self.autocast.entered():
+        # on fake values (a pass planning dtypes), what the call writes into its plain
+        # Python arguments is undone: the real call must find them as the user left them
+        faked = any(isinstance(t, FakeTensor) for t in tensors)
+        with self.autocast.entered(), attributes_restored(self.leaves if faked else ()):
             return self.function.apply(*args, **kwargs)
 
     def in_float32(self) -> FunctionCall:
@@ -202,6 +220,28 @@ class FunctionNotCaptured(CaptureError):
     """A custom autograd Function whose forward could not run on fake tensors."""
 
 
+class FakeStateKept(CaptureError):
+    """A kept call's non-tensor argument holds a fake tensor after the capture."""
+
+
+class _KeptCustomOps(TorchFunctionMode):
+    """Sends each call of a user's ``torch.library.custom_op`` under export's tracer to
+    :meth:`kept_functions.record_op`."""
+
+    def __init__(self, owner: kept_functions) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            tracer = proxy_tracer()
+            op = user_custom_op(func, args, kwargs) if tracer is not None else None
+            if op is not None and not self.owner._inside:
+                return self.owner.record_op(tracer, op, args, kwargs)
+        return func(*args, **kwargs)
+
+
 class kept_functions:
     """While active, every custom Function called under export's pre-dispatch tracer is
     recorded as one node (see the module doc); :attr:`calls` maps each node's key to its
@@ -210,6 +250,7 @@ class kept_functions:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self.calls: dict[str, FunctionCall] = {}
+        self._ops = _KeptCustomOps(self)
         self._patched: list[tuple[type, Any]] = []
         self._known: set[type] = set()
         self.defined: list[type] = []  # Function classes defined while it was active
@@ -222,6 +263,7 @@ class kept_functions:
         for cls in classes:
             self._patched.append((cls, cls.__dict__.get("apply")))
             cls.apply = classmethod(self._apply_for(cls))  # type: ignore[method-assign]
+        self._ops.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -233,6 +275,7 @@ class kept_functions:
             for c in _user_function_classes()
             if c not in self._known and "<locals>" in c.__qualname__
         ]
+        self._ops.__exit__(None, None, None)
         for cls, own in reversed(self._patched):
             if own is None:
                 del cls.apply
@@ -259,18 +302,34 @@ class kept_functions:
         return apply
 
     def _record(self, tracer: Any, cls: type, call_original: Any, args: tuple, kwargs: dict) -> Any:
-        self._inside = True
         try:
-            call, out, proxies = traced_call(
-                tracer,
-                cls,
-                AutocastState.now(),
-                args,
-                kwargs,
-                lambda: call_original(cls, *args, **kwargs),
+            return self._record_call(
+                tracer, cls, args, kwargs, lambda: call_original(cls, *args, **kwargs)
             )
         except Exception as error:
             raise FunctionNotCaptured(_not_captured(self.owner, cls, error)) from error
+
+    def record_op(self, tracer: Any, op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Record one node for a call of the custom op ``op`` (:mod:`.custom_ops`)."""
+        function = CustomOpFunction(op)
+        try:
+            return self._record_call(
+                tracer, function, args, kwargs, lambda: function.apply(*args, **kwargs)
+            )
+        except Exception as error:
+            raise CaptureError(_op_not_captured(self.owner, op, error)) from error
+
+    def _record_call(
+        self, tracer: Any, function: Any, args: tuple, kwargs: dict, run: Callable[[], Any]
+    ) -> Any:
+        """Run the call on the fake values (unrecorded, its writes into plain objects among
+        its arguments undone) and record one node for it; its fake output."""
+        self._inside = True
+        try:
+            with attributes_restored((args, kwargs)):
+                call, out, proxies = traced_call(
+                    tracer, function, AutocastState.now(), args, kwargs, run
+                )
         finally:
             self._inside = False
         key = f"{_KEY_PREFIX}{next(self._count)}"
@@ -280,6 +339,22 @@ class kept_functions:
         proxy = tracer.create_proxy("call_function", _TRACED_TARGET, (key, *proxies), {})
         track_tensor_tree(out, proxy, constant=None, tracer=tracer)
         return out
+
+    def refuse_fake_state(self) -> None:
+        """Raise :class:`FakeStateKept` where, after the capture, a kept call's non-tensor
+        argument holds a fake tensor (the model's code wrote it there after the call): the
+        node would hand it to the call at run time, and its outputs would be fake."""
+        for call in self.calls.values():
+            if (found := fake_attribute(call.leaves)) is not None:
+                obj, name = found
+                raise FakeStateKept(
+                    f"amp_graph could not capture {self.owner}: the {type(obj).__name__} "
+                    f"passed to {call.name} holds a fake tensor in its attribute {name!r} "
+                    "after the capture (the model's code stored a value the capture computed "
+                    "there), and the graph would pass that object to the call at every run. "
+                    "Fill such a cache on the first real call only (amp_graph undoes what "
+                    "the call itself writes), or keep it in a module buffer."
+                )
 
 
 def traced_call(
@@ -352,6 +427,8 @@ class FunctionKeepingInterpreter(CastKeepingInterpreter):
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         tracer = proxy_tracer()
+        if tracer is not None and (op := user_custom_op(target, args, kwargs)) is not None:
+            return self._keep_op(tracer, op, args, kwargs)
         if target is not _AUTOGRAD_FUNCTION_APPLY or tracer is None:
             return super().call_function(target, args, kwargs)
         forward, backward, *inputs = args
@@ -370,6 +447,20 @@ class FunctionKeepingInterpreter(CastKeepingInterpreter):
 
         proxy = tracer.create_proxy("call_function", call, tuple(proxies), {}, name=_snake(name))
         proxy.node.meta[KEPT_FUNCTION] = (f"{name} (as dynamo traced it)", self.autocast.describe())
+        track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+        return out
+
+    def _keep_op(self, tracer: Any, op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """One node that runs the custom op under ``autocast`` (:mod:`.custom_ops`)."""
+        function = CustomOpFunction(op)
+        call, out, proxies = traced_call(
+            tracer, function, self.autocast, args, kwargs, lambda: function.apply(*args, **kwargs)
+        )
+        from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+        name = _snake(function.__name__)
+        proxy = tracer.create_proxy("call_function", call, tuple(proxies), {}, name=name)
+        proxy.node.meta[KEPT_FUNCTION] = (call.name, self.autocast.describe())
         track_tensor_tree(out, proxy, constant=None, tracer=tracer)
         return out
 
@@ -459,15 +550,37 @@ def _not_captured(owner: str, cls: type, error: BaseException) -> str:
             "to amp_graph. Meanwhile run this module under torch.autocast, or give it a "
             "plan whose outputs are Shard or Replicate placements."
         )
-    return (
+    failed = (
         f"amp_graph could not capture {owner}: the custom autograd Function {name} failed "
-        f"when its forward ran on fake tensors ({type(error).__name__}: "
-        f"{str(error).splitlines()[0] if str(error) else ''}). amp_graph keeps a Function "
-        "whole (its own backward), but needs its output's shapes and dtypes from a run on "
-        "fake tensors. Give the Function a fake implementation: wrap its kernel in a "
+        f"when its forward ran on fake tensors ({_first_line(error)}). amp_graph keeps a "
+        "Function whole (its own backward), but needs its output's shapes and dtypes from a "
+        "run on fake tensors. "
+    )
+    if (qualname := op_without_fake(str(error))) is not None:
+        return failed + needs_fake_message(qualname)
+    return failed + (
+        "Give the Function a fake implementation: wrap its kernel in a "
         "torch.library.custom_op with register_fake (as flash-attn does), or keep the "
         "Function out of the captured module."
     )
+
+
+def _op_not_captured(owner: str, op: torch._ops.OpOverload, error: BaseException) -> str:
+    failed = (
+        f"amp_graph could not capture {owner}: the custom op {op._schema.name} failed on the "
+        f"capture's fake tensors ({_first_line(error)}). "
+    )
+    if op_without_fake(str(error)) is not None:
+        return failed + needs_fake_message(op._schema.name)
+    return failed + (
+        "Its register_fake function must run on fake tensors: it may read shapes and dtypes, "
+        "not values."
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _snake(name: str) -> str:

@@ -55,6 +55,7 @@ from amp_graph.capture.casts import (
     strip_aliases,
     strip_widening_casts,
 )
+from amp_graph.capture.custom_ops import needs_fake_message, op_without_fake
 from amp_graph.capture.fsdp_units import (
     FSDP_MIXED_PRECISION,
     UnsupportedFSDP,
@@ -309,6 +310,8 @@ def capture_module(
             "forward runs: amp_graph keeps a Function whole (its own backward) only if its "
             "class exists before the capture. Define the class once, at module level."
         )
+    if keep_functions:
+        functions.refuse_fake_state()
     with gc_paused():
         gm = _graph_module(program, model, model_attr, code_on_call)
         bind_functions(gm, functions.calls)
@@ -741,9 +744,14 @@ def _capture_error(
     model: nn.Module, error: BaseException, drawn: list[str] | None = None
 ) -> CaptureError:
     text = f"{type(error).__name__}: {error}"
-    hint = next((h for match, h in _HINTS if match(text)), None) or (
-        "If the model's Python cannot run on fake tensors, use torch.compile(model, "
-        "backend='amp_graph'), which splits the model where it must."
+    no_fake = op_without_fake(text)
+    hint = (
+        (needs_fake_message(no_fake) if no_fake else None)
+        or next((h for match, h in _HINTS if match(text)), None)
+        or (
+            "If the model's Python cannot run on fake tensors, use torch.compile(model, "
+            "backend='amp_graph'), which splits the model where it must."
+        )
     )
     if drawn:
         # often the cause: a mask drawn on the host became a constant the graph indexes with

@@ -1,0 +1,142 @@
+"""``torch.library.custom_op`` calls kept as one node that runs under torch.autocast.
+
+Eager ``torch.autocast`` leaves a custom op's inputs as they come (unless
+``torch.library.register_autocast`` casts them), and its Python body runs with autocast
+on: an ``a @ w.t()`` inside computes in the low dtype. A captured graph runs with no
+autocast state, so the op would compute in float32, or fail on mixed inputs. The capture
+therefore keeps a user's custom op the way it keeps a custom autograd Function
+(:mod:`amp_graph.capture.autograd_functions`): :class:`CustomOpFunction` gives the op the
+``apply`` a Function class has, and the node calls it under the autocast state the
+capture saw.
+
+Only functional ops made with ``torch.library.custom_op`` outside torch and amp_graph are
+kept: an op that writes into its inputs keeps its aten-style node, which the passes read
+from its schema.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
+
+_OWN_PACKAGES = ("torch", "amp_graph")
+
+
+def user_custom_op(func: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverload | None:
+    """The overload ``func`` calls, where it is a functional ``torch.library.custom_op`` of
+    the user's (defined outside torch and amp_graph), else None."""
+    op = func
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        if _definition(func._qualified_op_name.replace(".", "::", 1)) is None:
+            return None  # resolving an aten packet on every call would cost the capture
+        op = getattr(func, torch._C._jit_resolve_packet(func._qualified_op_name, *args, **kwargs))
+    if not isinstance(op, torch._ops.OpOverload) or _definition(op._schema.name) is None:
+        return None
+    schema = op._schema
+    functional = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+    return op if functional else None
+
+
+def _definition(qualname: str) -> Any:
+    """The ``CustomOpDef`` of a user's op (torch's registry of them), else None."""
+    from torch._library.custom_ops import OPDEFS
+
+    definition = OPDEFS.get(qualname)
+    module = getattr(getattr(definition, "_init_fn", None), "__module__", None) or ""
+    if definition is None or module.split(".")[0] in _OWN_PACKAGES:
+        return None
+    return definition
+
+
+class CustomOpFunction:
+    """A custom op with ``apply`` as a Function class has it (what
+    :class:`~amp_graph.capture.autograd_functions.FunctionCall` calls), named
+    ``namespace.op``.
+
+    On real tensors ``apply`` calls the op. On fake tensors it gives the value eager
+    autocast would: the op's fake (``register_fake``, after ``register_autocast``'s casts),
+    with the dtypes of the op's body run on the fake values under the current autocast
+    state where the body can run on them, since a fake written without autocast in mind
+    (``a.new_empty(...)`` for an ``a @ w.t()``) would give float32 where the body computes
+    in the low dtype."""
+
+    def __init__(self, op: torch._ops.OpOverload) -> None:
+        self.op = op
+        namespace, name = op._schema.name.split("::", 1)
+        if op._overloadname != "default":
+            name = f"{name}_{op._overloadname}"
+        self.__module__, self.__name__, self.__qualname__ = namespace, name, name
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.op(*args, **kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(leaf, FakeTensor) for leaf in leaves):
+            return out
+        return _with_body_dtypes(self.op, args, kwargs, out)
+
+
+def _with_body_dtypes(op: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` (the op's fake), or the body's value on the same fakes where its tensors
+    have the same shapes and other dtypes. An op with its own autocast rule keeps ``out``:
+    the body runs on the inputs that rule casts, which ``out`` already had."""
+    device = next(
+        (t.device.type for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)),
+        "cpu",
+    )
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _AUTOCAST_KEYS.get(device, "")):
+        return out
+    bodies = _definition(op._schema.name)._backend_fns
+    body = bodies.get(device, bodies.get(None))
+    if body is None:
+        return out
+    try:
+        computed = body(*args, **kwargs)
+    except Exception as error:  # an opaque kernel: it reads no autocast state either
+        log.debug("the body of %s does not run on fake values: %s", op, error)
+        return out
+    return computed if _same_shapes_other_dtypes(out, computed) else out
+
+
+def _same_shapes_other_dtypes(out: Any, computed: Any) -> bool:
+    """``computed`` has ``out``'s structure and tensor shapes, and some other dtype."""
+    mine, spec = pytree.tree_flatten(out)
+    theirs, their_spec = pytree.tree_flatten(computed)
+    if spec != their_spec:
+        return False
+    pairs = [(a, b) for a, b in zip(mine, theirs, strict=True) if isinstance(a, torch.Tensor)]
+    if not all(isinstance(b, torch.Tensor) and a.shape == b.shape for a, b in pairs):
+        return False
+    return any(a.dtype != b.dtype for a, b in pairs)
+
+
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+# torch's message for an op without a fake kernel names its CustomOpDef
+_NO_FAKE = re.compile(r"no fake impl registered for <CustomOpDef\(([\w.:]+)\)>")
+
+
+def op_without_fake(text: str) -> str | None:
+    """The qualified name (``ns::op``) of the custom op an error says has no fake
+    implementation, else None."""
+    found = _NO_FAKE.search(text)
+    return found.group(1) if found else None
+
+
+def needs_fake_message(qualname: str) -> str:
+    """How to give a custom op what a capture needs: its output's shapes and dtypes."""
+    return (
+        f"The custom op {qualname} has no fake (meta) implementation, which a capture needs "
+        "to know its output's shapes and dtypes without running it. Register one: "
+        f'@torch.library.register_fake("{qualname}") on a function that returns empty '
+        "tensors of the output's shapes and dtypes (torch.compile needs it as well)."
+    )
+
+
+__all__ = ["CustomOpFunction", "needs_fake_message", "op_without_fake", "user_custom_op"]
