@@ -16,6 +16,7 @@ from its schema.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from typing import Any
@@ -97,11 +98,23 @@ def _with_body_dtypes(op: torch._ops.OpOverload, args: tuple, kwargs: dict, out:
     if body is None:
         return out
     try:
-        computed = body(*args, **kwargs)
+        with _unbacked_ignored(args, kwargs):
+            computed = body(*args, **kwargs)
     except Exception as error:  # an opaque kernel: it reads no autocast state either
         log.debug("the body of %s does not run on fake values: %s", op, error)
         return out
     return computed if _same_shapes_other_dtypes(out, computed) else out
+
+
+def _unbacked_ignored(args: tuple, kwargs: dict) -> Any:
+    """While the body runs for its dtypes only: sizes it reads from values (``offs.tolist()``
+    in transformers' grouped matmul) make unbacked symbols that no output returns, which the
+    tracer would otherwise refuse at the op's end. The op's own fake gives the shapes."""
+    mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+    shape_env = getattr(mode, "shape_env", None)
+    if shape_env is None:
+        return contextlib.nullcontext()
+    return shape_env.ignore_fresh_unbacked_symbols()
 
 
 def _same_shapes_other_dtypes(out: Any, computed: Any) -> bool:
