@@ -31,10 +31,14 @@ from .meta import (
     KEPT_FUNCTION,
     NO_MODULE,
     REGION,
+    UNKNOWN,
     AmpInfo,
+    DtypeFact,
     Role,
+    is_castable,
     model_root,
     sets_a_dtype,
+    tensor_facts,
 )
 from .regions import AutocastRegion
 from .result import PassResult
@@ -243,11 +247,57 @@ def _op_facts(node: fx.Node, paths: tuple[str, ...], types: tuple[type, ...]) ->
     return OpFacts(node.name, display, keys, aten, paths, types)
 
 
+def enclosing_modules(
+    node: fx.Node, gm: nn.Module, known_types: dict[str, type] | None = None
+) -> tuple[tuple[str, ...], tuple[type, ...]]:
+    """:func:`module_stack` with the modules that hold the called ones but were never called
+    themselves (an ``nn.ModuleList`` or ``nn.ModuleDict``, a module whose children the
+    parent calls directly), each just outside the module it holds.
+
+    So a policy's ``modules={"blocks": ...}`` and ``module_types={nn.ModuleList: ...}``
+    reach every op under ``blocks``, as the user means; innermost still wins (``blocks.0``
+    over ``blocks``). Only paths the model has are added. FSDP placement asks
+    :func:`module_stack` instead: a module never called runs no hooks."""
+    paths, types = module_stack(node, gm, known_types)
+    root = model_root(gm)
+    known = {} if known_types is None else known_types
+    called = set(paths)
+    out_paths: list[str] = []
+    out_types: list[type] = []
+    for path, mtype in zip(paths, types, strict=True):
+        for holder in _holders(path):
+            if holder in called or holder in out_paths:
+                continue
+            holder_type = _held_module_type(root, holder, known)
+            if holder_type is not None:
+                out_paths.append(holder)
+                out_types.append(holder_type)
+        out_paths.append(path)
+        out_types.append(mtype)
+    return tuple(out_paths), tuple(out_types)
+
+
+def _holders(path: str) -> list[str]:
+    """``"blocks.0.attn"`` -> ``["blocks", "blocks.0"]``: the paths that contain it."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def _held_module_type(root: nn.Module, path: str, known: dict[str, type]) -> type | None:
+    """The type of the model's module at ``path``, or None where the model has none."""
+    if path not in known:
+        try:
+            known[path] = type(root.get_submodule(path))
+        except (AttributeError, TypeError):
+            return None  # a path recorded by export in a root without it: not cached
+    return known[path]
+
+
 def op_facts(node: fx.Node, gm: nn.Module, known_types: dict[str, type] | None = None) -> OpFacts:
     """What a policy looks up for the call ``node``: its keys, aten candidates and enclosing
-    modules (relative to ``gm``, as for :func:`module_stack`). Anything that matches nodes
-    the way a policy does (the monitor's selection) asks this."""
-    paths, types = module_stack(node, gm, known_types)
+    modules (relative to ``gm``, as for :func:`enclosing_modules`). Anything that matches
+    nodes the way a policy does (the monitor's selection) asks this."""
+    paths, types = enclosing_modules(node, gm, known_types)
     return _op_facts(node, paths, types)
 
 
@@ -278,6 +328,10 @@ def _in_region(
     inside ``enabled=False``; inside an enabled block the policy's tables apply (those of
     torch.autocast for the block's device when the policy casts nothing, as O0), in the
     block's dtype.
+
+    Guarantees: every table or default decision inside a block has source
+    ``"autocast region"``, so that explain names the block, and no later rule (O2's float32
+    islands) undoes what the block decided, as torch.autocast's own block would not.
     Overrides the user wrote still win."""
     if decision.source not in ("table", "default"):
         return decision
@@ -289,9 +343,12 @@ def _in_region(
             "neither does amp_graph",
         )
     if policy.casts_nothing:
-        inner = Policy.preset("autocast", region.device_type).decide(facts)
-        return Decision(inner.rule, "autocast region", f"inside {region}: {inner.detail}")
-    return decision
+        decision = Policy.preset("autocast", region.device_type).decide(facts)
+    return Decision(
+        decision.rule,
+        "autocast region",
+        f"inside {region} in the model's code, in its dtype: {decision.detail}",
+    )
 
 
 _FROM_META: Any = object()
@@ -316,7 +373,7 @@ def classify_node(
             f"classify takes the captured aten IR (call_function nodes); {node.name!r} is a "
             f"{node.op}: capture the model with amp_graph first"
         )
-    paths, types = module_stack(node, gm, known_types)
+    paths, types = enclosing_modules(node, gm, known_types)
     fixed = _fixed_role(node)
     if fixed is not None:
         role, op, detail = fixed
@@ -337,6 +394,39 @@ def classify_node(
         detail=decision.detail,
         low_dtype=region.dtype if region is not None and region.enabled else None,
     )
+
+
+_CASTING_RULES = (Rule.ALLOW, Rule.DENY, Rule.PROMOTE)
+
+
+def uncast_reads(node: fx.Node) -> list[DtypeFact] | None:
+    """The dtypes a planned op reads when its rule would cast (allow, deny, promote) but
+    nothing it reads can be: no float16, bfloat16 or float32 tensor among its inputs
+    (integers, bool, float64; ``[]`` for a factory such as ``torch.ones``), each input's
+    dtype proven. Such a rule changes nothing (a policy casts only those three dtypes, as
+    torch.autocast does) and torch decides the dtype. None for every other node.
+
+    Reads ``meta["amp"]`` of the node (role, rule, source, compute dtype) and the
+    ``out_dtype`` of its inputs: ask after assign_dtypes. ``explain`` and ``report`` ask
+    it, and the front door, for node overrides that can change nothing."""
+    amp = node.meta.get(AMP)
+    if (
+        amp is None
+        or amp.role is not Role.OP
+        or amp.rule not in _CASTING_RULES
+        or amp.source in ("fixed", "fp8")  # an fp8 GEMM's operands are its own quantizations
+        or amp.compute_dtype is not None
+    ):
+        return None
+    reads = [f for a in node.all_input_nodes for f in tensor_facts(_out_dtype(a))]
+    if any(not isinstance(f, torch.dtype) or is_castable(f) for f in reads):
+        return None  # castable, or not proven not to be
+    return reads
+
+
+def _out_dtype(node: fx.Node) -> DtypeFact:
+    amp = node.meta.get(AMP)
+    return amp.out_dtype if amp is not None else UNKNOWN
 
 
 # Nodes that compute nothing: graph inputs, model state, the output. (role, op, detail)

@@ -66,7 +66,10 @@ def effective_rule(
 ) -> Rule:
     """The node's rule once the islands are applied: a default ALLOW reading a value of the
     model's own upcast, or reading only values made from integers, computes in float32
-    (``amp.detail`` says which). ``facts``: the planned dtype facts of the nodes seen."""
+    (``amp.detail`` says which). ``facts``: the planned dtype facts of the nodes seen.
+    Only the default rule is changed: inside the model's own enabled autocast block classify
+    records source ``"autocast region"``, and the block's dtype stands, as under
+    torch.autocast."""
     rule = amp.rule or Rule.FOLLOW
     if rule is not Rule.ALLOW or amp.source != "default":
         return rule

@@ -344,8 +344,9 @@ def fp8_linears(
         # fp8 is chosen for speed alone: a policy that converts nothing must say so
         log.warning(
             "amp_graph: the fp8 policy converted none of this graph's %d linear-like ops, which "
-            "run at the policy's other dtypes: %s. See amp_graph.explain(model) for each, and "
-            "Fp8Config (module_filter, auto_filter, cost_model) for the choice.",
+            "run at the policy's other dtypes: %s. amp_graph.report(compiled).fp8_gemms gives "
+            "each layer's reason (amp_graph.explain(compiled, '<node name>') one node's), and "
+            "Fp8Config (module_filter, auto_filter, cost_model) sets the choice.",
             stats["fp8_kept"],
             "; ".join(f"{n} x {why}" for why, n in kept_because.most_common(3)),
         )

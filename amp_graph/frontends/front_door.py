@@ -38,11 +38,14 @@ from amp_graph.capture import Captured, capture_for_policy, gc_paused
 from amp_graph.frontends.cpu_low_speed import warn_if_low_matmul_is_slow
 from amp_graph.frontends.policy_request import (
     AmpRequest,
+    check_module_type_overrides,
     check_request,
     device_type_of,
     resolve,
     validate_module_overrides,
     validate_node_overrides,
+    warn_node_overrides_without_effect,
+    warn_unmatched_op_overrides,
 )
 from amp_graph.ops import recompute_ops
 from amp_graph.ops.recompute_cost import RecomputeCost, measured_cost
@@ -97,7 +100,9 @@ def admit(
     ``runs_here`` is False: an exported program runs elsewhere); a module
     override matching none of ``module`` 's ``named_modules()`` paths raises ``ValueError``
     naming the nearest path, the paths read from ``where`` (``"model"``, or ``"graph"`` for
-    a ``Graph``'s). ``where=None`` skips that check: the entry point cannot see the whole
+    a ``Graph``'s); a module type override no module of ``module`` is an instance of warns
+    (raises where it is another class object of the name of one of the model's).
+    ``where=None`` skips those checks: the entry point cannot see the whole
     model (the backend, which dynamo hands one graph at a time, warns instead), or checked
     it before (a later call of a compiled model).
     """
@@ -106,8 +111,9 @@ def admit(
     if runs_here:
         warn_if_low_matmul_is_slow(request.policy, request.dtype, request.device_type)
     if where is not None and module is not None:
-        paths = [name for name, _ in module.named_modules()]
-        validate_module_overrides(request.policy, paths, where=where)
+        named = list(module.named_modules())
+        validate_module_overrides(request.policy, [name for name, _ in named], where=where)
+        check_module_type_overrides(request.policy, [m for _, m in named])
     return request
 
 
@@ -155,7 +161,9 @@ def rewrite(
 
     ``gm``'s placeholders should carry example values (``meta["val"]``) so that every dtype
     is exact. ``check_nodes``: a node override naming no node of ``gm`` raises
-    ``ValueError`` (False where ``gm`` is one piece of a model: the backend's).
+    ``ValueError`` (False where ``gm`` is one piece of a model: the backend's); an op
+    override matching none of its ops, and a node override on a node that reads nothing a
+    policy casts (integers, float64), warn that they change nothing.
     ``check_each_pass``: verify after every pass (:func:`amp_graph.passes.run_passes`).
     ``seconds`` adds the capture's own timings to the record; ``keep_original=False`` keeps
     no copy of the graph before the passes (``record.original`` None: an export, which no
@@ -190,6 +198,8 @@ def rewrite(
         start = time.perf_counter()
         inlined = inline_regions(gm)  # the captured form the passes and diffs read: flat
         inlined_seconds = time.perf_counter() - start
+        if check_nodes:  # the ops of the model's own autocast blocks are in the graph now
+            warn_unmatched_op_overrides(policy, gm)
         original = (copy_graph(gm), gm) if keep_original else None
         result = run_passes(
             gm,
@@ -201,6 +211,8 @@ def rewrite(
             low_copies=low_copies,
             read_cost=read_cost,
         )
+    if check_nodes:
+        warn_node_overrides_without_effect(policy, gm)
     stats = {**inlined.stats, **result.stats}
     timings = {**(seconds or {}), "inline_regions": inlined_seconds, **result.seconds}
     exact = bool(result.stats.get("exact_dtypes"))

@@ -14,22 +14,32 @@ for every entry point (``compile``, ``compile_``, the backend, ``Graph``, ``expo
   names that match nothing raise ``ValueError`` naming the nearest. The paths are those of
   the module the entry point captures: the model's own ``named_modules()`` for ``compile``,
   the Graph's (``model.head`` for ``self.model``) for ``Graph``; the backend only warns
-  (dynamo may split a model over graphs).
+  (dynamo may split a model over graphs). A module type or op override that matches
+  nothing in the model a policy is applied to warns instead
+  (:func:`check_module_type_overrides`, :func:`warn_unmatched_op_overrides`): a policy, as
+  its op tables, may serve several models. A module type of the model's class name that is
+  another class object raises;
+* :func:`warn_node_overrides_without_effect`: a node override on a node that reads nothing
+  a policy casts (integers, float64) is accepted, and changes nothing: a warning says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from amp_graph.frontends.user_frames import users_stacklevel
+from amp_graph.passes.classify import op_facts, uncast_reads
 from amp_graph.passes.meta import LOW_PRECISION
-from amp_graph.policy import PRESETS, Policy, resolve_policy
+from amp_graph.policy import PRESETS, Policy, base_name, nearest, op_key_name, resolve_policy
 
 
 @dataclass(frozen=True)
@@ -46,12 +56,19 @@ def default_dtype(device_type: str) -> torch.dtype:
     return torch.float16 if device_type == "cuda" else torch.bfloat16
 
 
-def check_dtype(dtype: Any) -> torch.dtype:
-    """``dtype`` if it is a low-precision compute dtype; a ValueError saying what to pass else."""
+def check_dtype(dtype: Any, policy: Policy | None = None) -> torch.dtype:
+    """``dtype`` if it is a low-precision compute dtype; a ValueError saying what to pass
+    else (for ``policy``, where given: O0 with overrides needs a low dtype for them)."""
     if dtype in LOW_PRECISION:
         return dtype
     hint = ""
-    if dtype == torch.float32:
+    if dtype == torch.float32 and policy is not None and policy.casts_nothing:
+        hint = (
+            " A policy that casts nothing (O0) computes in float32 already; its overrides "
+            "compute in dtype, so pass torch.float16 or torch.bfloat16 (or leave dtype out "
+            "for the device's default)."
+        )
+    elif dtype == torch.float32:
         hint = " For float32 everywhere use policy='O0'."
     elif isinstance(dtype, str):
         name = "bfloat16" if "b" in dtype else "float16"
@@ -62,24 +79,61 @@ def check_dtype(dtype: Any) -> torch.dtype:
     )
 
 
+# dtype names people pass as the policy: the dtype is compile's next argument
+_DTYPE_NAMES = {
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
+_FLOAT32_NAMES = frozenset({"fp32", "float32", "float"})
+
+
+def check_policy_name(policy: str) -> None:
+    """Raise ValueError for a dtype's name given as the policy, saying where it goes."""
+    name = policy.lower()
+    if name in _DTYPE_NAMES:
+        raise ValueError(
+            f"policy {policy!r} names a dtype, not a preset; the dtype is a separate "
+            f"argument: amp_graph.compile(model, 'O1', torch.{_DTYPE_NAMES[name]}). "
+            f"Presets are {list(PRESETS)}."
+        )
+    if name in _FLOAT32_NAMES:
+        raise ValueError(
+            f"policy {policy!r} names a dtype, not a preset; for float32 everywhere use "
+            f"policy='O0'. Presets are {list(PRESETS)}."
+        )
+
+
+def float32_for_o0(policy: Policy, dtype: Any) -> bool:
+    """``dtype=torch.float32`` with a policy that changes nothing (O0): what it computes in
+    anyway, so accepted; the plan then takes the device's default low dtype, which no op
+    uses (the model's own autocast blocks keep their dtype)."""
+    return dtype == torch.float32 and policy.changes_nothing
+
+
 def check_request(policy: Policy | str, dtype: Any) -> None:
-    """Raise for a policy or dtype that no model could make valid: a policy of the wrong type
-    or an unknown preset (naming the nearest), a dtype that is not a low float, a dtype fp8
-    cannot compute around."""
+    """Raise for a policy or dtype that no model could make valid: a policy of the wrong type,
+    a dtype's name as the policy (saying that dtype is its own argument), an unknown preset
+    (naming the nearest), a dtype that is not a low float (float32 is accepted with O0, which
+    computes in it), a dtype fp8 cannot compute around."""
     if not isinstance(policy, (Policy, str)):
         raise TypeError(
             f"policy is a preset name {list(PRESETS)} or an amp_graph.Policy; "
             f"got {policy!r} of type {type(policy).__name__}"
         )
+    if isinstance(policy, str):
+        check_policy_name(policy)
     resolved = resolve_policy(policy, "cpu")  # an unknown preset fails here
-    if dtype is None:
+    if dtype is None or float32_for_o0(resolved, dtype):
         return
     if resolved.fp8 is not None:
         from amp_graph.policy.fp8_recipe import check_fp8_low_dtype
 
         check_fp8_low_dtype(dtype)
     else:
-        check_dtype(dtype)
+        check_dtype(dtype, resolved)
 
 
 def resolve_dtype(policy: Policy, dtype: Any, device_type: str) -> torch.dtype:
@@ -93,7 +147,9 @@ def resolve_dtype(policy: Policy, dtype: Any, device_type: str) -> torch.dtype:
         dtype = check_fp8_low_dtype(torch.bfloat16 if dtype is None else dtype)
         require_fp8_matmul(device_type, policy.fp8.recipe)
         return dtype
-    return check_dtype(default_dtype(device_type) if dtype is None else dtype)
+    if dtype is None or float32_for_o0(policy, dtype):
+        return default_dtype(device_type)
+    return check_dtype(dtype, policy)
 
 
 def device_type_of(module: nn.Module | None, inputs: Any = ()) -> str:
@@ -147,14 +203,101 @@ def validate_node_overrides(policy: Policy, node_names: Iterable[str]) -> None:
     policy.validate_nodes(node_names)
 
 
+def check_module_type_overrides(policy: Policy, modules: Iterable[nn.Module]) -> None:
+    """For each ``module_types`` key no module of ``modules`` is an instance of (the policy
+    matches a type and its subclasses): a ValueError where the model has a class of that
+    name, another class object (the same class imported twice, a copy of a library: the
+    override surely meant it), else a UserWarning naming the nearest class. A policy may
+    serve several models, as its tables do, so a type one model lacks is no error."""
+    present = list(dict.fromkeys(type(m) for m in modules))
+    for key in policy.module_types:
+        if any(issubclass(cls, key) for cls in present):
+            continue
+        said = f"module type override {_qualified(key)} matches no module of the model."
+        twin = next((c for c in present if c.__qualname__ == key.__qualname__), None)
+        if twin is not None:
+            raise ValueError(
+                f"{said} The model's {twin.__qualname__} is a different class object: "
+                f"{_qualified(twin)} (id {id(twin):#x}), where the override names "
+                f"{_qualified(key)} (id {id(key):#x}); pass the model's own class "
+                f"(type(module) of one of its {twin.__qualname__} modules)."
+            )
+        hint = nearest(key.__qualname__, [c.__qualname__ for c in present])
+        _warn(f"{said}{hint} It changes nothing here.")
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _warn(message: str) -> None:
+    """A UserWarning pointing at the user's line: a setting that changes nothing."""
+    warnings.warn(f"amp_graph: {message}", UserWarning, stacklevel=users_stacklevel())
+
+
+def warn_unmatched_op_overrides(policy: Policy, gm: fx.GraphModule) -> None:
+    """A UserWarning for each op override that matches no op of the captured ``gm``, naming
+    the nearest of its ops: ``"_softmax"`` (the op a profiler shows, where the graph calls
+    ``softmax``), ``"conv2d"`` in a model without convolutions. Matched as the policy
+    matches (its own lookup, one override at a time). A warning, not an error: a policy
+    may serve several models, as its op tables do."""
+    if not policy.ops:
+        return
+    known: dict[str, type] = {}
+    facts = [op_facts(n, gm, known) for n in gm.graph.nodes if n.op == "call_function"]
+    for key, rule in policy.ops.items():
+        probe = Policy("probe", ops={key: rule})
+        if any(probe.decide(f).source == "op override" for f in facts):
+            continue
+        names = sorted({base_name(f.aten[0]) for f in facts if f.aten})
+        _warn(
+            f"op override {op_key_name(key)!r} matches no op of the captured graph, so it "
+            f"changes nothing here.{nearest(_bare_name(key), names)} The graph's ops are "
+            "aten ops (amp_graph.report(compiled) lists them)."
+        )
+
+
+def _bare_name(key: Any) -> str:
+    """An op key as the graph's aten ops are named, to find the nearest: ``"aten::mm.out"``
+    -> ``"mm"``, ``torch.ops.aten.softmax.int`` -> ``"softmax"``, ``nn.Conv2d`` ->
+    ``"conv2d"``."""
+    if isinstance(key, str):
+        return base_name(key.split("::")[-1])
+    name = op_key_name(key)
+    if name.startswith("aten."):
+        return base_name(name.removeprefix("aten."))
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def warn_node_overrides_without_effect(policy: Policy, gm: fx.GraphModule) -> None:
+    """Warn once per planned ``gm`` for each node override on a node that reads nothing a
+    policy casts (:func:`amp_graph.passes.classify.uncast_reads`): accepted, it changes
+    nothing."""
+    for node in gm.graph.nodes:
+        if node.name not in policy.nodes or (reads := uncast_reads(node)) is None:
+            continue
+        what = ", ".join(dict.fromkeys(str(d).replace("torch.", "") for d in reads))
+        _warn(
+            f"node override {node.name!r} -> {policy.nodes[node.name]} has no effect: "
+            f"{node.name!r} reads no floating-point value a policy casts (it reads "
+            f"{what or 'no tensor'}; only float16, bfloat16 and float32 are cast). Cast its "
+            "inputs in the model to change its dtype."
+        )
+
+
 __all__ = [
     "AmpRequest",
     "check_dtype",
+    "check_module_type_overrides",
+    "check_policy_name",
     "check_request",
     "default_dtype",
     "device_type_of",
+    "float32_for_o0",
     "resolve",
     "resolve_dtype",
     "validate_module_overrides",
     "validate_node_overrides",
+    "warn_node_overrides_without_effect",
+    "warn_unmatched_op_overrides",
 ]

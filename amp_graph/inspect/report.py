@@ -15,6 +15,7 @@ import torch.fx as fx
 from amp_graph.frontends.compiler import as_graph_module, compile_record
 from amp_graph.frontends.front_door import CompileRecord
 from amp_graph.monitoring.selection import is_default, is_quantization
+from amp_graph.passes.classify import uncast_reads
 from amp_graph.passes.meta import (
     AMP,
     FSDP_MIXED_PRECISION,
@@ -113,6 +114,9 @@ class Report:
     products: int = 0
     wide_products: dict[str, str] = field(default_factory=dict)
     low_products: dict[str, int] = field(default_factory=dict)
+    # products the policy cannot cast (float64, integers): name -> "<dtype>: why"; neither
+    # float32 nor low, whatever their rule says
+    uncast_products: dict[str, str] = field(default_factory=dict)
     # under an fp8 policy, each linear-like GEMM: node name -> why it is fp8 or not
     fp8_gemms: dict[str, str] = field(default_factory=dict)
     graph_module: fx.GraphModule | None = field(default=None, repr=False, compare=False)
@@ -138,7 +142,9 @@ class Report:
             f"({bytes_text(self.recomputed_cast_bytes)} not held from forward to backward)"
             + _declined_text(self.casts_recompute_declined, self.recompute_cost)
             + _placement_text(self)
-            + _products_text(self.products, self.wide_products, self.low_products)
+            + _products_text(
+                self.products, self.wide_products, self.low_products, self.uncast_products
+            )
             + _fp8_text(self.fp8_gemms)
             + _fsdp_text(self.fsdp_mixed_precision)
             + _read_low_text(self.fsdp_read_low, self.dtype)
@@ -192,26 +198,32 @@ class Report:
         return draw(self._compiled(), **options)
 
 
-def _products_text(products: int, wide: dict[str, str], low: dict[str, int]) -> str:
-    """One line, and one more per float32 product (the first few): where the GEMMs run."""
+def _products_text(
+    products: int, wide: dict[str, str], low: dict[str, int], uncast: dict[str, str]
+) -> str:
+    """One line, one more per float32 product and per product the policy cannot cast (the
+    first few of each): where the GEMMs run, each in the dtype it computes in."""
     if not products:
         return ""
     if len(low) == 1:
         where = f"in {next(iter(low))}"
+    elif not low:
+        where = "low"
     else:  # e.g. fp8 with its first and last layers in bf16
         where = "low: " + ", ".join(f"{n} in {dtype}" for dtype, n in sorted(low.items()))
-    text = f"\nmatrix products and convolutions: {products - len(wide)} of {products} {where}"
-    return text + _first_few(wide, "in float32", "more (Report.wide_products)")
+    text = f"\nmatrix products and convolutions: {sum(low.values())} of {products} {where}"
+    text += _first_few(wide, "in float32:", "more (Report.wide_products)")
+    return text + _first_few(uncast, "in", "more (Report.uncast_products)")
 
 
 _WIDE_SHOWN = 5
 
 
 def _first_few(reasons: dict[str, str], what: str, rest: str) -> str:
-    """A line per node (the first :data:`_WIDE_SHOWN`), ``name what: why``, and one for the
+    """A line per node (the first :data:`_WIDE_SHOWN`), ``name what why``, and one for the
     rest: ``and N rest``."""
     shown = list(reasons.items())[:_WIDE_SHOWN]
-    text = "".join(f"\n  {name} {what}: {why}" for name, why in shown)
+    text = "".join(f"\n  {name} {what} {why}" for name, why in shown)
     if len(reasons) > len(shown):
         text += f"\n  and {len(reasons) - len(shown)} {rest}"
     return text
@@ -238,25 +250,44 @@ def _fp8_text(gemms: dict[str, str]) -> str:
         return ""
     kept = {name: why for name, why in gemms.items() if why.startswith("not fp8")}
     text = f"\nfp8 GEMMs: {len(gemms) - len(kept)} of {len(gemms)} in float8 (Report.fp8_gemms)"
-    return text + _first_few(kept, "kept", "more kept")
+    return text + _first_few(kept, "kept:", "more kept")
 
 
-def wide_products(gm: fx.GraphModule) -> tuple[int, dict[str, str], dict[str, int]]:
+def wide_products(
+    gm: fx.GraphModule,
+) -> tuple[int, dict[str, str], dict[str, int], dict[str, str]]:
     """The matrix products and convolutions of a compiled graph (as the monitor selects them
-    by default, less its fp8 quantizations), those computing in float32 or float64 with their
-    rule's reason, and how many compute in each other dtype (:func:`product_dtype`)."""
-    count, wide, low = 0, {}, Counter()
+    by default, less its fp8 quantizations): how many; those computing in float32, with
+    their rule's reason; how many compute in each low dtype (:func:`product_dtype`); and
+    those reading nothing the policy casts (float64, integers), ``"<dtype>: why"``."""
+    count, wide, low, uncast = 0, {}, Counter(), {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not is_default(node) or is_quantization(node):
             continue
         count += 1
         computes = product_dtype(node)
-        if computes in (torch.float32, torch.float64):
-            amp: AmpInfo = node.meta[AMP]
+        amp: AmpInfo = node.meta[AMP]
+        if computes == torch.float32:
             wide[node.name] = amp.detail or str(amp.rule)
+        elif computes == torch.float64 or (
+            isinstance(computes, torch.dtype) and not computes.is_floating_point
+        ):
+            reads = uncast_reads(node)
+            why = _uncast_reason(reads) if reads is not None else amp.detail or str(amp.rule)
+            uncast[node.name] = f"{short(computes)}: {why}"
         else:
             low[short(computes)] += 1
-    return count, wide, dict(low)
+    return count, wide, dict(low), uncast
+
+
+def _reads_text(reads: list) -> str:
+    """What a node reads that no policy casts (:func:`uncast_reads`): ``"i64, fp64"``."""
+    return ", ".join(dict.fromkeys(short(d) for d in reads)) or "no tensor"
+
+
+def _uncast_reason(reads: list) -> str:
+    """Why a node's rule casts nothing, in a phrase."""
+    return f"not cast: it reads no floating-point value the policy casts ({_reads_text(reads)})"
 
 
 def product_dtype(node: fx.Node) -> torch.dtype | None:
@@ -330,18 +361,27 @@ def cast_bytes(gm: fx.GraphModule) -> int | None:
     return total
 
 
+NOT_CAST = "not cast"  # a row's rule where the node reads nothing the policy casts
+
+
 def _row(node: fx.Node, module: str) -> NodeRow:
     amp: AmpInfo = node.meta[AMP]
     casts_in = [a.name for a in inputs_behind_reads(node) if a.meta[AMP].role is Role.CAST]
     casts_out = [u.name for u in users_through_reads(node) if u.meta[AMP].role is Role.CAST]
+    rule, decided_by, detail = str(amp.rule), amp.source, amp.detail
+    if amp.role is not Role.OP:
+        rule = str(amp.role)
+    elif (reads := uncast_reads(node)) is not None:  # its rule applies to nothing it reads
+        rule, decided_by = NOT_CAST, "input dtypes"
+        detail = f"{_uncast_reason(reads)}; its {amp.rule} rule ({amp.source}) does not apply"
     return NodeRow(
         name=node.name,
         op=amp.op or node.op,
         module=module,
         role=str(amp.role),
-        rule=str(amp.rule) if amp.role is Role.OP else str(amp.role),
-        decided_by=amp.source,
-        detail=amp.detail,
+        rule=rule,
+        decided_by=decided_by,
+        detail=detail,
         compute=short(amp.compute_dtype) if amp.compute_dtype else "-",
         out=short(amp.out_dtype),
         casts_in=casts_in,
@@ -377,7 +417,7 @@ def report(compiled: Any) -> Report:
     ops = Counter(
         r.out for r in rows if r.role in (str(Role.OP), str(Role.USER_CAST), str(Role.INPLACE))
     )
-    products, wide, low = wide_products(compiled)
+    products, wide, low, uncast = wide_products(compiled)
     return Report(
         policy=record.policy.name,
         dtype=short(record.dtype),
@@ -405,6 +445,7 @@ def report(compiled: Any) -> Report:
         products=products,
         wide_products=wide,
         low_products=low,
+        uncast_products=uncast,
         fp8_gemms=fp8_gemms(compiled) if record.policy.fp8 is not None else {},
         graph_module=compiled,
     )
@@ -520,8 +561,13 @@ def explain(compiled: Any, node_name: str) -> Explanation:
         )
     text = [f"'{node.name}' ({amp.op}{where}) returns {out}."]
     casts_in = [a for a in inputs_behind_reads(node) if a.meta[AMP].role is Role.CAST]
-    decided = amp.role is Role.OP and amp.rule is not None and amp.source != "fixed"
-    if amp.role is Role.OP and amp.source == "fixed":  # views, getitem: what the op is decides
+    uncast = uncast_reads(node)
+    decided = (
+        amp.role is Role.OP and amp.rule is not None and amp.source != "fixed" and uncast is None
+    )
+    if uncast is not None:  # a rule that casts, on values no policy casts: it decides nothing
+        text.append(_uncast_sentence(amp, uncast, out))
+    elif amp.role is Role.OP and amp.source == "fixed":  # views, getitem: what the op is decides
         text.append(
             f"Its rule is {Rule.FOLLOW.value}, fixed by what it is: {amp.detail}. No policy "
             "or override reclassifies it; its consumers' rules decide the casts around it."
@@ -531,7 +577,7 @@ def explain(compiled: Any, node_name: str) -> Explanation:
     elif decided:
         text.append(
             f"Its rule is {amp.rule.value}: compute in {RULE_MEANING[amp.rule]}, decided "
-            f"by the {amp.source} level: {amp.detail}."
+            f"by {_decider(amp.source)}: {amp.detail}."
         )
         if amp.cast_absorbed:
             text.append(
@@ -583,6 +629,25 @@ def explain(compiled: Any, node_name: str) -> Explanation:
             "< module type < module path < node)."
         )
     return Explanation("\n".join(text))
+
+
+def _decider(source: str) -> str:
+    """What decided a rule, in words: the model's own autocast block, or a policy level."""
+    if source == "autocast region":
+        return "the model's own torch.autocast block"
+    return f"the {source} level"
+
+
+def _uncast_sentence(amp: AmpInfo, reads: list, out: str) -> str:
+    """The truth about a casting rule on a node that reads nothing a policy casts."""
+    return (
+        f"Not cast: it reads no floating-point value the policy casts (it reads "
+        f"{_reads_text(reads)}; only float16, bfloat16 and float32 are cast, as by "
+        "torch.autocast), so its "
+        f"{amp.rule.value} rule, from {_decider(amp.source)} ({amp.detail}), does not apply: "
+        f"torch computes it in {out} as the model wrote it. No override changes that; "
+        + ("a cast of its inputs in the model does." if reads else "its dtype= argument does.")
+    )
 
 
 def _outputs_text(outputs_cast: int) -> str:
