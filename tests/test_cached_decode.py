@@ -7,6 +7,7 @@ at WARNING with the reason."""
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 
 import pytest
@@ -432,3 +433,40 @@ def test_an_encoder_decoder_generate_says_its_encoder_ran_outside_the_graph(capl
     assert torch.equal(got.sequences, expected.sequences)
     for ours, theirs in zip(got.scores, expected.scores, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_a_batch_of_one_then_beams_captures_once_per_batch_kind_not_per_step():
+    """torch.export specializes dims of size 1: a graph with symbolic sizes made at batch 1
+    refuses batch 2 (two beams) and the reverse. Each gets its own pair of decode graphs,
+    which then serve every length; they had been one static capture per step. Tokens and
+    scores stay torch.autocast's."""
+    model = _llama()
+    prompt = _prompt(batch=1, length=5)
+    beams = dict(GENERATE, num_beams=2, max_new_tokens=10)
+    with torch.autocast("cpu", BF16):
+        expected = [model.generate(prompt, **GENERATE), model.generate(prompt, **beams)]
+    amp_graph.compile_(model, "autocast", BF16)
+    got = [model.generate(prompt, **GENERATE), model.generate(prompt, **beams)]
+    for ours, theirs in zip(got, expected, strict=True):
+        assert torch.equal(ours.sequences, theirs.sequences)
+        for a, b in zip(ours.scores, theirs.scores, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(model.forward.compiled.decoder.graph_modules) == 4
+    model.generate(_prompt(batch=1, length=7), **beams)  # another length: no new graph
+    assert len(model.forward.compiled.decoder.graph_modules) == 4
+
+
+def test_following_the_encoder_advice_without_a_cache_draws_no_contrary_warning():
+    """generate(use_cache=False) calls the compiled forward for the decoder, with the
+    encoder's outputs: under the torch.autocast the encoder warning advises, the 'called
+    inside torch.autocast: call it outside' warning would contradict it."""
+    model = _bart()
+    amp_graph.compile_(model, "O1", BF16)
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", BF16):
+        warnings.simplefilter("always")
+        model.generate(_prompt(1, 6), max_new_tokens=3, do_sample=False, use_cache=False)
+    assert not [w for w in caught if "called inside torch.autocast" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", BF16):
+        warnings.simplefilter("always")
+        model(_prompt(1, 6), decoder_input_ids=_prompt(1, 2), use_cache=False)
+    assert [w for w in caught if "called inside torch.autocast" in str(w.message)]  # still said

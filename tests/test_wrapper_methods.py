@@ -64,3 +64,43 @@ def test_a_method_of_a_compiled_in_place_model_is_its_own() -> None:
     model, x, expected = _classifier_input_and_autocast_prediction()
     amp_graph.compile_(model, "autocast", torch.bfloat16)
     assert torch.equal(model.predict(x), expected)
+
+
+class Autoencoder(nn.Module):
+    """diffusers' AutoencoderKL's shape: ``decode`` calls the decoder, never ``self``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(8, 4), nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(z)
+
+    def decoder_weight(self) -> torch.Tensor:
+        return self.decoder.weight
+
+
+def test_a_method_that_never_calls_the_model_says_it_ran_uncompiled(caplog) -> None:
+    model = Autoencoder()
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    z = torch.randn(2, 4)
+    with caplog.at_level("WARNING", logger="amp_graph"):
+        out = compiled.decode(z)
+        compiled.decode(z)  # said once
+        compiled.decoder_weight()  # a getter: nothing computed, nothing said
+        compiled(torch.randn(2, 8))
+    assert torch.equal(out, model.decoder(z)) and out.dtype == torch.float32  # what it did
+    said = [r.getMessage() for r in caplog.records if "ran uncompiled" in r.getMessage()]
+    assert len(said) == 1 and "Autoencoder.decode" in said[0]
+    assert "amp_graph.compile_(model.<submodule>" in said[0]
+
+
+def test_a_method_that_calls_the_model_says_nothing(caplog) -> None:
+    model, x, _ = _classifier_input_and_autocast_prediction()
+    compiled = amp_graph.compile(model, "O1", torch.bfloat16)
+    with caplog.at_level("WARNING", logger="amp_graph"):
+        compiled.predict(x)
+    assert not [r for r in caplog.records if "ran uncompiled" in r.getMessage()]

@@ -2,10 +2,10 @@
 
 :class:`CaptureCache` serves :class:`~amp_graph.frontends.compiler.CompiledModule` and
 :class:`amp_graph.Graph` alike: a new structure, dtype, device type, rank or memory layout
-of the inputs, or a module's ``training`` flag, is a new signature; new sizes within one
-get one more capture with symbolic sizes. A call whose plain tensors have the last call's
-properties is answered without flattening its inputs (the common step: the same batch
-shape every time).
+of the inputs, which of their dims have size 0 or 1, or a module's ``training`` flag, is a
+new signature; new sizes within one get one more capture with symbolic sizes. A call whose
+plain tensors have the last call's properties is answered without flattening its inputs
+(the common step: the same batch shape every time).
 """
 
 from __future__ import annotations
@@ -39,11 +39,27 @@ def _layout(tensor: torch.Tensor) -> Any:
     return tensor.stride()
 
 
+def _unit_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The dims of size 0 or 1: torch.export specializes them (a capture with symbolic sizes
+    made at batch 2 refuses batch 1, and one made at batch 1 has no symbol for the batch),
+    so a call with such a dim gets its own signature, and its own capture with symbolic
+    sizes, rather than one static graph per size of the others."""
+    return tuple(d for d, size in enumerate(tensor.shape) if size < 2)
+
+
 def _describe(value: Any) -> Any:
-    """What a capture is specialized on, for one input: a tensor's dtype, device, rank and
-    layout (not its sizes), a Python value itself; containers element by element."""
+    """What a capture is specialized on, for one input: a tensor's dtype, device, rank,
+    layout and dims of size 0 or 1 (not its other sizes), a Python value itself; containers
+    element by element."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, value.device.type, value.dim(), _layout(value))
+        return (
+            "tensor",
+            value.dtype,
+            value.device.type,
+            value.dim(),
+            _layout(value),
+            _unit_dims(value),
+        )
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_describe(v) for v in value))
     if isinstance(value, dict):

@@ -45,6 +45,7 @@ from amp_graph.frontends.model_forwards import (
     forward_signature,
     graph_forward,
     in_place_capture,
+    warn_method_ran_uncompiled,
 )
 from amp_graph.frontends.policy_request import AmpRequest
 from amp_graph.passes import AMP, Role
@@ -116,6 +117,7 @@ class CompiledModule(nn.Module):
         self._last: Captured | None = None
         self._monitor: Any = None  # an amp_graph.monitoring.Monitor picks each call's graph
         self._in_place = False  # set by compile_: capture the class's forward
+        self.calls = 0  # calls of the graphs (a method reached through the wrapper may make none)
         self.forward = SignedForward(self._call, forward_signature(model))
 
     def __getattr__(self, name: str) -> Any:
@@ -135,8 +137,12 @@ class CompiledModule(nn.Module):
 
             @functools.wraps(value)
             def through_the_graph(*args: Any, **kwargs: Any) -> Any:
+                before = self.calls
                 with graph_forward(self):
-                    return value(*args, **kwargs)
+                    out = value(*args, **kwargs)
+                if self.calls == before:
+                    warn_method_ran_uncompiled(self, name, out)
+                return out
 
             return through_the_graph
 
@@ -226,10 +232,13 @@ class CompiledModule(nn.Module):
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_exporting():
             raise export_refused(type(self._orig_mod).__name__)
+        self.calls += 1
         if decodes_with_cache(kwargs):
             return self.decoder(args, kwargs)  # a KV cache: the decode graphs
         captured, leaves = self._captured_for(args, kwargs)
-        if torch.is_autocast_enabled(self.device_type):
+        if torch.is_autocast_enabled(self.device_type) and kwargs.get("encoder_outputs") is None:
+            # (an encoder-decoder's decoder call: generate under torch.autocast is what the
+            # decode path advises, so that its encoder, run outside the graph, gets autocast)
             self._warn_autocast()
             with torch.autocast(self.device_type, enabled=False):
                 return self._run(captured, args, kwargs, leaves)

@@ -12,7 +12,8 @@ model runs).
   ``compile_`` set).
 * :func:`graph_forward`: while active, a :class:`~amp_graph.frontends.compiler.CompiledModule`'s
   model calls itself as if compiled in place, so that its own methods that call it
-  (HF ``generate``) run the graph and the decode graphs, not the model in float32.
+  (HF ``generate``) run the graph and the decode graphs, not the model in float32;
+  :func:`warn_method_ran_uncompiled` says when such a method computed without calling it.
 
 Nothing global is patched: each sets or removes one instance attribute.
 """
@@ -25,6 +26,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 log = logging.getLogger(__name__)
@@ -151,3 +153,35 @@ def graph_forward(compiled: Any) -> Iterator[None]:
     finally:
         del model.__dict__["forward"]
         compiled._in_place = in_place
+
+
+def warn_method_ran_uncompiled(compiled: Any, name: str, out: Any) -> None:
+    """A method of ``compiled``'s model reached through the wrapper returned floating-point
+    tensors (not the model's own parameters or buffers) without calling the model: it
+    called submodules directly (diffusers' ``AutoencoderKL.decode`` calls ``self.decoder``),
+    which ran uncompiled, in float32. Said once per method, at WARNING."""
+    said = compiled.__dict__.setdefault("_uncompiled_methods", set())
+    if name in said or not _computed_tensors(compiled.model, out):
+        return
+    said.add(name)
+    model = type(compiled.model).__name__
+    log.warning(
+        "amp_graph: %s.%s, called through the compiled wrapper, returned tensors without "
+        "calling the model's forward: the submodules it calls directly ran uncompiled, in "
+        "float32. Compile the submodule it calls (amp_graph.compile_(model.<submodule>, "
+        "...)), or call the method under torch.autocast.",
+        model,
+        name,
+    )
+
+
+def _computed_tensors(model: nn.Module, out: Any) -> bool:
+    """Whether ``out`` holds a floating-point tensor that is not one of ``model``'s
+    parameters or buffers (a getter's return)."""
+    from torch.utils import _pytree as pytree
+
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    return any(
+        isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in own
+        for t in pytree.tree_leaves(out)
+    )
