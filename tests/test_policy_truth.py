@@ -335,6 +335,9 @@ def test_a_dtype_given_as_the_policy_says_dtype_is_its_own_argument(name: str, f
         amp_graph.compile(NormHead(), name, example_inputs=(x,))
     said = str(raised.value)
     assert f"amp_graph.compile(model, 'O1', torch.{full})" in said and "Did you mean" not in said
+    with pytest.raises(ValueError) as raised:  # the preset itself, asked by name
+        amp_graph.Policy.preset(name)
+    assert str(raised.value) == said
 
 
 def test_the_fp8_none_converted_warning_names_a_call_that_exists(caplog) -> None:

@@ -40,6 +40,7 @@ from amp_graph.frontends.user_frames import users_stacklevel
 from amp_graph.passes.classify import op_facts, uncast_reads
 from amp_graph.passes.meta import LOW_PRECISION
 from amp_graph.policy import PRESETS, Policy, base_name, nearest, op_key_name, resolve_policy
+from amp_graph.policy.precision_policy import dtype_given_as_preset
 
 
 @dataclass(frozen=True)
@@ -79,31 +80,10 @@ def check_dtype(dtype: Any, policy: Policy | None = None) -> torch.dtype:
     )
 
 
-# dtype names people pass as the policy: the dtype is compile's next argument
-_DTYPE_NAMES = {
-    "fp16": "float16",
-    "float16": "float16",
-    "half": "float16",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-}
-_FLOAT32_NAMES = frozenset({"fp32", "float32", "float"})
-
-
 def check_policy_name(policy: str) -> None:
     """Raise ValueError for a dtype's name given as the policy, saying where it goes."""
-    name = policy.lower()
-    if name in _DTYPE_NAMES:
-        raise ValueError(
-            f"policy {policy!r} names a dtype, not a preset; the dtype is a separate "
-            f"argument: amp_graph.compile(model, 'O1', torch.{_DTYPE_NAMES[name]}). "
-            f"Presets are {list(PRESETS)}."
-        )
-    if name in _FLOAT32_NAMES:
-        raise ValueError(
-            f"policy {policy!r} names a dtype, not a preset; for float32 everywhere use "
-            f"policy='O0'. Presets are {list(PRESETS)}."
-        )
+    if (said := dtype_given_as_preset(policy)) is not None:
+        raise ValueError(said)
 
 
 def float32_for_o0(policy: Policy, dtype: Any) -> bool:

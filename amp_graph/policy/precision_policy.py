@@ -450,8 +450,10 @@ class Policy:
         :meth:`with_fp8` for other recipes and layer filters).
         """
         if not isinstance(name, str) or name not in PRESETS:
+            said = dtype_given_as_preset(name) if isinstance(name, str) else None
             raise ValueError(
-                f"unknown policy preset {name!r}; presets are {list(PRESETS)}."
+                said
+                or f"unknown policy preset {name!r}; presets are {list(PRESETS)}."
                 f"{nearest(str(name), PRESETS)}"
             )
         if name == "O0":
@@ -703,6 +705,36 @@ def _glob_regex(glob: str) -> re.Pattern[str]:
     for token in re.split(r"(\*\*|\*|\?)", glob):
         out.append({"**": ".*", "*": "[^.]*", "?": "[^.]"}.get(token, re.escape(token)))
     return re.compile("".join(out))
+
+
+# dtype names people pass as the policy: the dtype is compile's next argument
+_DTYPE_NAMES = {
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
+_FLOAT32_NAMES = frozenset({"fp32", "float32", "float"})
+
+
+def dtype_given_as_preset(name: str) -> str | None:
+    """What to say where a dtype's name is given as a preset (``"fp16"``, which the nearest
+    preset name would answer with ``'fp8'``): the dtype is an argument of its own. None for
+    other names."""
+    lowered = name.lower()
+    if lowered in _DTYPE_NAMES:
+        return (
+            f"policy {name!r} names a dtype, not a preset; the dtype is a separate "
+            f"argument: amp_graph.compile(model, 'O1', torch.{_DTYPE_NAMES[lowered]}). "
+            f"Presets are {list(PRESETS)}."
+        )
+    if lowered in _FLOAT32_NAMES:
+        return (
+            f"policy {name!r} names a dtype, not a preset; for float32 everywhere use "
+            f"policy='O0'. Presets are {list(PRESETS)}."
+        )
+    return None
 
 
 def _glob_match(glob: str, path: str) -> bool:
