@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +179,6 @@ def warn_method_ran_uncompiled(compiled: Any, name: str, out: Any) -> None:
 def _computed_tensors(model: nn.Module, out: Any) -> bool:
     """Whether ``out`` holds a floating-point tensor that is not one of ``model``'s
     parameters or buffers (a getter's return)."""
-    from torch.utils import _pytree as pytree
-
     own = {id(t) for t in (*model.parameters(), *model.buffers())}
     return any(
         isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in own

@@ -40,7 +40,6 @@ from amp_graph.frontends.user_frames import users_stacklevel
 from amp_graph.passes.classify import op_facts, uncast_reads
 from amp_graph.passes.meta import LOW_PRECISION
 from amp_graph.policy import PRESETS, Policy, base_name, nearest, op_key_name, resolve_policy
-from amp_graph.policy.precision_policy import dtype_given_as_preset
 
 
 @dataclass(frozen=True)
@@ -80,12 +79,6 @@ def check_dtype(dtype: Any, policy: Policy | None = None) -> torch.dtype:
     )
 
 
-def check_policy_name(policy: str) -> None:
-    """Raise ValueError for a dtype's name given as the policy, saying where it goes."""
-    if (said := dtype_given_as_preset(policy)) is not None:
-        raise ValueError(said)
-
-
 def float32_for_o0(policy: Policy, dtype: Any) -> bool:
     """``dtype=torch.float32`` with a policy that changes nothing (O0): what it computes in
     anyway, so accepted; the plan then takes the device's default low dtype, which no op
@@ -103,9 +96,8 @@ def check_request(policy: Policy | str, dtype: Any) -> None:
             f"policy is a preset name {list(PRESETS)} or an amp_graph.Policy; "
             f"got {policy!r} of type {type(policy).__name__}"
         )
-    if isinstance(policy, str):
-        check_policy_name(policy)
-    resolved = resolve_policy(policy, "cpu")  # an unknown preset fails here
+    # an unknown preset fails here, a dtype's name too (Policy.preset says where it goes)
+    resolved = resolve_policy(policy, "cpu")
     if dtype is None or float32_for_o0(resolved, dtype):
         return
     if resolved.fp8 is not None:
@@ -269,7 +261,6 @@ __all__ = [
     "AmpRequest",
     "check_dtype",
     "check_module_type_overrides",
-    "check_policy_name",
     "check_request",
     "default_dtype",
     "device_type_of",

@@ -187,9 +187,7 @@ class MasterWeights:
                     "model.float() are taken), or make a new Graph (and optimizer) for the "
                     "changed model."
                 )
-            rounding = master.to(storage.dtype)
-            unchanged = value == rounding.to(value.dtype)  # there, keep the master's extra bits
-            master.copy_(torch.where(unchanged, master, value.to(master.dtype)))
+            _take_value(master, value, storage.dtype)
             model.data = storage
             storage.copy_(master)
         self._record()
@@ -210,8 +208,7 @@ class MasterWeights:
             if pair[1]._version != seen
         ]
         for _, model, master in written:
-            unchanged = model == master.to(model.dtype)  # there, keep the master's extra bits
-            master.copy_(torch.where(unchanged, master, model.to(master.dtype)))
+            _take_value(master, model, model.dtype)
         self._record()
         log.info(
             "O2: %s written on the model since the last step: their float32 masters take the "
@@ -328,30 +325,41 @@ class MasterWeights:
         }
 
 
-def _sites(modules: dict[str, nn.Module], params: set[int]) -> list[Site]:
-    """Every place a module of ``modules`` holds one of ``params`` (by id): a tied parameter
-    has several."""
-    sites: dict[tuple[int, str], Site] = {}
+def _take_value(master: torch.Tensor, value: torch.Tensor, low: torch.dtype) -> None:
+    """``master`` takes ``value`` written on its copy, but keeps its float32 value where
+    ``value`` is the master's rounding to ``low`` (the copy's own bits written back)."""
+    unchanged = value == master.to(low).to(value.dtype)
+    master.copy_(torch.where(unchanged, master, value.to(master.dtype)))
+
+
+def slots(
+    modules: dict[str, nn.Module], kinds: tuple[str, ...], keep: Callable[[Any], bool]
+) -> list[Site]:
+    """Every (qualified name, dict, key) where a module of ``modules`` (at any depth) holds,
+    in one of its ``kinds`` of dict (``"_parameters"``, ``"_buffers"``, ``"_modules"``), a
+    value ``keep`` accepts: each slot once (a tied parameter has several slots)."""
+    found: dict[tuple[int, str], Site] = {}
     for prefix, root in modules.items():
         for path, module in root.named_modules(prefix=prefix):
-            for key, param in module._parameters.items():
-                if id(param) in params:
-                    owner = module._parameters
-                    sites.setdefault((id(owner), key), (f"{path}.{key}", owner, key))
-    return list(sites.values())
+            for kind in kinds:
+                owner = getattr(module, kind)
+                for key, value in owner.items():
+                    if value is not None and keep(value):
+                        found.setdefault((id(owner), key), (f"{path}.{key}", owner, key))
+    return list(found.values())
+
+
+def _sites(modules: dict[str, nn.Module], params: set[int]) -> list[Site]:
+    """Every place a module of ``modules`` holds one of ``params`` (by id)."""
+    return slots(modules, ("_parameters",), lambda param: id(param) in params)
 
 
 def _module_sites(modules: dict[str, nn.Module], params: set[int]) -> list[Site]:
     """Every place a module of ``modules`` holds a submodule that holds (at any depth) one of
     ``params`` (by id)."""
-    sites: dict[tuple[int, str], Site] = {}
-    for prefix, root in modules.items():
-        for path, module in root.named_modules(prefix=prefix):
-            for key, child in module._modules.items():
-                if child is not None and any(id(p) in params for p in child.parameters()):
-                    owner = module._modules
-                    sites.setdefault((id(owner), key), (f"{path}.{key}", owner, key))
-    return list(sites.values())
+    return slots(
+        modules, ("_modules",), lambda child: any(id(p) in params for p in child.parameters())
+    )
 
 
 def _swap_in(optimizer: torch.optim.Optimizer, replacements: dict[int, nn.Parameter]) -> None:

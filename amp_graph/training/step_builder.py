@@ -182,7 +182,7 @@ class StepBuilder:
         assert self.replayer is not None
         self.replayer.clear()
         self.replayed_lrs = cuda_graphs.learning_rates(self.graph._optimizers)
-        self.watch.record_tensors(self.graph._modules.values())
+        self.watch.record_tensors(self.graph._modules)
         log.info("%s: %s since the CUDA graphs were captured: capturing again", self.name, why)
 
     def _settings_changed(self) -> None:
@@ -425,7 +425,7 @@ class StepBuilder:
                 self.name, options, graph._step_capture(), pins, self._grads_per_graph()
             )
             self.replayed_lrs = cuda_graphs.learning_rates(graph._optimizers)
-            self.watch.record_tensors(graph._modules.values())
+            self.watch.record_tensors(graph._modules)
 
     def _grads_per_graph(self) -> cuda_graphs.GradsPerGraph | None:
         """With ``enable_cuda_graph(set_to_none=True)``: the parameters whose gradients the

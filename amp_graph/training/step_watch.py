@@ -13,11 +13,13 @@ holds.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from amp_graph.training.master_weights import slots
 
 _PARAMS = operator.itemgetter("params")
 
@@ -29,18 +31,6 @@ def optimizer_layout(optimizers: Sequence[torch.optim.Optimizer]) -> tuple:
     return tuple(
         (id(params), len(params)) for opt in optimizers for params in map(_PARAMS, opt.param_groups)
     )
-
-
-def _tensor_sites(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], str]]:
-    """Every (dict, key) where one of ``modules`` (at any depth) holds a parameter or buffer."""
-    sites: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}
-    for root in modules:
-        for module in root.modules():
-            for owner in (module._parameters, module._buffers):
-                for key, value in owner.items():
-                    if value is not None:
-                        sites.setdefault((id(owner), key), (owner, key))
-    return list(sites.values())
 
 
 class StepWatch:
@@ -61,13 +51,13 @@ class StepWatch:
     def record_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.layout = optimizer_layout(optimizers)
 
-    def record_tensors(self, modules: Iterable[nn.Module]) -> None:
+    def record_tensors(self, modules: dict[str, nn.Module]) -> None:
         """Remember where the modules hold their parameters and buffers, and their addresses
         (at a CUDA graph's capture)."""
-        sites = _tensor_sites(modules)
-        self._dicts = [owner for owner, _ in sites]
-        self._keys = [key for _, key in sites]
-        self._tensors = [owner[key] for owner, key in sites]
+        sites = slots(modules, ("_parameters", "_buffers"), lambda _: True)
+        self._dicts = [owner for _, owner, _ in sites]
+        self._keys = [key for _, _, key in sites]
+        self._tensors = [owner[key] for _, owner, key in sites]
         self._addresses = list(map(torch.Tensor.data_ptr, self._tensors))
 
     def tensors_moved(self) -> bool:
