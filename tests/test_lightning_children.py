@@ -4,7 +4,6 @@ equals Lightning's ``precision="bf16-mixed"`` bit for bit (CPU, a few steps)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
@@ -13,6 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
+
+from test_lightning import _fit_quietly  # noqa: E402
 
 from amp_graph.integrations.lightning import AmpGraphPrecision  # noqa: E402
 
@@ -55,20 +56,7 @@ def _fit(container: str, **trainer_options: Any) -> Blocks:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (8, 6), generator=gen)
     data = DataLoader(TensorDataset(ids, ids.roll(1, 1)), batch_size=4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_options,
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*no `val_dataloader`.*")
-        trainer.fit(model, data)
+    _fit_quietly(model, data, None, max_steps=4, **trainer_options)
     return model
 
 

@@ -106,9 +106,30 @@ def _casts(gm: Any) -> int:
 # ---- scenarios: each runs on every rank and returns what it measured ----
 
 
+def _mlp_against_autocast(
+    mesh: Any, model: nn.Module, compiled: nn.Module, x: torch.Tensor
+) -> dict[str, Any]:
+    """``compiled`` (of ``model``) called on ``x`` and differentiated, beside a fresh parallel
+    MLP under torch.autocast: outputs, full gradients and the graph's code."""
+    from amp_graph.frontends.compiler import as_graph_module
+
+    out = compiled(x)
+    out.float().square().sum().backward()
+    reference = parallel_mlp(mesh)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = reference(x)
+    ref.float().square().sum().backward()
+    return {
+        "out": out.detach(),
+        "ref": ref.detach(),
+        "grads": full(model, grads=True),
+        "ref_grads": full(reference, grads=True),
+        "code": as_graph_module(compiled).code,
+    }
+
+
 def mlp_exact(rank: int) -> dict[str, Any]:
     import amp_graph
-    from amp_graph.frontends.compiler import as_graph_module
 
     mesh, _ = _tp_mesh()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
@@ -119,19 +140,7 @@ def mlp_exact(rank: int) -> dict[str, Any]:
             compiled = amp_graph.compile(model, policy, torch.bfloat16)
         else:  # in place: the model itself runs the graph
             compiled = amp_graph.compile_(model, policy, torch.bfloat16)
-        out = compiled(x)
-        out.float().square().sum().backward()
-        reference = parallel_mlp(mesh)
-        with torch.autocast("cpu", torch.bfloat16):
-            ref = reference(x)
-        ref.float().square().sum().backward()
-        results[f"{entry} {policy}"] = {
-            "out": out.detach(),
-            "ref": ref.detach(),
-            "grads": full(model, grads=True),
-            "ref_grads": full(reference, grads=True),
-            "code": as_graph_module(compiled).code,
-        }
+        results[f"{entry} {policy}"] = _mlp_against_autocast(mesh, model, compiled, x)
     return results
 
 
@@ -139,7 +148,6 @@ def mlp_new_size(rank: int) -> dict[str, Any]:
     """Called at batch 8, then at batch 5: the second capture has symbolic sizes (the plan
     casts DTensors of symbolic shape). Output and gradients of the batch-5 call."""
     import amp_graph
-    from amp_graph.frontends.compiler import as_graph_module
 
     mesh, _ = _tp_mesh()
     gen = torch.Generator().manual_seed(1)
@@ -149,19 +157,7 @@ def mlp_new_size(rank: int) -> dict[str, Any]:
         model = parallel_mlp(mesh)
         compiled = amp_graph.compile(model, policy, torch.bfloat16)
         compiled(first)
-        out = compiled(x)
-        out.float().square().sum().backward()
-        reference = parallel_mlp(mesh)
-        with torch.autocast("cpu", torch.bfloat16):
-            ref = reference(x)
-        ref.float().square().sum().backward()
-        results[f"compile {policy}"] = {
-            "out": out.detach(),
-            "ref": ref.detach(),
-            "grads": full(model, grads=True),
-            "ref_grads": full(reference, grads=True),
-            "code": as_graph_module(compiled).code,
-        }
+        results[f"compile {policy}"] = _mlp_against_autocast(mesh, model, compiled, x)
     return results
 
 
