@@ -35,17 +35,17 @@ def user_custom_op(func: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverloa
     the user's (defined outside torch and amp_graph), else None."""
     op = func
     if isinstance(func, torch._ops.OpOverloadPacket):
-        if _definition(func._qualified_op_name.replace(".", "::", 1)) is None:
+        if op_definition(func._qualified_op_name.replace(".", "::", 1)) is None:
             return None  # resolving an aten packet on every call would cost the capture
         op = getattr(func, torch._C._jit_resolve_packet(func._qualified_op_name, *args, **kwargs))
-    if not isinstance(op, torch._ops.OpOverload) or _definition(op._schema.name) is None:
+    if not isinstance(op, torch._ops.OpOverload) or op_definition(op._schema.name) is None:
         return None
     schema = op._schema
     functional = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
     return op if functional else None
 
 
-def _definition(qualname: str) -> Any:
+def op_definition(qualname: str) -> Any:
     """The ``CustomOpDef`` of a user's op (torch's registry of them), else None."""
     from torch._library.custom_ops import OPDEFS
 
@@ -93,7 +93,7 @@ def _with_body_dtypes(op: torch._ops.OpOverload, args: tuple, kwargs: dict, out:
     )
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _AUTOCAST_KEYS.get(device, "")):
         return out
-    bodies = _definition(op._schema.name)._backend_fns
+    bodies = op_definition(op._schema.name)._backend_fns
     body = bodies.get(device, bodies.get(None))
     if body is None:
         return out
@@ -152,4 +152,10 @@ def needs_fake_message(qualname: str) -> str:
     )
 
 
-__all__ = ["CustomOpFunction", "needs_fake_message", "op_without_fake", "user_custom_op"]
+__all__ = [
+    "CustomOpFunction",
+    "needs_fake_message",
+    "op_definition",
+    "op_without_fake",
+    "user_custom_op",
+]

@@ -38,6 +38,7 @@ from amp_graph.passes.meta import AMP, MODEL_ROOT, VAL, Role, short
 from amp_graph.passes.state_casts import state_casts
 from amp_graph.policy import Policy, Rule
 
+from .custom_op_bodies import refuse_autocast_dependent_ops
 from .lift import exported_program
 
 INFO = "amp_graph.export"  # ep.graph_module.meta key of the ExportInfo
@@ -369,6 +370,8 @@ def export(
             keep_functions=False,
         )
         gm = captured.graph_module
+        if not inference.casts_nothing:
+            refuse_autocast_dependent_ops(gm, request.device_type, dtype)
         record = gm.meta[COMPILE_META]
         seconds["capture"] = record.seconds["capture"]
         seconds["passes"] = sum(record.seconds.values()) - record.seconds.get("capture", 0.0)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from amp_graph.frontends.compiled_segments import compiled_around_calls, has_kept_calls
 from amp_graph.frontends.graphed_calls import CudaGraphError
 from amp_graph.ops import recompute_ops
 from amp_graph.policy import nearest
@@ -163,9 +164,13 @@ def check_inductor_mode(mode: Any, where: str) -> None:
 def inductor_compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
     """``fn`` under ``torch.compile(**options)``; a GraphModule first loses the recompute's
     saved-tensor hooks (AOTAutograd's partitioner decides what backward keeps, and dynamo
-    must not trace Python hooks around the forward)."""
+    must not trace Python hooks around the forward). A GraphModule with kept Function or
+    custom op calls is compiled around them, so that they run as torch.autocast runs them
+    (:mod:`amp_graph.frontends.compiled_segments`)."""
     if isinstance(fn, torch.nn.Module):
         recompute_ops.uninstall(fn)
+    if isinstance(fn, fx.GraphModule) and has_kept_calls(fn):
+        return compiled_around_calls(fn, lambda piece: torch.compile(piece, **options))
     return torch.compile(fn, **options)
 
 

@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from amp_graph.capture import capture_graph
+from amp_graph.capture.autocast_ops import custom_ops_as_autocast_ops
 from amp_graph.capture.autograd_functions import AutocastState
 from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
 from amp_graph.frontends.compile_modes import check_inductor_mode
@@ -209,8 +210,11 @@ class AmpGraphBackend:
         finished = time.perf_counter()
         sync_example_values(aten_gm)
         handed = copy_graph_module(aten_gm)  # inductor's pre-grad passes edit the graph they get
-        if self.inner != "eager":  # AOTAutograd would trace through a checkpoint call
+        if self.inner != "eager":
+            # AOTAutograd would trace through a checkpoint call, and keep a custom op without
+            # the autocast its body runs under
             checkpoints_as_dynamo_records_them(handed)
+            custom_ops_as_autocast_ops(handed)
         record.seconds["copy_for_inner"] = time.perf_counter() - finished
         self._graphs.append(aten_gm)
         self._check_overrides(policy, aten_gm)

@@ -1,0 +1,124 @@
+"""Custom ops an exported program cannot run as torch.autocast runs them: refused by name.
+
+An ExportedProgram holds ops, not autocast states: it calls a user's
+``torch.library.custom_op`` with autocast off. Where that changes what the op computes (its
+body's matmul runs in bfloat16 under torch.autocast, or its ``register_autocast`` rule casts
+its inputs), the program would compute the op in float32, or fail on mixed bf16/float32
+inputs, where the model under torch.autocast (and under ``amp_graph.compile``) computes it in
+the low dtype. :func:`refuse_autocast_dependent_ops` finds such an op before the program is
+made and says what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amp_graph.capture.custom_ops import CustomOpFunction, op_definition, user_custom_op
+from amp_graph.passes.meta import short
+
+
+class AutocastDependentOp(RuntimeError):
+    """A custom op computes other dtypes under torch.autocast than with it off."""
+
+
+def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: torch.dtype) -> None:
+    """Raise :class:`AutocastDependentOp` for the first user custom op of ``gm`` whose output
+    dtypes under ``torch.autocast(device_type, dtype)`` differ from its dtypes with autocast
+    off, on the fake values the capture recorded (or which fails with autocast off).
+
+    Guarantee: an op this lets through computes in the program what it computes under
+    torch.autocast, as far as dtypes tell."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = _fake_inputs(node)
+        op = user_custom_op(node.target, args, kwargs)
+        if op is None:
+            continue
+        with torch.autocast(device_type, dtype=dtype):
+            under = _dtypes(CustomOpFunction(op).apply(*args, **kwargs))
+        try:
+            with torch.autocast(device_type, enabled=False), _MixedProductsRefused():
+                off = _dtypes(_body_or_fake(op, args, kwargs))
+        except Exception as error:  # mixed inputs, which only autocast's casts reconcile
+            off = f"an error ({error})"
+        if under != off:
+            raise AutocastDependentOp(_message(op, node, device_type, dtype, under, off))
+
+
+# products whose kernels refuse mixed float dtypes, which fake tensors let through
+_PRODUCTS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.addmv.default,
+    torch.ops.aten.convolution.default,
+}
+
+
+class _MixedProductsRefused(TorchDispatchMode):
+    """Raises where a product gets floating inputs of two dtypes, as its kernel would."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func in _PRODUCTS:
+            floats = {
+                t.dtype
+                for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            }
+            if len(floats) > 1:
+                names = ", ".join(sorted(short(d) for d in floats))
+                raise RuntimeError(f"{func.__name__} on {names} inputs")
+        return func(*args, **kwargs)
+
+
+def _fake_inputs(node: fx.Node) -> tuple[tuple, dict]:
+    def value(arg: Any) -> Any:
+        return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+    return fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
+
+
+def _body_or_fake(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """What the op computes with autocast off: its body on the fake values where it has one
+    for their device, else its fake."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
+    bodies = op_definition(op._schema.name)._backend_fns
+    body = bodies.get(device, bodies.get(None))
+    return (body or op)(*args, **kwargs)
+
+
+def _dtypes(out: Any) -> list[str]:
+    return [short(t.dtype) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _message(
+    op: torch._ops.OpOverload,
+    node: fx.Node,
+    device_type: str,
+    dtype: torch.dtype,
+    under: list[str],
+    off: list[str] | str,
+) -> str:
+    name = op._schema.name
+    return (
+        f"amp_graph.export cannot keep the custom op {name} (node {node.name}) as "
+        f"torch.autocast runs it: under torch.autocast({device_type!r}, {short(dtype)}) it "
+        f"computes {', '.join(under)} (its body's ops or its register_autocast rule), with "
+        f"autocast off it computes {off if isinstance(off, str) else ', '.join(off)}; an "
+        "exported program calls it with autocast off. Make the op decide its own dtypes: "
+        f"enter torch.autocast('{device_type}', dtype={dtype}) inside its body, "
+        "or cast its inputs there; or run the model through amp_graph.compile, which keeps "
+        "the op under autocast."
+    )
+
+
+__all__ = ["AutocastDependentOp", "refuse_autocast_dependent_ops"]
