@@ -9,18 +9,22 @@ passes it tries to give each demotion back, keeping only those still needed.
 Blame, in order:
 
 1. the first node, in graph order, with a non-finite value where float32 is finite;
-2. with finite values but outputs too far from float32: the op whose relative error grows
+2. the first fp8 quantization that flushes more than ``flush_tol`` of its input's nonzero
+   values to zero (:attr:`NumericsRow.flushed`), whatever the output error: one large value
+   sets a tensorwise scale (``448 / amax``) so low that the rest underflow, and it also
+   dominates the relative L2 error, which then hides the loss; its fp8 linears are demoted;
+3. with finite values but outputs too far from float32: the op whose relative error grows
    most over its inputs' (its own rounding, not inherited error) when it runs in the low
    dtype; when it already runs in float32 it amplifies its inputs' rounding (a softmax of
    scores too large for the low dtype's precision), and the nearest low-precision ops
    upstream are blamed;
-3. with the graph within ``tol`` of its float32 shadow but not of the float32 model itself
+4. with the graph within ``tol`` of its float32 shadow but not of the float32 model itself
    (checked where the model's forward is deterministic): the graph holds constants the
    model's Python derived from a low dtype while it was captured (a
    ``torch.finfo(x.dtype).min`` mask, ``.to(x.dtype)``), which the shadow shares. The
    low-precision ops whose dtype the Python read (:data:`passes.meta.DTYPE_READ`) are
    blamed: captured with them in float32, the model builds those constants in float32;
-4. with ``backward``: the first node, in backward order, whose output gradient is
+5. with ``backward``: the first node, in backward order, whose output gradient is
    non-finite, else the one nearest the loss whose gradient underflows (zero or subnormal
    in the low dtype at the loss scale, nonzero in float32), else the largest growth of
    gradient error.
@@ -60,6 +64,13 @@ from amp_graph.passes.meta import DTYPE_READ
 from amp_graph.policy import Policy
 
 UNDERFLOW_BLAME = 0.01  # a gradient with more than this fraction underflowing is blamed
+# autopolicy's default flush_tol: an fp8 quantization flushing more of its input's nonzero
+# values to zero is a failure. Measured in float8_e4m3fn with tensorwise scales, ordinary
+# activations flush far less: at most 0.015% of any linear's input in small random Llama and
+# GPT-2 configs, 0.002% of gelu(linear(randn)) and layer norm outputs (width 256 and 1024),
+# 0.9% of a SwiGLU product silu(a) * b (many values near zero). One outlier k times the
+# others' scale (randn) flushes 1.7% at k = 1e4, 17% at 1e5 and 97% at 1e6.
+FLUSH_TOL = 0.1
 # the fp8 pass's nodes that make an fp8 linear's operands: demoting the linear undoes them
 _FP8_OPERANDS = ("fp8 quantize", "fp8 scale")
 
@@ -126,7 +137,28 @@ class _Blame:
         return tuple(found)
 
 
-def _forward_finding(result: ShadowResult, sample: int, tol: float) -> Finding | None:
+def _flush_finding(result: ShadowResult, sample: int, flush_tol: float) -> Finding | None:
+    """The first fp8 quantization, in graph order, that flushes more than ``flush_tol`` of
+    its input's nonzero values to zero, blamed on the linears it feeds; None if none does."""
+    row = next((r for r in result.nodes if (r.flushed or 0.0) > flush_tol), None)
+    if row is None or row.flushed is None:
+        return None
+    blame = _Blame(result)
+    source = row.inputs[0] if row.inputs else row.node  # (x, scale): x
+    peak = blame.rows[source].forward.max_abs if source in blame.rows else row.forward.max_abs
+    linears = blame.demotable(row)
+    needs = f", so {' and '.join(repr(n) for n in linears)} needs float32" if linears else ""
+    reason = (
+        f"fp8 underflow on sample {sample}: the {_name(row.forward.dtype)} quantization of "
+        f"'{source}' flushes {100 * row.flushed:.1f}% of its nonzero values to zero (flush_tol "
+        f"{100 * flush_tol:g}%): one outlier (max |x| {peak:.3g}) sets the scale{needs}"
+    )
+    return Finding(linears, reason)
+
+
+def _forward_finding(
+    result: ShadowResult, sample: int, tol: float, flush_tol: float = FLUSH_TOL
+) -> Finding | None:
     blame = _Blame(result)
     low = _name(result.dtype)
     first = next((r for r in result.nodes if r.forward.new_nonfinite), None)
@@ -144,6 +176,9 @@ def _forward_finding(result: ShadowResult, sample: int, tol: float) -> Finding |
                 f"(at '{first.node}') on sample {sample}"
             )
         return Finding(blame.demotable(first), reason)
+    flushed = _flush_finding(result, sample, flush_tol)
+    if flushed is not None:  # before the output error, which the outlier dominates
+        return flushed
     output_error = max((o.rel_error for o in result.outputs), default=0.0)
     if output_error <= tol:
         return None
@@ -349,9 +384,11 @@ class _Search:
         loss_fn: Callable[[Any], torch.Tensor] | None,
         scale: float | None,
         dynamic_shapes: Any,
+        *,
+        flush_tol: float = FLUSH_TOL,
     ) -> None:
         self.model, self.base, self.dtype = model, base, dtype
-        self.samples, self.tol = samples, tol
+        self.samples, self.tol, self.flush_tol = samples, tol, flush_tol
         self.backward, self.loss_fn, self.scale = backward, loss_fn, scale
         self.device_type = device_type
         self.captures: dict = {}  # one capture per input signature and set of demotions
@@ -415,7 +452,7 @@ class _Search:
                 loss_fn=self.loss_fn,
                 scale=self.scale,
             )
-            finding = _forward_finding(result, i, self.tol)
+            finding = _forward_finding(result, i, self.tol, self.flush_tol)
             reference = self.references()[i]
             if finding is None and reference is not None:
                 finding = _model_finding(result, reference, i, self.tol)
@@ -433,6 +470,7 @@ def autopolicy(
     *,
     sample_inputs: Sequence[Any],
     tol: float | None = None,
+    flush_tol: float = FLUSH_TOL,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     backward: bool | None = None,
     scale: float | None = None,
@@ -450,6 +488,10 @@ def autopolicy(
         tol: the largest relative error (L2) of outputs (and, with ``backward``, of every
             parameter's gradient) against float32. Default: 10 x the dtype's epsilon
             (about 1e-2 for float16, 8e-2 for bfloat16).
+        flush_tol: the largest fraction of an fp8 quantization's nonzero input values that
+            may become zero (one outlier setting the scale flushes the rest); above it the
+            linears it feeds are kept in float32, whatever ``tol`` says. Default
+            :data:`FLUSH_TOL` (0.1; ordinary activations flush under 1%); 1 turns it off.
         loss_fn / backward / scale: check gradients too (``backward`` defaults to whether
             ``loss_fn`` is given); the loss is ``loss_fn(output)`` (or the scalar output)
             times ``scale`` (default 2**16 for float16, as GradScaler starts).
@@ -481,9 +523,22 @@ def autopolicy(
     request = admit(policy, dtype, model, samples[0])
     base, dtype, device_type = request.policy, request.dtype, request.device_type
     tol = default_tol(dtype) if tol is None else float(tol)
+    flush_tol = float(flush_tol)
+    if not 0.0 <= flush_tol <= 1.0:
+        raise ValueError(f"flush_tol is a fraction of values, from 0 to 1; got {flush_tol}")
     backward = loss_fn is not None if backward is None else backward
     search = _Search(
-        model, base, dtype, device_type, samples, tol, backward, loss_fn, scale, dynamic_shapes
+        model,
+        base,
+        dtype,
+        device_type,
+        samples,
+        tol,
+        backward,
+        loss_fn,
+        scale,
+        dynamic_shapes,
+        flush_tol=flush_tol,
     )
     demoted: dict[str, str] = {}
     while (finding := search.failure(demoted)) is not None:
@@ -493,8 +548,8 @@ def autopolicy(
                 f"autopolicy could not meet tol={tol:g} after demoting {len(demoted)} nodes "
                 f"({', '.join(demoted) or 'none'}): {finding.reason}"
                 + ("" if new else "; no node left to demote for it")
-                + ". Raise tol, pass a smaller scale, or start from a policy with more "
-                "float32 (e.g. 'O1'); the exception's .policy holds the demotions so far",
+                + ". Raise tol (or flush_tol), pass a smaller scale, or start from a policy "
+                "with more float32 (e.g. 'O1'); the exception's .policy holds the demotions so far",
                 search.policy(demoted),
             )
         for node in new:

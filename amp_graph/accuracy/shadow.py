@@ -67,6 +67,14 @@ def shadow_targets() -> dict[Any, Callable[..., Any]]:
     }
 
 
+@functools.cache
+def quantize_targets() -> frozenset[Any]:
+    """The fp8 quantizations, ``(x, scale, dtype)``: ``fp8_quantize`` and its recomputed form."""
+    from amp_graph.ops import fp8_ops  # noqa: F401  (registers torch.ops.amp_graph)
+
+    return frozenset({torch.ops.amp_graph.fp8_quantize.default, recomputed_quantize})
+
+
 # ---- per-node statistics ----------------------------------------------------------------
 
 FORWARD_STATS = (
@@ -148,6 +156,25 @@ def _stats(
     return torch.stack([p.double() for p in parts])
 
 
+def _flush_stats(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor | list[float]:
+    """The counts behind :attr:`NumericsRow.flushed`: ``x``'s nonzero elements, and those of
+    them that are zero in ``quantized`` (its float8 form). Floats on CPU, else one float64
+    tensor on the device, read back with the other statistics at the end."""
+    nonzero = x.detach() != 0
+    # a float8 zero is the bit pattern 0x00 or 0x80 (-0) in e4m3fn and e5m2, the formats the
+    # fp8 ops accept: read as bytes, with no float copy (and no float8 comparison kernel)
+    zero = (quantized.detach().view(torch.uint8) & 0x7F) == 0
+    counts = torch.stack([nonzero.sum(), (nonzero & zero).sum()])
+    if reads_back_per_node(x.device):
+        return [float(c) for c in counts.tolist()]
+    return counts.double()
+
+
+def _flushed(counts: Sequence[float]) -> float:
+    nonzero, flushed = counts
+    return flushed / nonzero if nonzero else 0.0
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -209,8 +236,9 @@ class Measure:
 @dataclass
 class NumericsRow:
     """One graph node's measurements: ``row.node`` (its name in the graph), ``row.module``
-    (the path of the module that ran it), ``row.forward`` (its value against float32) and,
-    with ``backward=True``, ``row.grad`` (the gradient arriving at its output)."""
+    (the path of the module that ran it), ``row.forward`` (its value against float32),
+    with ``backward=True`` ``row.grad`` (the gradient arriving at its output), and for an fp8
+    quantization ``row.flushed`` (the share of its input's nonzero values it makes zero)."""
 
     index: int  # position in the graph
     node: str
@@ -227,6 +255,9 @@ class NumericsRow:
     # the name a node override of its dtype uses: the captured linear's for an fp8 linear
     # (``linear`` for ``linear_fp8``), else ``node``
     override: str = ""
+    # an fp8 quantization's: the fraction of its input's nonzero values that are zero in
+    # float8 (a scale set by one large value flushes the rest); None for other nodes
+    flushed: float | None = None
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -477,10 +508,13 @@ def _scalar_loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> 
 
 
 def _rows(stats: list[torch.Tensor | list[float]]) -> list[list[float]]:
-    """Every statistic as floats: the device tensors read back in one transfer."""
+    """Every statistic as floats (rows of any lengths): the device tensors read back
+    together, at the end."""
     on_device = [s for s in stats if isinstance(s, torch.Tensor)]
-    read = iter(torch.stack([s.cpu() for s in on_device]).tolist() if on_device else [])
-    return [next(read) if isinstance(s, torch.Tensor) else s for s in stats]
+    read = iter(torch.cat([s.cpu() for s in on_device]).tolist() if on_device else [])
+    return [
+        [next(read) for _ in range(len(s))] if isinstance(s, torch.Tensor) else s for s in stats
+    ]
 
 
 def _prepare(
@@ -536,6 +570,7 @@ def shadow_run(
     stats: list[tuple[fx.Node, list[torch.Tensor], torch.dtype | None]] = []
     hooks: list[tuple[fx.Node, Any, Any]] = []  # (node, mixed value, shadow value)
     measured: dict[fx.Node, list] = {}
+    flushes: list[tuple[str, torch.Tensor | list[float]]] = []  # (fp8 quantization, counts)
     try:
         with _model_state_kept(gm, written), grad_mode:
             for i, node in enumerate(nodes):
@@ -563,6 +598,9 @@ def shadow_run(
                         node_stats = [_stats(t, s_all[j]) for j, t in m_floats if j < len(s_all)]
                     measured[node] = node_stats
                     stats.append((node, node_stats, _dtype_of(m_value)))
+                    if node.target in quantize_targets():
+                        x = mixed.env[node.args[0]]  # type: ignore[index]
+                        flushes.append((node.name, _flush_stats(x, m_value)))
                     if backward and m_floats and node.op != "get_attr":
                         # parameters: their gradients are measured as ``params``
                         hooks.append((node, m_value, s_value))
@@ -591,7 +629,8 @@ def shadow_run(
     flat = [s for _, node_stats, _ in stats for s in node_stats]
     grad_flat = [s for s in (grads or {}).get("node_stats", {}).values() for s in s]
     param_flat = [s for _, s in (grads or {}).get("param_stats", [])]
-    values = iter(_rows(flat + grad_flat + param_flat + output_stats))
+    flush_flat = [counts for _, counts in flushes]
+    values = iter(_rows(flat + grad_flat + param_flat + output_stats + flush_flat))
     measures: list[NumericsRow] = []
     for index, (node, node_stats, dtype) in enumerate(stats):
         rows = [next(values) for _ in node_stats]
@@ -609,8 +648,8 @@ def shadow_run(
                 override=node.meta.get(FP8_OF, node.name),
             )
         )
+    by_name = {m.node: m for m in measures}
     if grads is not None:
-        by_name = {m.node: m for m in measures}
         for name, node_stats in grads["node_stats"].items():
             rows = [next(values) for _ in node_stats]
             by_name[name].grad = Measure.of(grads["node_dtypes"][name], rows)
@@ -619,6 +658,8 @@ def shadow_run(
         module = name.rsplit(".", 1)[0] if "." in name else ""
         params.append(ParamMeasure(name, module, Measure.of(low, [next(values)])))
     outputs = [Measure.of(None, [next(values)]) for _ in output_stats]
+    for name, _ in flushes:
+        by_name[name].flushed = _flushed(next(values))
     return ShadowResult(
         nodes=measures,
         params=params,

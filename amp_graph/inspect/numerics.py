@@ -12,7 +12,8 @@ True
 :func:`numerics` runs the compiled graph and a float32 shadow of the same graph
 (:mod:`amp_graph.accuracy.shadow`) and returns a :class:`NumericsReport`: one row per node with its
 dtype, max |x|, zero/subnormal fractions, non-finite count and relative error against
-float32; ``first_nonfinite`` and ``worst(k)`` name nodes and modules; ``plot()`` draws the
+float32, and for each fp8 quantization the share of its input's nonzero values it flushes
+to zero; ``first_nonfinite`` and ``worst(k)`` name nodes and modules; ``plot()`` draws the
 error along the graph. ``backward=True`` adds each gradient's underflow and overflow at
 the loss scale.
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from amp_graph.accuracy.autopolicy_search import FLUSH_TOL
 from amp_graph.accuracy.shadow import (
     Measure,
     NumericsRow,
@@ -193,6 +195,7 @@ class NumericsReport:
                     for r in flushed[:3]
                 )
             )
+        lines.extend(self._flush_findings())
         if self.scale is not None:
             lines.append(
                 f"loss {self.loss or 0.0:.3g} (float32 {self.shadow_loss or 0.0:.3g}), "
@@ -219,6 +222,20 @@ class NumericsReport:
             if grad_first is not None:
                 lines.append(f"first non-finite gradient (backward order): '{grad_first.node}'")
         return lines
+
+    def _flush_findings(self) -> list[str]:
+        """The fp8 quantizations that flush more than autopolicy's ``flush_tol`` of their
+        input's nonzero values to zero (a scale set by one outlier), worst first."""
+        flushing = sorted(
+            (r for r in self.rows if (r.flushed or 0.0) > FLUSH_TOL),
+            key=lambda r: -(r.flushed or 0.0),
+        )
+        return [
+            f"fp8 underflow: '{r.node}' flushes {_pct(r.flushed or 0.0)} of the nonzero values "
+            f"of '{r.inputs[0] if r.inputs else '?'}' to zero (one outlier sets the scale; "
+            f"autopolicy's flush_tol is {_pct(FLUSH_TOL)})"
+            for r in flushing[:3]
+        ]
 
     # ---- views -------------------------------------------------------------------------
 
