@@ -301,6 +301,17 @@ def _(a):
     return torch.empty_like(a)
 
 
+@torch.library.custom_op("amp_graph_kept_calls_test::host_round", mutates_args=())
+def host_round(a: torch.Tensor) -> torch.Tensor:
+    """An opaque kernel: it reads values on the host, so its body cannot run on fakes."""
+    return torch.tensor(a.tolist(), dtype=a.dtype).round()
+
+
+@host_round.register_fake
+def _(a):
+    return torch.empty_like(a)
+
+
 class OpOnFloat32(nn.Module):
     def __init__(self, dim: int = 8) -> None:
         super().__init__()
@@ -316,7 +327,8 @@ class AutocastFreeOps(nn.Module):
         self.fc = nn.Linear(dim, dim)
 
     def forward(self, x):
-        return own_autocast_mm(scaled_sin(self.fc(x)), self.fc.weight).float().softmax(-1)
+        h = own_autocast_mm(scaled_sin(self.fc(x)), self.fc.weight)
+        return host_round(h.float().softmax(-1) * 100)
 
 
 @pytest.mark.parametrize(
@@ -352,5 +364,8 @@ def test_export_keeps_custom_ops_that_decide_their_own_dtypes():
         want = model(x)
     program = amp_graph.export(model, (x,), policy="O1", dtype=BF16)
     ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    assert {"amp_graph_kept_calls_test.own_autocast_mm.default"} <= ops
+    assert {
+        "amp_graph_kept_calls_test.own_autocast_mm.default",
+        "amp_graph_kept_calls_test.host_round.default",
+    } <= ops
     assert torch.equal(program.module()(x), want)

@@ -18,7 +18,6 @@ inductor), so the body runs under autocast at every call, as in eager mode.
 
 from __future__ import annotations
 
-import itertools
 import re
 from typing import Any
 
@@ -28,32 +27,33 @@ from torch.utils import _pytree as pytree
 
 from amp_graph.capture.autograd_functions import AutocastState, FunctionCall, is_function_call
 from amp_graph.capture.custom_ops import CustomOpFunction, op_definition
+from amp_graph.passes.meta import short
 
 NAMESPACE = "amp_graph_autocast"
 
-# (the user's op, the autocast state) -> amp_graph's op that runs it under that state; ops
-# are process-wide (torch.library cannot forget one), so each pair is defined once
-_DEFINED: dict[tuple[torch._ops.OpOverload, AutocastState], torch._ops.OpOverload] = {}
-_NUMBERS = itertools.count()
+# amp_graph's ops by name; ops are process-wide (torch.library cannot forget one), so each is
+# defined once
+_DEFINED: dict[str, torch._ops.OpOverload] = {}
 
 
 def autocast_op(op: torch._ops.OpOverload, autocast: AutocastState) -> torch._ops.OpOverload:
     """amp_graph's op that calls the user's custom op ``op`` under ``autocast``: the same
-    schema and autograd formula, and a fake that gives the dtypes the body computes in.
+    schema and autograd formula, and a fake that gives the dtypes the body computes in. Its
+    name says which op and state (``amp_graph_autocast::ns__op_default__cpu_bf16``), the same
+    in every process, so that compiled graphs' caches can match it.
 
     Guarantee: called anywhere (eager, a compiled graph's fallback kernel, a CUDA graph
     replay), its value is ``op``'s under ``autocast``, bit for bit."""
-    key = (op, autocast)
-    if key not in _DEFINED:
-        _DEFINED[key] = _define(op, autocast)
-    return _DEFINED[key]
-
-
-def _define(op: torch._ops.OpOverload, autocast: AutocastState) -> torch._ops.OpOverload:
-    schema = str(op._schema)
-    arguments = schema[schema.index("(") :]
     base = re.sub(r"\W", "_", op._schema.name.replace("::", "__"))
-    name = f"{NAMESPACE}::{base}_{op._overloadname}_{next(_NUMBERS)}"
+    states = [f"{device}_{short(dtype)}" for device, on, dtype in autocast.states if on]
+    name = f"{NAMESPACE}::{base}_{op._overloadname}__{'_'.join(states) or 'off'}"
+    if name not in _DEFINED:
+        _DEFINED[name] = _define(name, op, autocast)
+    return _DEFINED[name]
+
+
+def _define(name: str, op: torch._ops.OpOverload, autocast: AutocastState) -> torch._ops.OpOverload:
+    schema = str(op._schema)
     kept = CustomOpFunction(op)
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -64,15 +64,17 @@ def _define(op: torch._ops.OpOverload, autocast: AutocastState) -> torch._ops.Op
         with autocast.entered():
             return kept.apply(*args, **kwargs)
 
-    defined = torch.library.custom_op(name, run, mutates_args=(), schema=arguments)
+    defined = torch.library.custom_op(
+        name, run, mutates_args=(), schema=schema[schema.index("(") :]
+    )
     defined.register_fake(fake)
     definition = op_definition(op._schema.name)
     if definition is not None and definition._backward_fn is not None:
         defined.register_autograd(
             definition._backward_fn, setup_context=definition._setup_context_fn
         )
-    namespace_name, op_name = name.split("::")
-    return getattr(getattr(torch.ops, namespace_name), op_name).default
+    namespace, op_name = name.split("::")
+    return getattr(getattr(torch.ops, namespace), op_name).default
 
 
 def is_custom_op_call(node: fx.Node) -> bool:

@@ -29,7 +29,8 @@ class AutocastDependentOp(RuntimeError):
 def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: torch.dtype) -> None:
     """Raise :class:`AutocastDependentOp` for the first user custom op of ``gm`` whose output
     dtypes under ``torch.autocast(device_type, dtype)`` differ from its dtypes with autocast
-    off, on the fake values the capture recorded (or which fails with autocast off).
+    off, on the fake values the capture recorded, or whose body multiplies mixed float dtypes
+    with autocast off. A body that cannot run on fake values is judged by the op's fake.
 
     Guarantee: an op this lets through computes in the program what it computes under
     torch.autocast, as far as dtypes tell."""
@@ -42,11 +43,7 @@ def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: t
             continue
         with torch.autocast(device_type, dtype=dtype):
             under = _dtypes(CustomOpFunction(op).apply(*args, **kwargs))
-        try:
-            with torch.autocast(device_type, enabled=False), _MixedProductsRefused():
-                off = _dtypes(_body_or_fake(op, args, kwargs))
-        except Exception as error:  # mixed inputs, which only autocast's casts reconcile
-            off = f"an error ({error})"
+        off = _dtypes_with_autocast_off(op, args, kwargs, device_type)
         if under != off:
             raise AutocastDependentOp(_message(op, node, device_type, dtype, under, off))
 
@@ -62,6 +59,10 @@ _PRODUCTS = {
 }
 
 
+class MixedProduct(RuntimeError):
+    """A product on floating inputs of two dtypes, which its kernel refuses."""
+
+
 class _MixedProductsRefused(TorchDispatchMode):
     """Raises where a product gets floating inputs of two dtypes, as its kernel would."""
 
@@ -75,7 +76,7 @@ class _MixedProductsRefused(TorchDispatchMode):
             }
             if len(floats) > 1:
                 names = ", ".join(sorted(short(d) for d in floats))
-                raise RuntimeError(f"{func.__name__} on {names} inputs")
+                raise MixedProduct(f"{func.__name__} on {names} inputs")
         return func(*args, **kwargs)
 
 
@@ -86,14 +87,26 @@ def _fake_inputs(node: fx.Node) -> tuple[tuple, dict]:
     return fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
 
 
-def _body_or_fake(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """What the op computes with autocast off: its body on the fake values where it has one
-    for their device, else its fake."""
+def _dtypes_with_autocast_off(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict, device_type: str
+) -> list[str] | str:
+    """What the op computes with autocast off: its body's dtypes on the fake values where it
+    has one for their device that runs on them (else its fake's), or the error of a product
+    on mixed inputs, which only autocast's casts reconcile."""
     leaves = pytree.tree_leaves((args, kwargs))
     device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
     bodies = op_definition(op._schema.name)._backend_fns
     body = bodies.get(device, bodies.get(None))
-    return (body or op)(*args, **kwargs)
+    with torch.autocast(device_type, enabled=False):
+        if body is not None:
+            try:
+                with _MixedProductsRefused():
+                    return _dtypes(body(*args, **kwargs))
+            except MixedProduct as error:
+                return f"an error ({error})"
+            except Exception:  # an opaque kernel: its fake says what it gives
+                pass
+        return _dtypes(op(*args, **kwargs))
 
 
 def _dtypes(out: Any) -> list[str]:
