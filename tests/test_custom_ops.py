@@ -12,6 +12,7 @@ first call.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -302,3 +303,77 @@ def test_the_backend_with_inner_eager_runs_a_custom_op_under_autocast():
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=amp_graph.backend("autocast", BF16, inner="eager"))
     _assert_bitwise(_run(compiled, x, dtype=None, owner=model), _run(reference, x))
+
+
+# --- custom ops that write into their inputs -----------------------------------------------
+
+
+@torch.library.custom_op("amp_graph_custom_ops_test::accumulate_mm", mutates_args=("out",))
+def accumulate_mm(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+    """vLLM's style: the result written into a buffer. Its matmul is bf16 under autocast."""
+    out.add_(a @ w.t())
+
+
+@accumulate_mm.register_fake
+def _(out, a, w):
+    return None
+
+
+@torch.library.custom_op("amp_graph_custom_ops_test::accumulate", mutates_args=("out",))
+def accumulate(out: torch.Tensor, a: torch.Tensor) -> None:
+    """No product: autocast changes nothing in it."""
+    out.add_(a)
+
+
+@accumulate.register_fake
+def _(out, a):
+    return None
+
+
+class WritesIntoBuffer(nn.Module):
+    def __init__(self, activation_dtype: torch.dtype | None = None, product: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.activation_dtype, self.product = activation_dtype, product
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = h if self.activation_dtype is None else h.to(self.activation_dtype)
+        out = torch.zeros(x.shape[0], 4)
+        if self.product:
+            accumulate_mm(out, h, self.w)
+        else:
+            accumulate(out, h.float())
+        return out
+
+
+def test_a_mutating_custom_op_whose_body_would_multiply_mixed_dtypes_is_refused_by_name():
+    # O1: a bf16 activation and a float32 weight, which only autocast's casts reconcile
+    compiled = amp_graph.compile(WritesIntoBuffer(), "O1", BF16)
+    with pytest.raises(
+        CaptureError,
+        match=r"accumulate_mm writes into its inputs.*"
+        r"mm.default on bf16, fp32 inputs.*Return the result",
+    ):
+        compiled(torch.randn(3, 4))
+
+
+def test_a_mutating_custom_op_computing_in_float32_where_autocast_gives_bf16_warns():
+    compiled = amp_graph.compile(WritesIntoBuffer(torch.float32), "O1", BF16)
+    with pytest.warns(
+        UserWarning,
+        match=r"accumulate_mm .*products compute in fp32 where torch.autocast's run computes "
+        r"them in bf16\.",
+    ):
+        compiled(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize(("policy", "product"), [("O0", True), ("O1", False)])
+def test_a_mutating_custom_op_that_autocast_does_not_change_is_taken_quietly(policy, product):
+    model = WritesIntoBuffer(torch.float32, product=product)
+    want = model(torch.ones(3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = amp_graph.compile(model, policy, BF16)(torch.ones(3, 4))
+    assert got.dtype == want.dtype and torch.allclose(got, want, atol=1e-2)

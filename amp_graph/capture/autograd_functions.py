@@ -57,16 +57,20 @@ from amp_graph.capture.call_state import attributes_restored, fake_attribute
 from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.casts import (
     CastKeepingInterpreter,
+    below_tracer,
     is_noop_cast,
     proxy_tracer,
     reads_target_dtype,
 )
 from amp_graph.capture.custom_ops import (
     CustomOpFunction,
+    is_functional,
     needs_fake_message,
     op_without_fake,
     user_custom_op,
+    user_op,
 )
+from amp_graph.capture.op_bodies import check_mutating_op
 from amp_graph.passes.meta import KEPT_FUNCTION
 
 # The target export's verifier admits for a Function call kept in its pre-dispatch graph
@@ -236,9 +240,11 @@ class _KeptCustomOps(TorchFunctionMode):
         kwargs = kwargs or {}
         if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             tracer = proxy_tracer()
-            op = user_custom_op(func, args, kwargs) if tracer is not None else None
+            op = user_op(func, args, kwargs) if tracer is not None else None
             if op is not None and not self.owner._inside:
-                return self.owner.record_op(tracer, op, args, kwargs)
+                if is_functional(op):
+                    return self.owner.record_op(tracer, op, args, kwargs)
+                check_mutating_op(op, args, kwargs, self.owner.owner)
         return func(*args, **kwargs)
 
 
@@ -370,18 +376,7 @@ def traced_call(
     inputs, for the caller to record one node with."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    include = torch._C._dispatch_tls_local_include_set().remove(torch._C.DispatchKey.PreDispatch)
-    exclude = torch._C._dispatch_tls_local_exclude_set() | torch._C.DispatchKeySet(
-        torch._C.DispatchKey.PreDispatch
-    )
-    # The forward runs on the fake values below the tracer (nothing of it recorded) and
-    # without torch-function modes (export's would record its autocast and grad-mode
-    # switches, amp_graph's would plan its ops as the model's)
-    with (
-        torch._C._ForceDispatchKeyGuard(include, exclude),
-        torch._C.DisableTorchFunction(),
-        autocast.entered(),
-    ):
+    with below_tracer(), autocast.entered():
         out = run()
     constants = [None if i in positions else leaf for i, leaf in enumerate(leaves)]
     proxies = [tracer.unwrap_proxy(leaves[i]) for i in positions]

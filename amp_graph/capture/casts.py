@@ -17,8 +17,9 @@ dynamo's graph and meets the same no-op casts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -348,6 +349,19 @@ def proxy_tracer() -> Any:
         return None
     mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY)
     return getattr(mode, "tracer", None)
+
+
+@contextlib.contextmanager
+def below_tracer() -> Iterator[None]:
+    """Run code on export's fake values below its pre-dispatch tracer (nothing of it
+    recorded) and without torch-function modes (export's would record autocast and
+    grad-mode switches, amp_graph's would plan its ops as the model's)."""
+    include = torch._C._dispatch_tls_local_include_set().remove(torch._C.DispatchKey.PreDispatch)
+    exclude = torch._C._dispatch_tls_local_exclude_set() | torch._C.DispatchKeySet(
+        torch._C.DispatchKey.PreDispatch
+    )
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch._C.DisableTorchFunction():
+        yield
 
 
 class CastKeepingInterpreter(fx.Interpreter):

@@ -33,6 +33,19 @@ _OWN_PACKAGES = ("torch", "amp_graph")
 def user_custom_op(func: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverload | None:
     """The overload ``func`` calls, where it is a functional ``torch.library.custom_op`` of
     the user's (defined outside torch and amp_graph), else None."""
+    op = user_op(func, args, kwargs)
+    return op if op is not None and is_functional(op) else None
+
+
+def is_functional(op: torch._ops.OpOverload) -> bool:
+    """``op`` writes into none of its inputs and returns no alias of one."""
+    schema = op._schema
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+def user_op(func: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverload | None:
+    """The overload ``func`` calls, where it is a ``torch.library.custom_op`` of the user's
+    (defined outside torch and amp_graph), functional or not, else None."""
     op = func
     if isinstance(func, torch._ops.OpOverloadPacket):
         if op_definition(func._qualified_op_name.replace(".", "::", 1)) is None:
@@ -40,9 +53,7 @@ def user_custom_op(func: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverloa
         op = getattr(func, torch._C._jit_resolve_packet(func._qualified_op_name, *args, **kwargs))
     if not isinstance(op, torch._ops.OpOverload) or op_definition(op._schema.name) is None:
         return None
-    schema = op._schema
-    functional = not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
-    return op if functional else None
+    return op
 
 
 def op_definition(qualname: str) -> Any:
@@ -154,8 +165,10 @@ def needs_fake_message(qualname: str) -> str:
 
 __all__ = [
     "CustomOpFunction",
+    "is_functional",
     "needs_fake_message",
     "op_definition",
     "op_without_fake",
     "user_custom_op",
+    "user_op",
 ]

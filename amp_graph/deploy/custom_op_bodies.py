@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_graph.capture.custom_ops import CustomOpFunction, op_definition, user_custom_op
+from amp_graph.capture.custom_ops import CustomOpFunction, user_custom_op
+from amp_graph.capture.op_bodies import MixedProduct, body_run
 from amp_graph.passes.meta import short
 
 
@@ -48,38 +48,6 @@ def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: t
             raise AutocastDependentOp(_message(op, node, device_type, dtype, under, off))
 
 
-# products whose kernels refuse mixed float dtypes, which fake tensors let through
-_PRODUCTS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.baddbmm.default,
-    torch.ops.aten.addmv.default,
-    torch.ops.aten.convolution.default,
-}
-
-
-class MixedProduct(RuntimeError):
-    """A product on floating inputs of two dtypes, which its kernel refuses."""
-
-
-class _MixedProductsRefused(TorchDispatchMode):
-    """Raises where a product gets floating inputs of two dtypes, as its kernel would."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        if func in _PRODUCTS:
-            floats = {
-                t.dtype
-                for t in pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and t.is_floating_point()
-            }
-            if len(floats) > 1:
-                names = ", ".join(sorted(short(d) for d in floats))
-                raise MixedProduct(f"{func.__name__} on {names} inputs")
-        return func(*args, **kwargs)
-
-
 def _fake_inputs(node: fx.Node) -> tuple[tuple, dict]:
     def value(arg: Any) -> Any:
         return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
@@ -91,22 +59,15 @@ def _dtypes_with_autocast_off(
     op: torch._ops.OpOverload, args: tuple, kwargs: dict, device_type: str
 ) -> list[str] | str:
     """What the op computes with autocast off: its body's dtypes on the fake values where it
-    has one for their device that runs on them (else its fake's), or the error of a product
-    on mixed inputs, which only autocast's casts reconcile."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
-    bodies = op_definition(op._schema.name)._backend_fns
-    body = bodies.get(device, bodies.get(None))
+    has a body that runs on them (else its fake's), or the error of a product on mixed
+    inputs, which only autocast's casts reconcile."""
     with torch.autocast(device_type, enabled=False):
-        if body is not None:
-            try:
-                with _MixedProductsRefused():
-                    return _dtypes(body(*args, **kwargs))
-            except MixedProduct as error:
-                return f"an error ({error})"
-            except Exception:  # an opaque kernel: its fake says what it gives
-                pass
-        return _dtypes(op(*args, **kwargs))
+        try:
+            return _dtypes(body_run(op, args, kwargs)[0])
+        except MixedProduct as error:
+            return f"an error ({error})"
+        except Exception:  # no body, or an opaque kernel: its fake says what it gives
+            return _dtypes(op(*args, **kwargs))
 
 
 def _dtypes(out: Any) -> list[str]:

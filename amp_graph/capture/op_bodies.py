@@ -1,0 +1,148 @@
+"""What autocast changes in a custom op's body, read from a run of the body on fake values.
+
+Under eager torch.autocast a ``torch.library.custom_op``'s Python body runs with autocast
+on: its matmuls compute in the low dtype. Where amp_graph cannot give the op that state (an
+op that writes into its inputs, an exported program), the body runs with autocast off, and
+computes in float32, or fails on a bf16 activation times a float32 weight. The functions
+here run the body on fake values under each state and say whether that changes what it
+computes: :func:`body_products` lists the dtypes its products compute in, and
+:class:`MixedProduct` is what a product on mixed float dtypes would raise (fake tensors let
+it through).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amp_graph.capture.capture_error import CaptureError
+from amp_graph.capture.casts import below_tracer
+from amp_graph.capture.custom_ops import op_definition
+from amp_graph.passes.meta import short
+
+# the ops autocast computes in the low dtype whose kernels refuse mixed float dtypes
+PRODUCTS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.addmv.default,
+    torch.ops.aten.convolution.default,
+}
+
+
+class MixedProduct(RuntimeError):
+    """A product on floating inputs of two dtypes, which its kernel refuses."""
+
+
+class _Products(TorchDispatchMode):
+    """Records the dtype each product computes in; raises :class:`MixedProduct` where one
+    gets floating inputs of two dtypes, as its kernel would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func in PRODUCTS:
+            floats = {
+                t.dtype
+                for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            }
+            if len(floats) > 1:
+                names = ", ".join(sorted(short(d) for d in floats))
+                raise MixedProduct(f"{func.__name__} on {names} inputs")
+            self.dtypes.extend(short(d) for d in floats)
+        return func(*args, **kwargs)
+
+
+def body_of(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """The Python body of the user's custom op ``op`` for the device of its tensors, or
+    None."""
+    definition = op_definition(op._schema.name)
+    if definition is None:
+        return None
+    leaves = pytree.tree_leaves((args, kwargs))
+    device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
+    bodies = definition._backend_fns
+    return bodies.get(device, bodies.get(None))
+
+
+def body_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
+    """The body's value on ``args`` under the current autocast state, and the dtypes its
+    products computed in. Raises :class:`MixedProduct` for a product on mixed dtypes, and
+    whatever the body raises on fake values (an opaque kernel)."""
+    body = body_of(op, args, kwargs)
+    if body is None:
+        raise LookupError(f"{op._schema.name} has no Python body for these inputs' device")
+    with _Products() as products:
+        value = body(*args, **kwargs)
+    return value, products.dtypes
+
+
+def body_products(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> list[str] | MixedProduct | None:
+    """The dtypes the body's products compute in under the current autocast state; the
+    error, where one multiplies mixed dtypes; None where the body cannot run on ``args``."""
+    try:
+        return body_run(op, args, kwargs)[1]
+    except MixedProduct as error:
+        return error
+    except Exception:  # an opaque kernel (it reads values): nothing to tell from it
+        return None
+
+
+def check_mutating_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict, owner: str) -> None:
+    """For a user's custom op that writes into its inputs, called during a capture under
+    torch.autocast: such an op stays an op of the graph, which calls it with autocast off.
+    Raise :class:`CaptureError` where its body would then multiply mixed dtypes (it would
+    fail at run time); warn where its products would compute in other dtypes than under
+    torch.autocast (float32 where autocast gives the low dtype)."""
+    devices = ("cpu", "cuda")
+    if not any(torch.is_autocast_enabled(d) for d in devices):
+        return
+    with below_tracer():
+        under = body_products(op, args, kwargs)
+        with contextlib.ExitStack() as off:
+            for device in devices:
+                off.enter_context(torch.autocast(device, enabled=False))
+            plain = body_products(op, args, kwargs)
+    if not isinstance(under, list) or plain is None or under == plain:
+        return
+    name = op._schema.name
+    where = (
+        f"the custom op {name} writes into its inputs (mutates_args), so amp_graph keeps it "
+        "as an op of the graph, and a graph calls its ops with autocast off: "
+    )
+    way_out = (
+        "Return the result instead of writing it into an argument (amp_graph keeps a "
+        "functional custom op under autocast), or enter torch.autocast inside its body."
+    )
+    if isinstance(plain, MixedProduct):
+        raise CaptureError(
+            f"amp_graph could not capture {owner}: {where}its body would fail ({plain}), "
+            f"where torch.autocast casts its products' inputs. {way_out}"
+        )
+    warnings.warn(
+        f"{owner}: {where}its products compute in {', '.join(plain)} where torch.autocast's "
+        f"run computes them in {', '.join(under)}. {way_out}",
+        stacklevel=2,
+    )
+
+
+__all__ = [
+    "PRODUCTS",
+    "MixedProduct",
+    "body_of",
+    "body_products",
+    "body_run",
+    "check_mutating_op",
+]
