@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture import Captured, CaptureError
+from amp_graph.passes.pipeline import PassError
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,10 @@ class CaptureCache:
             captured = None
             try:
                 captured = self._capture_fn(args, kwargs, True)
-            except CaptureError as error:
+            except (CaptureError, PassError) as error:
+                # the passes too run ops on the symbolic sizes, where some of torch's kernels
+                # refuse them (aten.lstm: "numel() on tensor with symbolic sizes"); a real
+                # bug of a pass fails the static capture below as well
                 log.info("capture with symbolic sizes failed (%s); capturing per size", error)
             if captured is not None and captured.accepts(leaves):
                 signature.dynamic = captured

@@ -170,8 +170,29 @@ def inductor_compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callab
     if isinstance(fn, torch.nn.Module):
         recompute_ops.uninstall(fn)
     if isinstance(fn, fx.GraphModule) and has_kept_calls(fn):
-        return compiled_around_calls(fn, lambda piece: torch.compile(piece, **options))
-    return torch.compile(fn, **options)
+        compiled = compiled_around_calls(fn, lambda piece: torch.compile(piece, **options))
+    else:
+        compiled = torch.compile(fn, **options)
+    if isinstance(fn, torch.nn.Module) and any(
+        isinstance(m, torch.nn.RNNBase) for m in fn.modules()
+    ):
+        return RnnAllowed(compiled)
+    return compiled
+
+
+class RnnAllowed(torch.nn.Module):
+    """A compiled graph that reads an ``nn.LSTM``'s (GRU's, RNN's) weights, called with
+    dynamo's ``allow_rnn``: dynamo refuses to trace through such a module by default (its
+    forward would graph-break), but the graph calls ``aten.lstm`` itself and only reads the
+    module's parameters. Set per call, as dynamo compiles again at a call with new sizes."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return self.compiled(*args, **kwargs)
 
 
 class InductorCalls:
