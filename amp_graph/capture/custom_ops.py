@@ -98,14 +98,10 @@ def _with_body_dtypes(op: torch._ops.OpOverload, args: tuple, kwargs: dict, out:
     """``out`` (the op's fake), or the body's value on the same fakes where its tensors
     have the same shapes and other dtypes. An op with its own autocast rule keeps ``out``:
     the body runs on the inputs that rule casts, which ``out`` already had."""
-    device = next(
-        (t.device.type for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)),
-        "cpu",
-    )
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _AUTOCAST_KEYS.get(device, "")):
+    autocast_key = _AUTOCAST_KEYS.get(_device_type(args, kwargs), "")
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), autocast_key):
         return out
-    bodies = op_definition(op._schema.name)._backend_fns
-    body = bodies.get(device, bodies.get(None))
+    body = body_of(op, args, kwargs)
     if body is None:
         return out
     try:
@@ -115,6 +111,21 @@ def _with_body_dtypes(op: torch._ops.OpOverload, args: tuple, kwargs: dict, out:
         log.debug("the body of %s does not run on fake values: %s", op, error)
         return out
     return computed if _same_shapes_other_dtypes(out, computed) else out
+
+
+def _device_type(args: tuple, kwargs: dict) -> str:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
+
+
+def body_of(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """The Python body of the user's custom op ``op`` for the device of its tensors, or
+    None."""
+    definition = op_definition(op._schema.name)
+    if definition is None:
+        return None
+    bodies = definition._backend_fns
+    return bodies.get(_device_type(args, kwargs), bodies.get(None))
 
 
 def _unbacked_ignored(args: tuple, kwargs: dict) -> Any:
@@ -165,6 +176,7 @@ def needs_fake_message(qualname: str) -> str:
 
 __all__ = [
     "CustomOpFunction",
+    "body_of",
     "is_functional",
     "needs_fake_message",
     "op_definition",

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.casts import below_tracer
-from amp_graph.capture.custom_ops import op_definition
+from amp_graph.capture.custom_ops import body_of
 from amp_graph.passes.meta import short
 
 # the ops autocast computes in the low dtype whose kernels refuse mixed float dtypes
@@ -61,18 +61,6 @@ class _Products(TorchDispatchMode):
                 raise MixedProduct(f"{func.__name__} on {names} inputs")
             self.dtypes.extend(short(d) for d in floats)
         return func(*args, **kwargs)
-
-
-def body_of(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """The Python body of the user's custom op ``op`` for the device of its tensors, or
-    None."""
-    definition = op_definition(op._schema.name)
-    if definition is None:
-        return None
-    leaves = pytree.tree_leaves((args, kwargs))
-    device = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
-    bodies = definition._backend_fns
-    return bodies.get(device, bodies.get(None))
 
 
 def body_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
@@ -141,7 +129,6 @@ def check_mutating_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict, owne
 __all__ = [
     "PRODUCTS",
     "MixedProduct",
-    "body_of",
     "body_products",
     "body_run",
     "check_mutating_op",
