@@ -435,19 +435,18 @@ class FunctionKeepingInterpreter(CastKeepingInterpreter):
             if (read := _baked_dtype_read(body)) is not None:
                 raise CaptureError(_baked(name, where, read))
         function = DynamoFunction(forward, backward, dict(kwargs), name)
-        call, out, proxies = traced_call(
-            tracer, function, self.autocast, tuple(inputs), {}, lambda: function.apply(*inputs)
-        )
-        from torch.fx.experimental.proxy_tensor import track_tensor_tree
-
-        proxy = tracer.create_proxy("call_function", call, tuple(proxies), {}, name=_snake(name))
-        proxy.node.meta[KEPT_FUNCTION] = (f"{name} (as dynamo traced it)", self.autocast.describe())
-        track_tensor_tree(out, proxy, constant=None, tracer=tracer)
-        return out
+        return self._keep(tracer, function, tuple(inputs), {}, f"{name} (as dynamo traced it)")
 
     def _keep_op(self, tracer: Any, op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         """One node that runs the custom op under ``autocast`` (:mod:`.custom_ops`)."""
         function = CustomOpFunction(op)
+        return self._keep(tracer, function, args, kwargs)
+
+    def _keep(
+        self, tracer: Any, function: Any, args: tuple, kwargs: dict, shown: str | None = None
+    ) -> Any:
+        """Record one node that calls ``function.apply`` under ``autocast`` (its meta names
+        it ``shown``, by default its :class:`FunctionCall`'s name); its fake output."""
         call, out, proxies = traced_call(
             tracer, function, self.autocast, args, kwargs, lambda: function.apply(*args, **kwargs)
         )
@@ -455,7 +454,7 @@ class FunctionKeepingInterpreter(CastKeepingInterpreter):
 
         name = _snake(function.__name__)
         proxy = tracer.create_proxy("call_function", call, tuple(proxies), {}, name=name)
-        proxy.node.meta[KEPT_FUNCTION] = (call.name, self.autocast.describe())
+        proxy.node.meta[KEPT_FUNCTION] = (shown or call.name, self.autocast.describe())
         track_tensor_tree(out, proxy, constant=None, tracer=tracer)
         return out
 

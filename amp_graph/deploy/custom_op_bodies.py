@@ -35,12 +35,14 @@ def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: t
     Guarantee: an op this lets through computes in the program what it computes under
     torch.autocast, as far as dtypes tell."""
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        # a graph's targets are overloads, which name their op without the arguments: only
+        # a user's custom op pays for the fake inputs
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        args, kwargs = _fake_inputs(node)
-        op = user_custom_op(node.target, args, kwargs)
+        op = user_custom_op(node.target, (), {})
         if op is None:
             continue
+        args, kwargs = _fake_inputs(node)
         with torch.autocast(device_type, dtype=dtype):
             under = _dtypes(CustomOpFunction(op).apply(*args, **kwargs))
         off = _dtypes_with_autocast_off(op, args, kwargs, device_type)
