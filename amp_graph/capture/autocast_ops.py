@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture.autograd_functions import AutocastState, FunctionCall, is_function_call
+from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.custom_ops import CustomOpFunction, op_definition
 from amp_graph.passes.meta import short
 
@@ -78,20 +79,70 @@ def _define(name: str, op: torch._ops.OpOverload, autocast: AutocastState) -> to
 
 
 def is_custom_op_call(node: fx.Node) -> bool:
-    """A kept call (:func:`is_function_call`) of a user's custom op."""
-    return is_function_call(node) and isinstance(node.target.function, CustomOpFunction)
+    """A kept call (:func:`is_function_call`) of a user's ``torch.library.custom_op``, whose
+    autograd formula :func:`autocast_op` carries over."""
+    return (
+        is_function_call(node)
+        and isinstance(node.target.function, CustomOpFunction)
+        and op_definition(node.target.function.op._schema.name) is not None
+    )
+
+
+def is_library_op_call(node: fx.Node) -> bool:
+    """A kept call of an op defined with ``torch.library.Library``: its autograd is the
+    dispatcher's (an Autograd kernel, or torch's fallback that differentiates the kernel's
+    own ops), which no formula of :func:`autocast_op` can stand for."""
+    return (
+        is_function_call(node)
+        and isinstance(node.target.function, CustomOpFunction)
+        and op_definition(node.target.function.op._schema.name) is None
+    )
 
 
 def custom_ops_as_autocast_ops(gm: fx.GraphModule) -> int:
-    """Rewrite each kept custom op call of ``gm`` into a call of its :func:`autocast_op`,
-    with the same inputs. Returns how many nodes it rewrote (``gm`` is recompiled if any).
+    """Rewrite each kept ``torch.library.custom_op`` call of ``gm`` into a call of its
+    :func:`autocast_op`, with the same inputs. Returns how many nodes it rewrote (``gm`` is
+    recompiled if any). Calls of ``torch.library.Library`` ops stay kept calls
+    (:func:`is_library_op_call`).
 
     Guarantee: ``gm`` computes the same values; a compiler that traces it records each call
     as one opaque op that enters its autocast state when it runs."""
-    rewritten = 0
-    for node in gm.graph.nodes:
-        if not is_custom_op_call(node):
-            continue
+    return _rewritten(gm, [n for n in gm.graph.nodes if is_custom_op_call(n)])
+
+
+def library_ops_as_autocast_ops(gm: fx.GraphModule, owner: str) -> int:
+    """Rewrite each kept call of a ``torch.library.Library`` op in ``gm`` into a call of its
+    :func:`autocast_op` (without an autograd formula), where no gradient flows through it:
+    grad mode is off, or none of its tensor inputs requires a gradient (``meta["val"]``).
+    Returns how many nodes it rewrote.
+
+    Raises :class:`CaptureError` for a call a gradient flows through: its autograd is the
+    dispatcher's (the op's Autograd kernel, or torch's fallback that differentiates the ops
+    its kernel calls), which an op handed to AOTAutograd cannot carry.
+
+    Guarantee: as :func:`custom_ops_as_autocast_ops`, for the calls it rewrites."""
+    calls = [n for n in gm.graph.nodes if is_library_op_call(n)]
+    for node in calls:
+        if torch.is_grad_enabled() and any(
+            getattr(arg.meta.get("val"), "requires_grad", False) for arg in node.all_input_nodes
+        ):
+            name = node.target.function.op._schema.name
+            raise CaptureError(
+                f"amp_graph could not compile {owner}: a gradient flows through the op {name} "
+                f"(node {node.name}), defined with torch.library.Library. Its autograd is the "
+                "dispatcher's (its Autograd kernel, or torch's fallback that differentiates "
+                "the ops its kernel calls), which a compiler tracing the graph (AOTAutograd) "
+                "cannot run under torch.autocast: its kernel would compute in float32 or "
+                "fail on mixed dtypes. Define the op with torch.library.custom_op and "
+                "register_autograd (amp_graph compiles it under autocast), or use the "
+                "backend with inner='eager', or amp_graph.compile (which runs the op between "
+                "compiled pieces)."
+            )
+    return _rewritten(gm, calls)
+
+
+def _rewritten(gm: fx.GraphModule, calls: list[fx.Node]) -> int:
+    for node in calls:
         call: FunctionCall = node.target
         leaves = list(call.leaves)
         for position, value in zip(call.tensor_positions, node.args, strict=True):
@@ -99,10 +150,16 @@ def custom_ops_as_autocast_ops(gm: fx.GraphModule) -> int:
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)
         node.target = autocast_op(call.function.op, call.autocast)
         node.args, node.kwargs = tuple(args), dict(kwargs)
-        rewritten += 1
-    if rewritten:
+    if calls:
         gm.recompile()
-    return rewritten
+    return len(calls)
 
 
-__all__ = ["NAMESPACE", "autocast_op", "custom_ops_as_autocast_ops", "is_custom_op_call"]
+__all__ = [
+    "NAMESPACE",
+    "autocast_op",
+    "custom_ops_as_autocast_ops",
+    "is_custom_op_call",
+    "is_library_op_call",
+    "library_ops_as_autocast_ops",
+]

@@ -9,9 +9,10 @@ therefore keeps a user's custom op the way it keeps a custom autograd Function
 ``apply`` a Function class has, and the node calls it under the autocast state the
 capture saw.
 
-Only functional ops made with ``torch.library.custom_op`` outside torch and amp_graph are
-kept: an op that writes into its inputs keeps its aten-style node, which the passes read
-from its schema.
+Only functional ops of the user's (outside torch and amp_graph) with a Python body are kept:
+made with ``torch.library.custom_op``, or defined with ``torch.library.Library`` and given a
+Python kernel (:mod:`.library_ops`). An op that writes into its inputs keeps its aten-style
+node, which the passes read from its schema.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
+
+from amp_graph.capture.library_ops import has_python_kernel, is_library_op, library_kernel
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +47,19 @@ def is_functional(op: torch._ops.OpOverload) -> bool:
 
 
 def user_op(func: Any, args: tuple, kwargs: dict) -> torch._ops.OpOverload | None:
-    """The overload ``func`` calls, where it is a ``torch.library.custom_op`` of the user's
-    (defined outside torch and amp_graph), functional or not, else None."""
+    """The overload ``func`` calls, where it is a user's op (defined outside torch and
+    amp_graph) with a Python body: a ``torch.library.custom_op``, or an op defined with
+    ``torch.library.Library`` and a Python kernel (:mod:`.library_ops`); functional or not.
+    Else None."""
     op = func
     if isinstance(func, torch._ops.OpOverloadPacket):
-        if op_definition(func._qualified_op_name.replace(".", "::", 1)) is None:
+        qualname = func._qualified_op_name.replace(".", "::", 1)
+        if op_definition(qualname) is None and not is_library_op(qualname):
             return None  # resolving an aten packet on every call would cost the capture
         op = getattr(func, torch._C._jit_resolve_packet(func._qualified_op_name, *args, **kwargs))
-    if not isinstance(op, torch._ops.OpOverload) or op_definition(op._schema.name) is None:
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    if op_definition(op._schema.name) is None and not has_python_kernel(op):
         return None
     return op
 
@@ -119,11 +127,11 @@ def _device_type(args: tuple, kwargs: dict) -> str:
 
 
 def body_of(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """The Python body of the user's custom op ``op`` for the device of its tensors, or
-    None."""
+    """The Python body of the user's op ``op`` for the device of its tensors (a custom op's
+    function, a ``torch.library.Library`` op's Python kernel), or None."""
     definition = op_definition(op._schema.name)
     if definition is None:
-        return None
+        return library_kernel(op, _device_type(args, kwargs))
     bodies = definition._backend_fns
     return bodies.get(_device_type(args, kwargs), bodies.get(None))
 

@@ -49,7 +49,10 @@ import torch
 import torch.fx as fx
 
 from amp_graph.capture import capture_graph
-from amp_graph.capture.autocast_ops import custom_ops_as_autocast_ops
+from amp_graph.capture.autocast_ops import (
+    custom_ops_as_autocast_ops,
+    library_ops_as_autocast_ops,
+)
 from amp_graph.capture.autograd_functions import AutocastState
 from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
 from amp_graph.frontends.compile_modes import check_inductor_mode
@@ -215,6 +218,7 @@ class AmpGraphBackend:
             # the autocast its body runs under
             checkpoints_as_dynamo_records_them(handed)
             custom_ops_as_autocast_ops(handed)
+            library_ops_as_autocast_ops(handed, "the model (torch.compile backend)")
         record.seconds["copy_for_inner"] = time.perf_counter() - finished
         self._graphs.append(aten_gm)
         self._check_overrides(policy, aten_gm)
