@@ -377,3 +377,78 @@ def test_a_mutating_custom_op_that_autocast_does_not_change_is_taken_quietly(pol
         warnings.simplefilter("error")
         got = amp_graph.compile(model, policy, BF16)(torch.ones(3, 4))
     assert got.dtype == want.dtype and torch.allclose(got, want, atol=1e-2)
+
+
+# --- ... under the backend and export, which capture without autocast ----------------------
+
+BACKEND_OWNER = r"the model \(torch.compile backend\)"
+
+
+class UsedAroundTheWrite(nn.Module):
+    """The buffer read before the op writes into it and after, through a linear that
+    computes in bf16: a cast placed before the write would read the old value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 4)
+        before = out * 2
+        accumulate(out, self.fc(x).float())
+        return self.fc2(out) + before.sum()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_the_backend_checks_a_mutating_custom_op_on_the_dtypes_the_plan_gives(fresh_dynamo, inner):
+    def backend():
+        torch._dynamo.reset()
+        return amp_graph.backend("O1", BF16, inner=inner)
+
+    mixed = torch.compile(WritesIntoBuffer(), backend=backend())
+    with pytest.raises(Exception, match=rf"{BACKEND_OWNER}: the custom op .*accumulate_mm writes"):
+        mixed(torch.randn(3, 4))
+    float32 = torch.compile(WritesIntoBuffer(torch.float32), backend=backend())
+    with pytest.warns(UserWarning, match=rf"{BACKEND_OWNER}: .*accumulate_mm .*compute in fp32"):
+        float32(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_the_backend_computes_a_mutating_custom_op_as_torch_autocast(fresh_dynamo, inner):
+    torch.manual_seed(0)
+    model, x = UsedAroundTheWrite(), torch.randn(3, 4)
+    with torch.autocast("cpu", BF16):
+        want = model(x)
+    compiled = torch.compile(model, backend=amp_graph.backend("autocast", BF16, inner=inner))
+    got = compiled(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("activation_dtype", "off"),
+    [
+        (None, r"its body raises an error \(mm.default on bf16, fp32 inputs\)"),
+        (torch.float32, "fp32"),
+    ],
+)
+def test_export_refuses_a_mutating_custom_op_whose_products_autocast_decides(activation_dtype, off):
+    from amp_graph.deploy.custom_op_bodies import AutocastDependentOp
+
+    with pytest.raises(
+        AutocastDependentOp,
+        match=rf"accumulate_mm .*its products compute in bf16 .*with autocast off .*{off}.*"
+        "return the result instead",
+    ):
+        amp_graph.export(
+            WritesIntoBuffer(activation_dtype), (torch.randn(3, 4),), policy="O1", dtype=BF16
+        )
+
+
+def test_export_keeps_a_mutating_custom_op_that_autocast_does_not_change():
+    torch.manual_seed(0)
+    model, x = UsedAroundTheWrite(), torch.randn(3, 4)
+    with torch.autocast("cpu", BF16):
+        want = model(x)
+    program = amp_graph.export(model, (x,), policy="autocast", dtype=BF16)
+    got = program.module()(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)

@@ -84,6 +84,7 @@ from amp_graph.passes.meta import (
     FSDP_UNITS,
     MODEL_ROOT,
     TRACED_NOOP_CAST,
+    VAL,
     model_root,
 )
 from amp_graph.policy import Policy
@@ -472,10 +473,22 @@ def capture_graph(
     with fake_mode:
         traced = make_fx(run, pre_dispatch=True)(*values)
     strip_aliases(traced, aliases)
+    _give_empty_results_a_value(traced)
     carry_dynamo_records(gm, traced)
     mark_named(traced, baked, TRACED_NOOP_CAST)
     traced.recompile()
     return traced
+
+
+def _give_empty_results_a_value(gm: fx.GraphModule) -> None:
+    """``meta["val"] = None`` on each call of an op whose schema returns nothing (a custom op
+    that writes into its inputs, vLLM's style): make_fx records no value for it, and the
+    passes take a graph with a value on every op (its writes they read from the schema)."""
+    for node in gm.graph.nodes:
+        op = node.target
+        empty = isinstance(op, torch._ops.OpOverload) and not op._schema.returns
+        if node.op == "call_function" and empty and VAL not in node.meta:
+            node.meta[VAL] = None
 
 
 def carry_dynamo_records(gm: fx.GraphModule, traced: fx.GraphModule) -> None:

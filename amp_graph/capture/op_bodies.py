@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_graph.capture.capture_error import CaptureError
 from amp_graph.capture.casts import below_tracer
-from amp_graph.capture.custom_ops import body_of
+from amp_graph.capture.custom_ops import body_of, is_functional, user_op
 from amp_graph.passes.meta import short
 
 # the ops autocast computes in the low dtype whose kernels refuse mixed float dtypes
@@ -126,10 +128,38 @@ def check_mutating_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict, owne
     )
 
 
+def check_mutating_ops(gm: fx.GraphModule, autocast_entered: Callable[[], Any], owner: str) -> None:
+    """:func:`check_mutating_op` for each call in ``gm`` of a user's op that writes into its
+    inputs, on the fake values its nodes carry (the dtypes the plan gave them), under the
+    autocast state ``autocast_entered()`` enters: for a graph captured without autocast (the
+    backend's retrace of dynamo's trace), checked once the passes have decided its dtypes."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        op = user_op(node.target, (), {})
+        if op is None or is_functional(op):
+            continue
+        args, kwargs = node_fake_inputs(node)
+        mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+        with mode or contextlib.nullcontext(), autocast_entered():
+            check_mutating_op(op, args, kwargs, owner)
+
+
+def node_fake_inputs(node: fx.Node) -> tuple[tuple, dict]:
+    """A node's arguments with each node replaced by its fake value (``meta["val"]``)."""
+
+    def value(arg: Any) -> Any:
+        return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+    return fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
+
+
 __all__ = [
     "PRODUCTS",
     "MixedProduct",
     "body_products",
     "body_run",
     "check_mutating_op",
+    "check_mutating_ops",
+    "node_fake_inputs",
 ]

@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture.custom_ops import CustomOpFunction, user_custom_op
-from amp_graph.capture.op_bodies import MixedProduct, body_run
+from amp_graph.capture.custom_ops import CustomOpFunction, is_functional, user_op
+from amp_graph.capture.op_bodies import MixedProduct, body_products, body_run, node_fake_inputs
 from amp_graph.passes.meta import short
 
 
@@ -30,7 +30,9 @@ def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: t
     """Raise :class:`AutocastDependentOp` for the first user custom op of ``gm`` whose output
     dtypes under ``torch.autocast(device_type, dtype)`` differ from its dtypes with autocast
     off, on the fake values the capture recorded, or whose body multiplies mixed float dtypes
-    with autocast off. A body that cannot run on fake values is judged by the op's fake.
+    with autocast off. A body that cannot run on fake values is judged by the op's fake. An
+    op that writes into its inputs (and returns nothing) is judged by the dtypes its body's
+    products compute in.
 
     Guarantee: an op this lets through computes in the program what it computes under
     torch.autocast, as far as dtypes tell."""
@@ -39,22 +41,37 @@ def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: t
         # a user's custom op pays for the fake inputs
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        op = user_custom_op(node.target, (), {})
+        op = user_op(node.target, (), {})
         if op is None:
             continue
-        args, kwargs = _fake_inputs(node)
-        with torch.autocast(device_type, dtype=dtype):
-            under = _dtypes(CustomOpFunction(op).apply(*args, **kwargs))
-        off = _dtypes_with_autocast_off(op, args, kwargs, device_type)
+        args, kwargs = node_fake_inputs(node)
+        if is_functional(op):
+            with torch.autocast(device_type, dtype=dtype):
+                under = _dtypes(CustomOpFunction(op).apply(*args, **kwargs))
+            off = _dtypes_with_autocast_off(op, args, kwargs, device_type)
+        else:  # it writes into its inputs: what its products compute in tells
+            under, off = _products(op, args, kwargs, device_type, dtype)
         if under != off:
             raise AutocastDependentOp(_message(op, node, device_type, dtype, under, off))
 
 
-def _fake_inputs(node: fx.Node) -> tuple[tuple, dict]:
-    def value(arg: Any) -> Any:
-        return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-    return fx.node.map_aggregate(node.args, value), fx.node.map_aggregate(node.kwargs, value)
+def _products(
+    op: torch._ops.OpOverload,
+    args: tuple,
+    kwargs: dict,
+    device_type: str,
+    dtype: torch.dtype,
+) -> tuple[list[str] | None, list[str] | str | None]:
+    """The dtypes an op's body computes its products in under torch.autocast and with it
+    off (the error of a product on mixed inputs, there); None for both where its body cannot
+    run on the fake values (nothing to tell from it)."""
+    with torch.autocast(device_type, dtype=dtype):
+        under = body_products(op, args, kwargs)
+    with torch.autocast(device_type, enabled=False):
+        off = body_products(op, args, kwargs)
+    if not isinstance(under, list) or off is None:
+        return None, None
+    return under, off if isinstance(off, list) else f"an error ({off})"
 
 
 def _dtypes_with_autocast_off(
@@ -84,16 +101,26 @@ def _message(
     under: list[str],
     off: list[str] | str,
 ) -> str:
-    name = op._schema.name
+    name, writes = op._schema.name, not is_functional(op)
+    computes = "its products compute in" if writes else "it computes"
+    way_out = (
+        "or return the result instead of writing it into an argument and run the model "
+        "through amp_graph.compile"
+        if writes
+        else "or run the model through amp_graph.compile"
+    )
+    if isinstance(off, list):
+        off_text = f"{computes} {', '.join(off)}"
+    else:  # the error of a product on mixed dtypes
+        off_text = f"{'its body raises' if writes else 'it computes'} {off}"
     return (
         f"amp_graph.export cannot keep the custom op {name} (node {node.name}) as "
-        f"torch.autocast runs it: under torch.autocast({device_type!r}, {short(dtype)}) it "
-        f"computes {', '.join(under)} (its body's ops or its register_autocast rule), with "
-        f"autocast off it computes {off if isinstance(off, str) else ', '.join(off)}; an "
+        f"torch.autocast runs it: under torch.autocast({device_type!r}, {short(dtype)}) "
+        f"{computes} {', '.join(under)} (its body's ops or its register_autocast rule), with "
+        f"autocast off {off_text}; an "
         "exported program calls it with autocast off. Make the op decide its own dtypes: "
         f"enter torch.autocast('{device_type}', dtype={dtype}) inside its body, "
-        "or cast its inputs there; or run the model through amp_graph.compile, which keeps "
-        "the op under autocast."
+        f"or cast its inputs there; {way_out}, which keeps the op under autocast."
     )
 
 

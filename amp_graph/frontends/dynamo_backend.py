@@ -55,6 +55,7 @@ from amp_graph.capture.autocast_ops import (
 )
 from amp_graph.capture.autograd_functions import AutocastState
 from amp_graph.capture.dtensor_graphs import capture_dtensor_graph
+from amp_graph.capture.op_bodies import check_mutating_ops
 from amp_graph.frontends.compile_modes import check_inductor_mode
 from amp_graph.frontends.dynamo_checkpoints import (
     checkpoints_as_dynamo_records_them,
@@ -212,6 +213,12 @@ class AmpGraphBackend:
         record.exact = record.exact and not missing
         finished = time.perf_counter()
         sync_example_values(aten_gm)
+        # the retrace ran without autocast: a custom op that writes into its inputs is
+        # checked once the plan has given its inputs their dtypes
+        state = AutocastState.of_policy(
+            request.device_type, None if policy.casts_nothing else request.dtype
+        )
+        check_mutating_ops(aten_gm, state.entered, "the model (torch.compile backend)")
         handed = copy_graph_module(aten_gm)  # inductor's pre-grad passes edit the graph they get
         if self.inner != "eager":
             # AOTAutograd would trace through a checkpoint call, and keep a custom op without
