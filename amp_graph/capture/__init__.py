@@ -11,9 +11,12 @@
   one graph would replay on every call;
 * :mod:`~amp_graph.capture.autograd_functions` - custom ``torch.autograd.Function`` s kept
   whole, one node calling their own ``apply``, so that their backward runs;
+* :mod:`~amp_graph.capture.dynamo_retrace` - the torch.compile backend's capture: dynamo's graph
+  retraced to aten ops (:func:`capture_graph`);
 * :mod:`~amp_graph.capture.capture_error` - :class:`CaptureError`, what could not be captured.
 """
 
+from .dynamo_retrace import capture_graph
 from .model_capture import (
     EXPORT_FACTS,
     MODEL_ATTR,
@@ -23,7 +26,6 @@ from .model_capture import (
     ShapeGuard,
     capture_autocast,
     capture_for_policy,
-    capture_graph,
     capture_module,
     export_refused,
     gc_paused,

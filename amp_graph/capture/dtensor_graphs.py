@@ -2,7 +2,7 @@
 a graph dynamo traced on a tensor-parallel model -> aten ops on DTensors, with DTensor's
 conversions kept whole).
 
-The backend's usual retrace (:func:`~amp_graph.capture.model_capture.capture_graph`,
+The backend's usual retrace (:func:`~amp_graph.capture.dynamo_retrace.capture_graph`,
 ``make_fx`` on dynamo's fake values) cannot run DTensor's dispatch. ``torch.export`` can, and
 it is how :func:`amp_graph.compile` captures tensor-parallel models: :func:`capture_dtensor_graph`
 exports dynamo's graph as a module, on dynamo's own fake inputs (its fake mode and symbolic
@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from amp_graph.capture.capture_error import CaptureError
-from amp_graph.capture.model_capture import capture_for_policy, carry_dynamo_records
+from amp_graph.capture.dynamo_retrace import carry_dynamo_records
+from amp_graph.capture.model_capture import capture_for_policy
 from amp_graph.policy import Policy
 
 
