@@ -28,8 +28,9 @@ import torch
 _TORCH_DIR = Path(torch.__file__).resolve().parent
 _AMP_GRAPH_DIR = Path(__file__).resolve().parent.parent
 # torch.library.define registers an op from torch/library.py whoever calls it: the namespaces
-# torch itself defines that way, and the ones no user's op can have
-TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "debugprims", "pippy"})
+# torch itself defines that way (coor: torch 2.15's device queries), and the ones no user's
+# op can have. tests/test_library_ops.py lists every op counted as a user's, on each torch
+TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "debugprims", "pippy", "coor"})
 
 # the dispatch key of a device's own kernel, by device type
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
