@@ -90,22 +90,35 @@ def body_products(
         return None
 
 
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def products_under_autocast_and_off(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict
+) -> tuple[list[str] | None, list[str] | MixedProduct | None]:
+    """:func:`body_products` under the current autocast state, and with autocast off on
+    every device; (None, None) where the body cannot run on ``args`` (nothing to tell)."""
+    under = body_products(op, args, kwargs)
+    with contextlib.ExitStack() as off:
+        for device in _DEVICE_TYPES:
+            off.enter_context(torch.autocast(device, enabled=False))
+        plain = body_products(op, args, kwargs)
+    if not isinstance(under, list) or plain is None:
+        return None, None
+    return under, plain
+
+
 def check_mutating_op(op: torch._ops.OpOverload, args: tuple, kwargs: dict, owner: str) -> None:
     """For a user's custom op that writes into its inputs, called during a capture under
     torch.autocast: such an op stays an op of the graph, which calls it with autocast off.
     Raise :class:`CaptureError` where its body would then multiply mixed dtypes (it would
     fail at run time); warn where its products would compute in other dtypes than under
     torch.autocast (float32 where autocast gives the low dtype)."""
-    devices = ("cpu", "cuda")
-    if not any(torch.is_autocast_enabled(d) for d in devices):
+    if not any(torch.is_autocast_enabled(d) for d in _DEVICE_TYPES):
         return
     with below_tracer():
-        under = body_products(op, args, kwargs)
-        with contextlib.ExitStack() as off:
-            for device in devices:
-                off.enter_context(torch.autocast(device, enabled=False))
-            plain = body_products(op, args, kwargs)
-    if not isinstance(under, list) or plain is None or under == plain:
+        under, plain = products_under_autocast_and_off(op, args, kwargs)
+    if under is None or under == plain:
         return
     name = op._schema.name
     where = (
@@ -162,4 +175,5 @@ __all__ = [
     "check_mutating_op",
     "check_mutating_ops",
     "node_fake_inputs",
+    "products_under_autocast_and_off",
 ]

@@ -18,7 +18,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from amp_graph.capture.custom_ops import CustomOpFunction, is_functional, user_op
-from amp_graph.capture.op_bodies import MixedProduct, body_products, body_run, node_fake_inputs
+from amp_graph.capture.op_bodies import (
+    MixedProduct,
+    body_run,
+    node_fake_inputs,
+    products_under_autocast_and_off,
+)
 from amp_graph.passes.meta import short
 
 
@@ -66,12 +71,8 @@ def _products(
     off (the error of a product on mixed inputs, there); None for both where its body cannot
     run on the fake values (nothing to tell from it)."""
     with torch.autocast(device_type, dtype=dtype):
-        under = body_products(op, args, kwargs)
-    with torch.autocast(device_type, enabled=False):
-        off = body_products(op, args, kwargs)
-    if not isinstance(under, list) or off is None:
-        return None, None
-    return under, off if isinstance(off, list) else f"an error ({off})"
+        under, off = products_under_autocast_and_off(op, args, kwargs)
+    return under, off if not isinstance(off, MixedProduct) else f"an error ({off})"
 
 
 def _dtypes_with_autocast_off(

@@ -85,6 +85,8 @@ from amp_graph.passes.meta import VAL, short
 from amp_graph.policy import Policy, nearest
 
 log = logging.getLogger(__name__)
+# how the backend's errors and warnings about one of the model's ops name the model
+_OWNER = "the model (torch.compile backend)"
 
 BACKEND_NAME = "amp_graph"
 BUILTIN_INNERS = ("inductor", "eager", "aot_eager")
@@ -218,14 +220,14 @@ class AmpGraphBackend:
         state = AutocastState.of_policy(
             request.device_type, None if policy.casts_nothing else request.dtype
         )
-        check_mutating_ops(aten_gm, state.entered, "the model (torch.compile backend)")
+        check_mutating_ops(aten_gm, state.entered, _OWNER)
         handed = copy_graph_module(aten_gm)  # inductor's pre-grad passes edit the graph they get
         if self.inner != "eager":
             # AOTAutograd would trace through a checkpoint call, and keep a custom op without
             # the autocast its body runs under
             checkpoints_as_dynamo_records_them(handed)
             custom_ops_as_autocast_ops(handed)
-            library_ops_as_autocast_ops(handed, "the model (torch.compile backend)")
+            library_ops_as_autocast_ops(handed, _OWNER)
         record.seconds["copy_for_inner"] = time.perf_counter() - finished
         self._graphs.append(aten_gm)
         self._check_overrides(policy, aten_gm)
