@@ -192,6 +192,24 @@ def test_the_default_mode_compiles_each_graph_with_inductor_and_matches_the_eage
     assert len(inductor.graph_modules) == 2 and len(inductor._inductor) == 2
 
 
+def test_a_graph_captured_for_every_size_is_compiled_for_every_size(fresh_dynamo) -> None:
+    """The second size gets a capture with symbolic sizes; inductor compiles it once for all
+    sizes (specialized to the size it first ran with, a third size compiled it again)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    compiled = amp_graph.compile(model, "O1", BF16, mode="default")
+    eager = amp_graph.compile(model, "O1", BF16, mode="eager")
+    counters.clear()
+    for rows in (2, 3, 4, 5):
+        x = torch.randn(rows, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), eager(x), rtol=1e-2, atol=1e-2)
+    assert len(compiled.graph_modules) == 2  # one static capture, one symbolic
+    assert counters["stats"]["unique_graphs"] == 2  # each compiled once
+
+
 def test_inductor_modes_leave_the_recompute_to_the_partitioner() -> None:
     """The eager graph recomputes casts through saved-tensor hooks; a graph inductor compiles
     must carry none (dynamo would trace Python hooks around the forward), and gets the

@@ -219,10 +219,28 @@ class InductorCalls:
         compiled = self._compiled.get(gm)
         if compiled is None:
             # fullgraph: the graph is aten ops already, so a break would be a bug of ours,
-            # not something to run around silently
-            compiled = inductor_compiled(gm, {"mode": self.mode, "fullgraph": True})
+            # not something to run around silently. A graph captured for every size is
+            # compiled for every size: dynamo would otherwise specialize it to the first
+            # size it runs with, and compile it again at the next
+            options = {"mode": self.mode, "fullgraph": True}
+            if has_symbolic_sizes(gm):
+                options["dynamic"] = True
+            compiled = inductor_compiled(gm, options)
             self._compiled[gm] = compiled
         return compiled(*leaves)
+
+
+def has_symbolic_sizes(gm: fx.GraphModule) -> bool:
+    """An input of ``gm`` has a symbolic size, or is one (the capture made it for every
+    size, :mod:`amp_graph.capture.symbolic_sizes`)."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("val")
+        sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            return True
+    return False
 
 
 __all__ = [
@@ -237,6 +255,7 @@ __all__ = [
     "RunMode",
     "check_inductor_mode",
     "default_mode",
+    "has_symbolic_sizes",
     "inductor_compiled",
     "refuse_cuda_graphs_off_cuda",
     "resolve_mode",
