@@ -31,6 +31,7 @@ import contextlib
 import gc
 import linecache
 import logging
+import re
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -618,6 +619,9 @@ def _user_frame(error: BaseException) -> str:
     return "an unknown location"
 
 
+# torch's refusal of a higher-order operator (flex_attention) under a dispatch mode of ours
+_HIGHER_ORDER = re.compile(r"no rule registered for HigherOrderOperator (\w+) and mode")
+
 _HINTS: tuple[tuple[Callable[[str], bool], str], ...] = (
     (
         lambda text: "Cache" in text and "pytree" in text,
@@ -629,6 +633,14 @@ _HINTS: tuple[tuple[Callable[[str], bool], str], ...] = (
         "The model returns or takes an object that is not a tensor, a tuple, list or dict of "
         "them, a returned dataclass, or a registered pytree type; return tensors, or "
         "register the type with torch.utils._pytree.register_pytree_node.",
+    ),
+    (
+        lambda text: _HIGHER_ORDER.search(text) is not None,
+        "torch.export runs this operator through torch.compile, which refuses the dispatch "
+        "mode amp_graph's capture plans dtypes with. Use torch.compile(model, "
+        "backend=amp_graph.backend(...)), which takes flex_attention where its block mask is "
+        "made outside the compiled forward (create_block_mask runs vmap, which the backend "
+        "cannot retrace) or by a create_block_mask under torch.compile of its own.",
     ),
     (
         lambda text: "data-dependent" in text or "guard on data-dependent" in text,
@@ -657,6 +669,8 @@ def _capture_error(
         # often the cause: a mask drawn on the host became a constant the graph indexes with
         hint += "\n  Also: " + host_draws_message(type(model).__name__, drawn)
     first_lines = "\n".join(text.splitlines()[:6])
+    if found := _HIGHER_ORDER.search(text):  # torch's own hint there is for our mode, not users
+        first_lines = f"torch's {found.group(1)} cannot run under amp_graph's capture"
     return CaptureError(
         f"amp_graph could not capture {type(model).__name__} with torch.export "
         f"(non-strict): {first_lines}\n  The failing construct is at {_user_frame(error)}.\n"
