@@ -210,6 +210,32 @@ def test_a_graph_captured_for_every_size_is_compiled_for_every_size(fresh_dynamo
     assert counters["stats"]["unique_graphs"] == 2  # each compiled once
 
 
+def test_graph_enable_compile_compiles_a_step_captured_for_every_size_once(fresh_dynamo) -> None:
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+    class Step(amp_graph.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.config.enable_amp(True, dtype=BF16)
+            self.config.enable_compile()
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+
+        def build(self, x):
+            loss = self.model(x).float().pow(2).mean()
+            loss.backward()
+            return loss
+
+    step = Step()
+    counters.clear()
+    losses = [step(torch.randn(rows, 8)) for rows in (2, 3, 4, 5)]
+    assert all(torch.isfinite(loss) for loss in losses)
+    assert counters["stats"]["unique_graphs"] == 2  # the first size's step, then every size
+
+
 def test_inductor_modes_leave_the_recompute_to_the_partitioner() -> None:
     """The eager graph recomputes casts through saved-tensor hooks; a graph inductor compiles
     must carry none (dynamo would trace Python hooks around the forward), and gets the

@@ -166,9 +166,15 @@ def inductor_compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callab
     saved-tensor hooks (AOTAutograd's partitioner decides what backward keeps, and dynamo
     must not trace Python hooks around the forward). A GraphModule with kept Function or
     custom op calls is compiled around them, so that they run as torch.autocast runs them
-    (:mod:`amp_graph.frontends.compiled_segments`)."""
+    (:mod:`amp_graph.frontends.compiled_segments`). A GraphModule with symbolic sizes is
+    compiled with ``dynamic=True`` unless ``options`` say otherwise."""
     if isinstance(fn, torch.nn.Module):
         recompute_ops.uninstall(fn)
+    if isinstance(fn, fx.GraphModule) and "dynamic" not in options and has_symbolic_sizes(fn):
+        # a graph captured for every size is compiled for every size: dynamo would
+        # otherwise specialize it to the first size it runs with, and compile it again at
+        # the next
+        options = {**options, "dynamic": True}
     if isinstance(fn, fx.GraphModule) and has_kept_calls(fn):
         compiled = compiled_around_calls(fn, lambda piece: torch.compile(piece, **options))
     else:
@@ -219,13 +225,8 @@ class InductorCalls:
         compiled = self._compiled.get(gm)
         if compiled is None:
             # fullgraph: the graph is aten ops already, so a break would be a bug of ours,
-            # not something to run around silently. A graph captured for every size is
-            # compiled for every size: dynamo would otherwise specialize it to the first
-            # size it runs with, and compile it again at the next
-            options = {"mode": self.mode, "fullgraph": True}
-            if has_symbolic_sizes(gm):
-                options["dynamic"] = True
-            compiled = inductor_compiled(gm, options)
+            # not something to run around silently
+            compiled = inductor_compiled(gm, {"mode": self.mode, "fullgraph": True})
             self._compiled[gm] = compiled
         return compiled(*leaves)
 
