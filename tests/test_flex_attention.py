@@ -71,3 +71,21 @@ def test_compile_says_where_flex_attention_stops_the_capture(model_and_input):
     )
     with pytest.raises(CaptureError, match=expected), torch.no_grad():
         amp_graph.compile(model, "autocast", BF16)(x)
+
+
+class MaskInsideForward(FlexAttention):
+    """HF's way: the block mask made in forward."""
+
+    def forward(self, x):
+        self.block_mask = create_block_mask(_causal, None, None, SEQ, SEQ, device="cpu")
+        return super().forward(x)
+
+
+def test_the_backend_says_a_block_mask_made_in_forward_is_what_it_cannot_take(fresh_dynamo):
+    torch.manual_seed(0)
+    compiled = torch.compile(
+        MaskInsideForward(), backend=amp_graph.backend("autocast", BF16, inner="eager")
+    )
+    expected = r"block mask made inside the compiled forward.*outside"
+    with pytest.raises(Exception, match=expected), torch.no_grad():
+        compiled(torch.randn(2, SEQ, 32))

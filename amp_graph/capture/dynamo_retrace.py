@@ -121,6 +121,8 @@ def _refuse_functorch_transforms(gm: fx.GraphModule) -> None:
             torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
             files = [ln for ln in lines if ln.startswith("File") and torch_dir not in ln]
             where = files[-1] if files else ""  # the innermost frame of the model's code
+            if any(_FLEX_ATTENTION_FILE in ln for ln in lines):
+                raise CaptureError(_flex_block_mask_message(where))
             raise CaptureError(
                 "amp_graph's torch.compile backend cannot retrace a graph that runs a functorch "
                 "transform inline (torch.vmap, torch.func.grad or jvp, torch's associative_scan "
@@ -129,6 +131,21 @@ def _refuse_functorch_transforms(gm: fx.GraphModule) -> None:
                 "torch.export, or keep the transform out of the compiled region "
                 "(torch.compiler.disable on the function that calls it)."
             )
+
+
+# flex_attention's module: create_block_mask there runs torch.vmap over the mask function
+_FLEX_ATTENTION_FILE = "torch/nn/attention/flex_attention.py"
+
+
+def _flex_block_mask_message(where: str) -> str:
+    return (
+        "amp_graph's torch.compile backend cannot retrace flex_attention's block mask made "
+        "inside the compiled forward (create_block_mask runs torch.vmap inline)"
+        f"{': ' + where if where else ''}. Make the block mask outside the compiled region "
+        "and pass it in (torchtitan makes its masks before the model's forward); the backend "
+        "takes flex_attention itself. amp_graph.compile cannot capture flex_attention; an HF "
+        "model can use attn_implementation='sdpa'."
+    )
 
 
 __all__ = ["capture_graph", "carry_dynamo_records"]

@@ -640,7 +640,7 @@ _HINTS: tuple[tuple[Callable[[str], bool], str], ...] = (
         "mode amp_graph's capture plans dtypes with. Use torch.compile(model, "
         "backend=amp_graph.backend(...)), which takes flex_attention where its block mask is "
         "made outside the compiled forward (create_block_mask runs vmap, which the backend "
-        "cannot retrace) or by a create_block_mask under torch.compile of its own.",
+        "cannot retrace).",
     ),
     (
         lambda text: "data-dependent" in text or "guard on data-dependent" in text,
