@@ -81,22 +81,23 @@ def _define(name: str, op: torch._ops.OpOverload, autocast: AutocastState) -> to
 def is_custom_op_call(node: fx.Node) -> bool:
     """A kept call (:func:`is_function_call`) of a user's ``torch.library.custom_op``, whose
     autograd formula :func:`autocast_op` carries over."""
-    return (
-        is_function_call(node)
-        and isinstance(node.target.function, CustomOpFunction)
-        and op_definition(node.target.function.op._schema.name) is not None
-    )
+    op = _kept_op(node)
+    return op is not None and op_definition(op._schema.name) is not None
 
 
 def is_library_op_call(node: fx.Node) -> bool:
     """A kept call of an op defined with ``torch.library.Library``: its autograd is the
     dispatcher's (an Autograd kernel, or torch's fallback that differentiates the kernel's
     own ops), which no formula of :func:`autocast_op` can stand for."""
-    return (
-        is_function_call(node)
-        and isinstance(node.target.function, CustomOpFunction)
-        and op_definition(node.target.function.op._schema.name) is None
-    )
+    op = _kept_op(node)
+    return op is not None and op_definition(op._schema.name) is None
+
+
+def _kept_op(node: fx.Node) -> torch._ops.OpOverload | None:
+    """The user's op a kept call calls, else None."""
+    if is_function_call(node) and isinstance(node.target.function, CustomOpFunction):
+        return node.target.function.op
+    return None
 
 
 def custom_ops_as_autocast_ops(gm: fx.GraphModule) -> int:

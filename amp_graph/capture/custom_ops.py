@@ -129,11 +129,11 @@ def _device_type(args: tuple, kwargs: dict) -> str:
 def body_of(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """The Python body of the user's op ``op`` for the device of its tensors (a custom op's
     function, a ``torch.library.Library`` op's Python kernel), or None."""
-    definition = op_definition(op._schema.name)
+    definition, device_type = op_definition(op._schema.name), _device_type(args, kwargs)
     if definition is None:
-        return library_kernel(op, _device_type(args, kwargs))
+        return library_kernel(op, device_type)
     bodies = definition._backend_fns
-    return bodies.get(_device_type(args, kwargs), bodies.get(None))
+    return bodies.get(device_type, bodies.get(None))
 
 
 def _unbacked_ignored(args: tuple, kwargs: dict) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -146,16 +146,24 @@ def check_mutating_ops(gm: fx.GraphModule, autocast_entered: Callable[[], Any], 
     inputs, on the fake values its nodes carry (the dtypes the plan gave them), under the
     autocast state ``autocast_entered()`` enters: for a graph captured without autocast (the
     backend's retrace of dynamo's trace), checked once the passes have decided its dtypes."""
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        op = user_op(node.target, (), {})
-        if op is None or is_functional(op):
+    for node, op in user_op_calls(gm):
+        if is_functional(op):
             continue
         args, kwargs = node_fake_inputs(node)
         mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
         with mode or contextlib.nullcontext(), autocast_entered():
             check_mutating_op(op, args, kwargs, owner)
+
+
+def user_op_calls(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, torch._ops.OpOverload]]:
+    """Each node of ``gm`` that calls a user's op as an op of the graph (not a kept call),
+    with that op (:func:`~amp_graph.capture.custom_ops.user_op`)."""
+    for node in gm.graph.nodes:
+        # a graph's targets are overloads, which name their op without the arguments
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if (op := user_op(node.target, (), {})) is not None:
+            yield node, op
 
 
 def node_fake_inputs(node: fx.Node) -> tuple[tuple, dict]:
@@ -176,4 +184,5 @@ __all__ = [
     "check_mutating_ops",
     "node_fake_inputs",
     "products_under_autocast_and_off",
+    "user_op_calls",
 ]

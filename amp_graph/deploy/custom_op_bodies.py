@@ -17,12 +17,13 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from amp_graph.capture.custom_ops import CustomOpFunction, is_functional, user_op
+from amp_graph.capture.custom_ops import CustomOpFunction, is_functional
 from amp_graph.capture.op_bodies import (
     MixedProduct,
     body_run,
     node_fake_inputs,
     products_under_autocast_and_off,
+    user_op_calls,
 )
 from amp_graph.passes.meta import short
 
@@ -41,14 +42,7 @@ def refuse_autocast_dependent_ops(gm: fx.GraphModule, device_type: str, dtype: t
 
     Guarantee: an op this lets through computes in the program what it computes under
     torch.autocast, as far as dtypes tell."""
-    for node in gm.graph.nodes:
-        # a graph's targets are overloads, which name their op without the arguments: only
-        # a user's custom op pays for the fake inputs
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        op = user_op(node.target, (), {})
-        if op is None:
-            continue
+    for node, op in user_op_calls(gm):  # only a user's op pays for the fake inputs
         args, kwargs = node_fake_inputs(node)
         if is_functional(op):
             with torch.autocast(device_type, dtype=dtype):
